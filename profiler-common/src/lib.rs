@@ -1,0 +1,231 @@
+//! Records that cross the BPF ring buffer, and the ids both sides agree on.
+//!
+//! Every record is `#[repr(C)]`, `Copy`, has no implicit padding (flags are
+//! `u32`, never `bool`) and starts with a [`RecordHeader`], whose `kind` tells
+//! the decoder which layout follows. Sizes are asserted at compile time so that
+//! a change on one side cannot silently desynchronise the other.
+#![no_std]
+
+/// What a ring-buffer record is. Stored as `u32` in [`RecordHeader::kind`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordKind {
+    /// A [`LaunchRecord`].
+    Launch = 1,
+    /// A [`StepRecord`] written at the step function's entry.
+    StepEnter = 2,
+    /// A [`StepRecord`] written at the step function's return.
+    StepExit = 3,
+}
+
+impl RecordKind {
+    pub fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            1 => Some(Self::Launch),
+            2 => Some(Self::StepEnter),
+            3 => Some(Self::StepExit),
+            _ => None,
+        }
+    }
+}
+
+/// The CUDA entry points that are probed. The discriminant is stored in
+/// [`LaunchRecord::api`] and in the `apis` table of the database.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LaunchApi {
+    CuLaunchKernel = 1,
+    CuLaunchKernelPtsz = 2,
+    CuLaunchKernelEx = 3,
+    CuLaunchKernelExPtsz = 4,
+    CuLaunchCooperativeKernel = 5,
+    CuLaunchCooperativeKernelPtsz = 6,
+    CuGraphLaunch = 7,
+    CuGraphLaunchPtsz = 8,
+    CudaLaunchKernel = 101,
+    CudaLaunchKernelPtsz = 102,
+    CudaLaunchKernelExC = 103,
+    CudaLaunchKernelExCPtsz = 104,
+    CudaLaunchCooperativeKernel = 105,
+    CudaLaunchCooperativeKernelPtsz = 106,
+    CudaGraphLaunch = 107,
+    CudaGraphLaunchPtsz = 108,
+}
+
+/// Which library exports an entry point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApiLayer {
+    /// `libcuda.so.1`, the driver API.
+    Driver,
+    /// `libcudart.so.*`, the runtime API.
+    Runtime,
+}
+
+impl LaunchApi {
+    pub const ALL: [LaunchApi; 16] = [
+        Self::CuLaunchKernel,
+        Self::CuLaunchKernelPtsz,
+        Self::CuLaunchKernelEx,
+        Self::CuLaunchKernelExPtsz,
+        Self::CuLaunchCooperativeKernel,
+        Self::CuLaunchCooperativeKernelPtsz,
+        Self::CuGraphLaunch,
+        Self::CuGraphLaunchPtsz,
+        Self::CudaLaunchKernel,
+        Self::CudaLaunchKernelPtsz,
+        Self::CudaLaunchKernelExC,
+        Self::CudaLaunchKernelExCPtsz,
+        Self::CudaLaunchCooperativeKernel,
+        Self::CudaLaunchCooperativeKernelPtsz,
+        Self::CudaGraphLaunch,
+        Self::CudaGraphLaunchPtsz,
+    ];
+
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Self::ALL.iter().copied().find(|a| *a as u32 == v)
+    }
+
+    /// The exported symbol name.
+    pub fn symbol(self) -> &'static str {
+        match self {
+            Self::CuLaunchKernel => "cuLaunchKernel",
+            Self::CuLaunchKernelPtsz => "cuLaunchKernel_ptsz",
+            Self::CuLaunchKernelEx => "cuLaunchKernelEx",
+            Self::CuLaunchKernelExPtsz => "cuLaunchKernelEx_ptsz",
+            Self::CuLaunchCooperativeKernel => "cuLaunchCooperativeKernel",
+            Self::CuLaunchCooperativeKernelPtsz => "cuLaunchCooperativeKernel_ptsz",
+            Self::CuGraphLaunch => "cuGraphLaunch",
+            Self::CuGraphLaunchPtsz => "cuGraphLaunch_ptsz",
+            Self::CudaLaunchKernel => "cudaLaunchKernel",
+            Self::CudaLaunchKernelPtsz => "cudaLaunchKernel_ptsz",
+            Self::CudaLaunchKernelExC => "cudaLaunchKernelExC",
+            Self::CudaLaunchKernelExCPtsz => "cudaLaunchKernelExC_ptsz",
+            Self::CudaLaunchCooperativeKernel => "cudaLaunchCooperativeKernel",
+            Self::CudaLaunchCooperativeKernelPtsz => "cudaLaunchCooperativeKernel_ptsz",
+            Self::CudaGraphLaunch => "cudaGraphLaunch",
+            Self::CudaGraphLaunchPtsz => "cudaGraphLaunch_ptsz",
+        }
+    }
+
+    /// The eBPF program that handles this entry point's argument layout
+    /// (see `profiler-ebpf`); the entry point itself travels as the attach cookie.
+    pub fn program(self) -> &'static str {
+        match self {
+            Self::CuLaunchKernel
+            | Self::CuLaunchKernelPtsz
+            | Self::CuLaunchCooperativeKernel
+            | Self::CuLaunchCooperativeKernelPtsz => "launch_driver_classic",
+            Self::CuLaunchKernelEx | Self::CuLaunchKernelExPtsz => "launch_driver_ex",
+            Self::CuGraphLaunch | Self::CuGraphLaunchPtsz => "launch_driver_graph",
+            Self::CudaLaunchKernel
+            | Self::CudaLaunchKernelPtsz
+            | Self::CudaLaunchCooperativeKernel
+            | Self::CudaLaunchCooperativeKernelPtsz => "launch_runtime_classic",
+            Self::CudaLaunchKernelExC | Self::CudaLaunchKernelExCPtsz => "launch_runtime_ex",
+            Self::CudaGraphLaunch | Self::CudaGraphLaunchPtsz => "launch_runtime_graph",
+        }
+    }
+
+    pub fn layer(self) -> ApiLayer {
+        if (self as u32) < 100 {
+            ApiLayer::Driver
+        } else {
+            ApiLayer::Runtime
+        }
+    }
+
+    /// Graph launches carry a graph-exec handle and no grid.
+    pub fn is_graph(self) -> bool {
+        matches!(
+            self,
+            Self::CuGraphLaunch
+                | Self::CuGraphLaunchPtsz
+                | Self::CudaGraphLaunch
+                | Self::CudaGraphLaunchPtsz
+        )
+    }
+}
+
+/// First field of every record.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RecordHeader {
+    /// A [`RecordKind`] as `u32`.
+    pub kind: u32,
+    /// Kernel thread id (`pid` in kernel terms) of the thread that fired.
+    pub tid: u32,
+    /// `bpf_ktime_get_ns()`: CLOCK_MONOTONIC nanoseconds.
+    pub ts_ns: u64,
+}
+
+/// One kernel or graph launch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct LaunchRecord {
+    pub header: RecordHeader,
+    /// A [`LaunchApi`] as `u32`.
+    pub api: u32,
+    /// Dynamic shared memory in bytes (0 for graph launches).
+    pub shared_mem_bytes: u32,
+    /// `CUfunction` (driver), the host stub address (runtime), or the graph-exec
+    /// handle (graph launches).
+    pub function: u64,
+    /// `CUstream` / `cudaStream_t` (0 is the legacy default stream).
+    pub stream: u64,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+}
+
+/// Entry or return of the step function.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct StepRecord {
+    pub header: RecordHeader,
+    /// Which step probe fired (index into the agent's list of step sources).
+    pub probe: u32,
+    pub _pad: u32,
+    /// Launches this thread had made when the probe fired (counted in the kernel,
+    /// so a step's launch count is exact even if launch records are dropped).
+    pub thread_launches: u64,
+}
+
+// The decoder reads these sizes; keep them in step with the eBPF side.
+const _: () = assert!(core::mem::size_of::<RecordHeader>() == 16);
+const _: () = assert!(core::mem::size_of::<LaunchRecord>() == 64);
+const _: () = assert!(core::mem::size_of::<StepRecord>() == 32);
+
+/// Names of the read-only globals the agent sets at load time.
+pub mod globals {
+    /// `u32`: the target's tgid (process id); every other process is ignored.
+    pub const TARGET_TGID: &str = "TARGET_TGID";
+    /// `u32`: 1 to write a [`super::LaunchRecord`] per launch, 0 to only count.
+    pub const EMIT_LAUNCHES: &str = "EMIT_LAUNCHES";
+}
+
+/// Names of the maps the agent reads.
+pub mod maps {
+    /// `RingBuf` carrying all records.
+    pub const EVENTS: &str = "EVENTS";
+    /// `PerCpuArray<u64>[1]`: ring-buffer reservations that failed.
+    pub const LOST: &str = "LOST";
+    /// `PerCpuArray<u64>[1]`: launches seen (counted once), kept or not.
+    pub const LAUNCHES: &str = "LAUNCHES";
+}
+
+/// Names of the programs that are not per launch layout.
+pub mod programs {
+    /// uretprobe on every runtime launch entry point.
+    pub const RUNTIME_RETURN: &str = "launch_runtime_return";
+    pub const STEP_ENTER: &str = "step_enter";
+    pub const STEP_EXIT: &str = "step_exit";
+    /// An empty uprobe: the benchmark's floor.
+    pub const BARE: &str = "bare_probe";
+}
+
+#[cfg(feature = "user")]
+mod user {
+    // SAFETY: plain-old-data: `#[repr(C)]`, no padding, every bit pattern valid.
+    unsafe impl aya::Pod for super::LaunchRecord {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::StepRecord {}
+}

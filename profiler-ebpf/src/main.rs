@@ -1,0 +1,342 @@
+//! The profiler's eBPF programs: entry probes on the CUDA launch entry points
+//! and entry/return probes on the step function, all filtered on one tgid.
+//!
+//! The kernel side only filters, timestamps, copies arguments and submits; the
+//! one piece of aggregation it does is a per-thread launch counter, which makes
+//! each step's launch count exact even when launch records are not kept
+//! (`--launches count`) or the ring buffer overflows.
+//!
+//! One program serves each argument layout; the entry point it is attached to
+//! travels as the attach cookie (a `LaunchApi` id, kernel >= 5.15).
+#![no_std]
+#![no_main]
+
+use aya_ebpf::{
+    EbpfContext,
+    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, generated::bpf_get_attach_cookie},
+    macros::{map, uprobe, uretprobe},
+    maps::{HashMap, PerCpuArray, RingBuf},
+    programs::{ProbeContext, RetProbeContext},
+};
+use profiler_common::{LaunchRecord, RecordHeader, RecordKind, StepRecord};
+
+/// Set by the agent before load (`EbpfLoader::set_global`). Read with
+/// `read_volatile` so that the compiler does not fold the initial value in.
+/// bpf_probe_read_user and bpf_get_attach_cookie are GPL-only helpers.
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
+
+#[unsafe(no_mangle)]
+static TARGET_TGID: u32 = 0;
+#[unsafe(no_mangle)]
+static EMIT_LAUNCHES: u32 = 1;
+
+/// 32 MiB: at 64 bytes a launch this holds ~500 000 launches, several hundred
+/// milliseconds of a launch-bound loop, while the agent drains it in batches.
+#[map]
+static EVENTS: RingBuf = RingBuf::with_byte_size(32 * 1024 * 1024, 0);
+
+/// Ring-buffer reservations that failed (records lost), per CPU.
+#[map]
+static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Launches seen (each counted once), per CPU.
+#[map]
+static LAUNCHES: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Launches made so far, per thread of the target. Only the owning thread
+/// writes its entry, so a plain read-modify-write is race free.
+#[map]
+static THREAD_LAUNCHES: HashMap<u32, u64> = HashMap::with_max_entries(65536, 0);
+
+/// Threads currently inside a runtime-API launch. The runtime reaches the
+/// driver's exported entry points, whose probes must not count that launch twice.
+#[map]
+static IN_RUNTIME_LAUNCH: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
+
+#[inline(always)]
+fn target_tid() -> Option<u32> {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    // SAFETY: a plain read of a global the loader patched.
+    let target = unsafe { core::ptr::read_volatile(&TARGET_TGID) };
+    if (pid_tgid >> 32) as u32 == target { Some(pid_tgid as u32) } else { None }
+}
+
+#[inline(always)]
+fn bump(counter: &PerCpuArray<u64>) {
+    if let Some(p) = counter.get_ptr_mut(0) {
+        // SAFETY: per-CPU slot; BPF programs do not migrate while running.
+        unsafe { *p += 1 };
+    }
+}
+
+#[inline(always)]
+fn cookie(ctx: &ProbeContext) -> u32 {
+    // SAFETY: the helper only reads the attach cookie of the running program.
+    unsafe { bpf_get_attach_cookie(ctx.as_ptr()) as u32 }
+}
+
+/// Reads the `n`th 8-byte stack slot above the return address (the 7th, 8th, …
+/// integer argument under the System V x86-64 ABI, at function entry).
+#[inline(always)]
+fn stack_arg(ctx: &ProbeContext, n: u64) -> u64 {
+    // SAFETY: `regs` is the kernel-provided pt_regs of this probe.
+    let sp = unsafe { (*ctx.regs).rsp };
+    // SAFETY: bpf_probe_read_user tolerates any address.
+    unsafe { bpf_probe_read_user((sp + 8 * (n + 1)) as *const u64) }.unwrap_or(0)
+}
+
+/// Counts the launch for its thread; returns the updated per-thread count.
+#[inline(always)]
+fn count_launch(tid: u32) {
+    bump(&LAUNCHES);
+    match THREAD_LAUNCHES.get_ptr_mut(tid) {
+        // SAFETY: only this thread writes its own entry.
+        Some(p) => unsafe { *p += 1 },
+        None => {
+            let _ = THREAD_LAUNCHES.insert(tid, 1u64, 0);
+        }
+    }
+}
+
+struct Launch {
+    function: u64,
+    stream: u64,
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared_mem_bytes: u32,
+}
+
+#[inline(always)]
+fn emit_launch(tid: u32, api: u32, l: Launch) {
+    count_launch(tid);
+    // SAFETY: plain read of a loader-set global.
+    if unsafe { core::ptr::read_volatile(&EMIT_LAUNCHES) } == 0 {
+        return;
+    }
+    match EVENTS.reserve::<LaunchRecord>(0) {
+        Some(mut entry) => {
+            entry.write(LaunchRecord {
+                header: RecordHeader { kind: RecordKind::Launch as u32, tid, ts_ns: unsafe { bpf_ktime_get_ns() } },
+                api,
+                shared_mem_bytes: l.shared_mem_bytes,
+                function: l.function,
+                stream: l.stream,
+                grid: l.grid,
+                block: l.block,
+            });
+            entry.submit(0);
+        }
+        None => bump(&LOST),
+    }
+}
+
+#[inline(always)]
+fn in_runtime_launch(tid: u32) -> bool {
+    // SAFETY: the value is not used, only its presence.
+    unsafe { IN_RUNTIME_LAUNCH.get(tid) }.is_some()
+}
+
+#[inline(always)]
+fn reg(ctx: &ProbeContext, n: usize) -> u64 {
+    ctx.arg::<u64>(n).unwrap_or(0)
+}
+
+/// `CUresult cuLaunchKernel(CUfunction f, unsigned gridX, gridY, gridZ,
+/// blockX, blockY, blockZ, unsigned sharedMemBytes, CUstream hStream, void
+/// **kernelParams, void **extra)` and `cuLaunchCooperativeKernel` (same up to
+/// `kernelParams`): six register arguments, then blockZ, sharedMemBytes and
+/// hStream on the stack.
+#[uprobe]
+pub fn launch_driver_classic(ctx: ProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    if in_runtime_launch(tid) {
+        return 0;
+    }
+    let l = Launch {
+        function: reg(&ctx, 0),
+        grid: [reg(&ctx, 1) as u32, reg(&ctx, 2) as u32, reg(&ctx, 3) as u32],
+        block: [reg(&ctx, 4) as u32, reg(&ctx, 5) as u32, stack_arg(&ctx, 0) as u32],
+        shared_mem_bytes: stack_arg(&ctx, 1) as u32,
+        stream: stack_arg(&ctx, 2),
+    };
+    emit_launch(tid, cookie(&ctx), l);
+    0
+}
+
+/// `CUlaunchConfig`: gridDimX..blockDimZ, sharedMemBytes (7 × u32), then
+/// `CUstream hStream` at offset 32.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CuLaunchConfig {
+    dims: [u32; 6],
+    shared_mem_bytes: u32,
+    _pad: u32,
+    stream: u64,
+}
+
+/// `CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f,
+/// void **kernelParams, void **extra)`.
+#[uprobe]
+pub fn launch_driver_ex(ctx: ProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    if in_runtime_launch(tid) {
+        return 0;
+    }
+    // SAFETY: bpf_probe_read_user tolerates any address.
+    let cfg = unsafe { bpf_probe_read_user(reg(&ctx, 0) as *const CuLaunchConfig) }.ok();
+    let l = match cfg {
+        Some(c) => Launch {
+            function: reg(&ctx, 1),
+            grid: [c.dims[0], c.dims[1], c.dims[2]],
+            block: [c.dims[3], c.dims[4], c.dims[5]],
+            shared_mem_bytes: c.shared_mem_bytes,
+            stream: c.stream,
+        },
+        None => Launch { function: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0, stream: 0 },
+    };
+    emit_launch(tid, cookie(&ctx), l);
+    0
+}
+
+/// `CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)`.
+#[uprobe]
+pub fn launch_driver_graph(ctx: ProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    if in_runtime_launch(tid) {
+        return 0;
+    }
+    let l = Launch { function: reg(&ctx, 0), stream: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0 };
+    emit_launch(tid, cookie(&ctx), l);
+    0
+}
+
+#[inline(always)]
+fn enter_runtime_launch(tid: u32) {
+    let _ = IN_RUNTIME_LAUNCH.insert(tid, 1u32, 0);
+}
+
+/// `cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3
+/// blockDim, void **args, size_t sharedMem, cudaStream_t stream)` and
+/// `cudaLaunchCooperativeKernel` (same). A `dim3` (12 bytes) is passed in two
+/// registers: x | y << 32, then z.
+#[uprobe]
+pub fn launch_runtime_classic(ctx: ProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    enter_runtime_launch(tid);
+    let (g, gz, b, bz) = (reg(&ctx, 1), reg(&ctx, 2), reg(&ctx, 3), reg(&ctx, 4));
+    let l = Launch {
+        function: reg(&ctx, 0),
+        grid: [g as u32, (g >> 32) as u32, gz as u32],
+        block: [b as u32, (b >> 32) as u32, bz as u32],
+        shared_mem_bytes: stack_arg(&ctx, 0) as u32,
+        stream: stack_arg(&ctx, 1),
+    };
+    emit_launch(tid, cookie(&ctx), l);
+    0
+}
+
+/// `cudaLaunchConfig_t`: dim3 gridDim, dim3 blockDim, size_t dynamicSmemBytes
+/// (offset 24), cudaStream_t stream (offset 32).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CudaLaunchConfig {
+    dims: [u32; 6],
+    dynamic_smem_bytes: u64,
+    stream: u64,
+}
+
+/// `cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const
+/// void *func, void **args)`.
+#[uprobe]
+pub fn launch_runtime_ex(ctx: ProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    enter_runtime_launch(tid);
+    // SAFETY: bpf_probe_read_user tolerates any address.
+    let cfg = unsafe { bpf_probe_read_user(reg(&ctx, 0) as *const CudaLaunchConfig) }.ok();
+    let l = match cfg {
+        Some(c) => Launch {
+            function: reg(&ctx, 1),
+            grid: [c.dims[0], c.dims[1], c.dims[2]],
+            block: [c.dims[3], c.dims[4], c.dims[5]],
+            shared_mem_bytes: c.dynamic_smem_bytes as u32,
+            stream: c.stream,
+        },
+        None => Launch { function: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0, stream: 0 },
+    };
+    emit_launch(tid, cookie(&ctx), l);
+    0
+}
+
+/// `cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream)`.
+#[uprobe]
+pub fn launch_runtime_graph(ctx: ProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    enter_runtime_launch(tid);
+    let l = Launch { function: reg(&ctx, 0), stream: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0 };
+    emit_launch(tid, cookie(&ctx), l);
+    0
+}
+
+/// Return of any runtime launch entry point: the thread may launch through the
+/// driver directly again.
+#[uretprobe]
+pub fn launch_runtime_return(_ctx: RetProbeContext) -> u32 {
+    if let Some(tid) = target_tid() {
+        let _ = IN_RUNTIME_LAUNCH.remove(tid);
+    }
+    0
+}
+
+#[inline(always)]
+fn emit_step(tid: u32, kind: RecordKind, probe: u32) {
+    // SAFETY: the value is only read.
+    let thread_launches = unsafe { THREAD_LAUNCHES.get(tid) }.copied().unwrap_or(0);
+    match EVENTS.reserve::<StepRecord>(0) {
+        Some(mut entry) => {
+            entry.write(StepRecord {
+                header: RecordHeader { kind: kind as u32, tid, ts_ns: unsafe { bpf_ktime_get_ns() } },
+                probe,
+                _pad: 0,
+                thread_launches,
+            });
+            entry.submit(0);
+        }
+        None => bump(&LOST),
+    }
+}
+
+/// Entry of the step function. Nesting is resolved in user space, which sees
+/// every entry and return in per-thread order.
+#[uprobe]
+pub fn step_enter(ctx: ProbeContext) -> u32 {
+    if let Some(tid) = target_tid() {
+        emit_step(tid, RecordKind::StepEnter, cookie(&ctx));
+    }
+    0
+}
+
+/// Return of the step function. The kernel drops uretprobes nested deeper than
+/// 64 frames (MAX_URETPROBE_DEPTH); recursion that deep loses the returns.
+#[uretprobe]
+pub fn step_exit(ctx: RetProbeContext) -> u32 {
+    if let Some(tid) = target_tid() {
+        // SAFETY: the helper only reads the attach cookie of the running program.
+        let probe = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+        emit_step(tid, RecordKind::StepExit, probe);
+    }
+    0
+}
+
+/// Does nothing: the benchmark's floor, the cost of a bare uprobe.
+#[uprobe]
+pub fn bare_probe(_ctx: ProbeContext) -> u32 {
+    0
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}

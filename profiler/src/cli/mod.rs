@@ -1,0 +1,120 @@
+//! Command-line interface: one file per subcommand; this file holds the
+//! options they share and turns them into the engine's own config.
+mod attach;
+mod bare_probe;
+mod run;
+
+use std::{path::PathBuf, process::ExitCode, time::Duration};
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::{
+    probes::step_symbol::StepSymbolSpec,
+    session::{LaunchMode, SessionConfig},
+};
+
+#[derive(Parser, Debug)]
+#[command(name = "profiler", version, about = "Where do my training steps' time go? eBPF CUDA launch and step tracer.")]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Attach to a running process and trace it until Ctrl-C, --duration, or its exit.
+    Attach(attach::AttachArgs),
+    /// Start a command and trace it from its first instruction.
+    Run(run::RunArgs),
+    /// Benchmark helper: attach an empty uprobe to LIBRARY:SYMBOL in PID until SIGINT/SIGTERM.
+    #[command(hide = true)]
+    BareProbe(bare_probe::BareProbeArgs),
+}
+
+/// Options shared by `attach` and `run`.
+#[derive(Args, Debug, Clone)]
+pub struct TraceArgs {
+    /// SQLite file to write; an existing profile gets a new session.
+    #[arg(short, long, default_value = "profile.db")]
+    output: PathBuf,
+    /// The training step function: SYMBOL (searched in the executable, then in
+    /// its mapped libraries; C++/Rust names may be given demangled) or FILE:SYMBOL.
+    #[arg(long, value_name = "[FILE:]SYMBOL")]
+    step_symbol: Option<String>,
+    /// Keep a row per launch (`all`), or only per-step counts (`count`).
+    #[arg(long, value_enum, default_value_t = LaunchMode::All)]
+    launches: LaunchMode,
+    /// Stop tracing after this many seconds.
+    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
+    duration: Option<Duration>,
+    /// How often to look for newly loaded CUDA libraries, in ms.
+    #[arg(long, value_name = "MS", default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    maps_interval: u64,
+    /// Print only errors and warnings.
+    #[arg(short, long)]
+    quiet: bool,
+}
+
+fn parse_secs(s: &str) -> Result<Duration, String> {
+    let v: f64 = s.parse().map_err(|_| format!("'{s}' is not a number of seconds"))?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(format!("'{s}' is not a non-negative number of seconds"));
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+impl TraceArgs {
+    fn into_config(self) -> SessionConfig {
+        SessionConfig {
+            output: self.output,
+            step: self.step_symbol.as_deref().map(StepSymbolSpec::parse),
+            launch_mode: self.launches,
+            duration: self.duration,
+            maps_interval: Duration::from_millis(self.maps_interval),
+            quiet: self.quiet,
+        }
+    }
+}
+
+pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Attach(a) => attach::main(a).await,
+        Command::Run(a) => run::main(a).await,
+        Command::BareProbe(a) => bare_probe::main(a).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_attach_flags() {
+        let cli = Cli::try_parse_from([
+            "profiler", "attach", "42", "-o", "x.db", "--step-symbol", "lib.so:step", "--launches", "count", "--duration", "1.5",
+        ])
+        .expect("parses");
+        let Command::Attach(a) = cli.command else { panic!("attach expected") };
+        assert_eq!(a.pid, 42);
+        let c = a.trace.into_config();
+        assert_eq!(c.output, PathBuf::from("x.db"));
+        assert_eq!(c.launch_mode, LaunchMode::Count);
+        assert_eq!(c.duration, Some(Duration::from_millis(1500)));
+        assert_eq!(c.step, Some(StepSymbolSpec { file: Some("lib.so".into()), symbol: "step".into() }));
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        assert!(Cli::try_parse_from(["profiler", "attach", "notapid"]).is_err());
+        assert!(Cli::try_parse_from(["profiler", "attach", "1", "--duration", "-1"]).is_err());
+        assert!(Cli::try_parse_from(["profiler", "attach", "1", "--launches", "some"]).is_err());
+        assert!(Cli::try_parse_from(["profiler", "run"]).is_err());
+    }
+
+    #[test]
+    fn run_takes_the_command_after_dashes() {
+        let cli = Cli::try_parse_from(["profiler", "run", "--launches", "count", "--", "trainer", "--steps", "3"]).expect("parses");
+        let Command::Run(r) = cli.command else { panic!("run expected") };
+        assert_eq!(r.command, vec!["trainer", "--steps", "3"]);
+    }
+}

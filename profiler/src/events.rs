@@ -1,0 +1,162 @@
+//! Decoding of ring-buffer records into typed events.
+use profiler_common::{LaunchApi, LaunchRecord, RecordHeader, RecordKind, StepRecord};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchEvent {
+    pub ts_ns: u64,
+    pub tid: u32,
+    pub api: LaunchApi,
+    pub function: u64,
+    pub stream: u64,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_mem_bytes: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepEvent {
+    pub ts_ns: u64,
+    pub tid: u32,
+    pub probe: u32,
+    /// The thread's launch count when the probe fired.
+    pub thread_launches: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    Launch(LaunchEvent),
+    StepEnter(StepEvent),
+    StepExit(StepEvent),
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("record of {0} bytes is shorter than its header")]
+    Short(usize),
+    #[error("record of kind {kind} has {len} bytes, expected {expected}")]
+    Length { kind: u32, len: usize, expected: usize },
+    #[error("unknown record kind {0}")]
+    Kind(u32),
+    #[error("unknown launch entry point id {0}")]
+    Api(u32),
+}
+
+fn read<T: Copy>(bytes: &[u8]) -> T {
+    debug_assert!(bytes.len() >= std::mem::size_of::<T>());
+    // SAFETY: callers check the length; T is a #[repr(C)] plain-old-data record
+    // from profiler-common, valid for any bit pattern; read_unaligned copes with
+    // the ring buffer's 8-byte (not T-) alignment.
+    unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) }
+}
+
+fn exact<T>(bytes: &[u8], kind: u32) -> Result<(), DecodeError> {
+    let expected = std::mem::size_of::<T>();
+    if bytes.len() < expected {
+        return Err(DecodeError::Length { kind, len: bytes.len(), expected });
+    }
+    Ok(())
+}
+
+/// Decodes one record.
+pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
+    if bytes.len() < std::mem::size_of::<RecordHeader>() {
+        return Err(DecodeError::Short(bytes.len()));
+    }
+    let header: RecordHeader = read(bytes);
+    match RecordKind::from_u32(header.kind) {
+        Some(RecordKind::Launch) => {
+            exact::<LaunchRecord>(bytes, header.kind)?;
+            let r: LaunchRecord = read(bytes);
+            let api = LaunchApi::from_u32(r.api).ok_or(DecodeError::Api(r.api))?;
+            Ok(Event::Launch(LaunchEvent {
+                ts_ns: header.ts_ns,
+                tid: header.tid,
+                api,
+                function: r.function,
+                stream: r.stream,
+                grid: r.grid,
+                block: r.block,
+                shared_mem_bytes: r.shared_mem_bytes,
+            }))
+        }
+        Some(kind @ (RecordKind::StepEnter | RecordKind::StepExit)) => {
+            exact::<StepRecord>(bytes, header.kind)?;
+            let r: StepRecord = read(bytes);
+            let e = StepEvent { ts_ns: header.ts_ns, tid: header.tid, probe: r.probe, thread_launches: r.thread_launches };
+            Ok(if kind == RecordKind::StepEnter { Event::StepEnter(e) } else { Event::StepExit(e) })
+        }
+        None => Err(DecodeError::Kind(header.kind)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes_of<T>(v: &T) -> Vec<u8> {
+        // SAFETY: test-only view of a padding-free #[repr(C)] record.
+        unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }.to_vec()
+    }
+
+    #[test]
+    fn decodes_launch() {
+        let r = LaunchRecord {
+            header: RecordHeader { kind: RecordKind::Launch as u32, tid: 7, ts_ns: 123 },
+            api: LaunchApi::CuLaunchKernelEx as u32,
+            shared_mem_bytes: 4096,
+            function: 0xdead,
+            stream: 0xbeef,
+            grid: [1, 2, 3],
+            block: [4, 5, 6],
+        };
+        let e = decode(&bytes_of(&r)).expect("decodes");
+        assert_eq!(
+            e,
+            Event::Launch(LaunchEvent {
+                ts_ns: 123,
+                tid: 7,
+                api: LaunchApi::CuLaunchKernelEx,
+                function: 0xdead,
+                stream: 0xbeef,
+                grid: [1, 2, 3],
+                block: [4, 5, 6],
+                shared_mem_bytes: 4096
+            })
+        );
+    }
+
+    #[test]
+    fn decodes_step_records_at_odd_alignment() {
+        let r = StepRecord {
+            header: RecordHeader { kind: RecordKind::StepExit as u32, tid: 9, ts_ns: 55 },
+            probe: 2,
+            _pad: 0,
+            thread_launches: 1000,
+        };
+        let mut buf = vec![0u8];
+        buf.extend(bytes_of(&r));
+        let e = decode(&buf[1..]).expect("decodes");
+        assert_eq!(e, Event::StepExit(StepEvent { ts_ns: 55, tid: 9, probe: 2, thread_launches: 1000 }));
+    }
+
+    #[test]
+    fn rejects_bad_records() {
+        assert_eq!(decode(&[0u8; 4]), Err(DecodeError::Short(4)));
+        let mut h = bytes_of(&RecordHeader { kind: 99, tid: 1, ts_ns: 1 });
+        assert_eq!(decode(&h), Err(DecodeError::Kind(99)));
+        h = bytes_of(&RecordHeader { kind: RecordKind::Launch as u32, tid: 1, ts_ns: 1 });
+        assert_eq!(decode(&h), Err(DecodeError::Length { kind: 1, len: 16, expected: 64 }));
+        let mut r = LaunchRecord {
+            header: RecordHeader { kind: RecordKind::Launch as u32, tid: 7, ts_ns: 123 },
+            api: 55,
+            shared_mem_bytes: 0,
+            function: 0,
+            stream: 0,
+            grid: [0; 3],
+            block: [0; 3],
+        };
+        assert_eq!(decode(&bytes_of(&r)), Err(DecodeError::Api(55)));
+        r.api = LaunchApi::CudaGraphLaunchPtsz as u32;
+        assert!(decode(&bytes_of(&r)).is_ok());
+    }
+}

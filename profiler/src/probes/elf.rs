@@ -1,0 +1,154 @@
+//! Function symbols of an ELF file, with the file offsets a uprobe needs.
+//!
+//! No I/O here: callers hand in the file's bytes, so tests run on fixtures.
+use object::{Object, ObjectSegment, ObjectSymbol, SymbolKind};
+
+/// A defined function symbol.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FunctionSymbol {
+    /// The symbol as stored (mangled, without any `@VERSION` suffix).
+    pub name: String,
+    /// Virtual address in the ELF file's own address space.
+    pub address: u64,
+    /// Offset in the file: what the uprobe PMU takes.
+    pub file_offset: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ElfError {
+    /// The bytes are not an ELF object `object` can read.
+    #[error("not a readable ELF file: {0}")]
+    Parse(#[from] object::Error),
+}
+
+/// Every defined function symbol of `data` (`.symtab` and `.dynsym`), with its
+/// file offset. Symbols outside any loadable segment are skipped.
+pub fn function_symbols(data: &[u8]) -> Result<Vec<FunctionSymbol>, ElfError> {
+    let file = object::File::parse(data)?;
+    let segments: Vec<(u64, u64, u64)> = file
+        .segments()
+        .map(|s| (s.address(), s.size(), s.file_range().0))
+        .collect();
+    let mut out: Vec<FunctionSymbol> = Vec::new();
+    for sym in file.symbols().chain(file.dynamic_symbols()) {
+        if sym.kind() != SymbolKind::Text || sym.is_undefined() || sym.address() == 0 {
+            continue;
+        }
+        let Ok(name) = sym.name() else { continue };
+        let name = name.split('@').next().unwrap_or(name);
+        let address = sym.address();
+        let Some(&(seg_addr, _, seg_off)) = segments
+            .iter()
+            .find(|(a, size, _)| address >= *a && address < a + size)
+        else {
+            continue;
+        };
+        out.push(FunctionSymbol { name: name.to_owned(), address, file_offset: address - seg_addr + seg_off });
+    }
+    out.sort_by(|a, b| (a.name.as_str(), a.address).cmp(&(b.name.as_str(), b.address)));
+    out.dedup_by(|a, b| a.name == b.name && a.address == b.address);
+    Ok(out)
+}
+
+/// A human-readable name: C++ and Rust symbols demangled without parameters
+/// or hash, anything else as is.
+pub fn demangled(name: &str) -> String {
+    // Rust first: legacy Rust symbols are also valid Itanium C++ names, and the
+    // C++ demangler would keep the hash.
+    if let Ok(d) = rustc_demangle::try_demangle(name) {
+        return format!("{d:#}");
+    }
+    if let Ok(sym) = cpp_demangle::Symbol::new(name)
+        && let Ok(s) = sym.demangle(&cpp_demangle::DemangleOptions::new().no_params().no_return_type())
+    {
+        return s;
+    }
+    name.to_owned()
+}
+
+/// Whether `sym` is what a user means by `query`: the exact symbol, or a
+/// demangled name equal to it or ending in `::query`.
+pub fn matches(sym: &str, query: &str) -> bool {
+    if sym == query {
+        return true;
+    }
+    let d = demangled(sym);
+    d == query || d.strip_suffix(query).is_some_and(|rest| rest.ends_with("::"))
+}
+
+/// Up to `limit` names close to `query` (by edit distance on the demangled
+/// name, or containing it), best first.
+pub fn near_matches<'a>(query: &str, names: impl Iterator<Item = &'a str>, limit: usize) -> Vec<String> {
+    let mut scored: Vec<(f64, String)> = names
+        .map(|n| {
+            let d = demangled(n);
+            let short = d.rsplit("::").next().unwrap_or(&d).to_owned();
+            let mut score = strsim::jaro_winkler(query, &short).max(strsim::jaro_winkler(query, &d));
+            if short.contains(query) || query.contains(short.as_str()) {
+                score = score.max(0.9);
+            }
+            (score, d)
+        })
+        .filter(|(s, _)| *s >= 0.8)
+        .collect();
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    scored.dedup_by(|a, b| a.1 == b.1);
+    scored.into_iter().take(limit).map(|(_, n)| n).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_own_test_binary_symbols_with_consistent_offsets() {
+        let exe = std::env::current_exe().expect("current exe");
+        let data = std::fs::read(exe).expect("read exe");
+        let syms = function_symbols(&data).expect("parse");
+        let main = syms.iter().find(|s| s.name == "main").expect("main is defined");
+        // The bytes at the computed file offset are the bytes the loader maps
+        // at the symbol's address: check via the section that holds it.
+        let file = object::File::parse(&*data).expect("parse");
+        let section = file
+            .sections()
+            .find(|s| {
+                use object::ObjectSection;
+                main.address >= s.address() && main.address < s.address() + s.size()
+            })
+            .expect("a section holds main");
+        use object::ObjectSection;
+        let (sec_off, _) = section.file_range().expect("in file");
+        assert_eq!(main.file_offset, main.address - section.address() + sec_off);
+    }
+
+    #[test]
+    fn demangles_cpp_and_rust() {
+        assert_eq!(demangled("_Z10train_stepi"), "train_step");
+        assert_eq!(demangled("_ZN7Trainer4stepEv"), "Trainer::step");
+        assert_eq!(demangled("_ZN5myapp10train_step17h0123456789abcdefE"), "myapp::train_step");
+        assert_eq!(demangled("train_step"), "train_step");
+    }
+
+    #[test]
+    fn matches_exact_and_demangled_names() {
+        assert!(matches("train_step", "train_step"));
+        assert!(matches("_Z10train_stepi", "train_step"));
+        assert!(matches("_ZN7Trainer4stepEv", "step"));
+        assert!(matches("_ZN7Trainer4stepEv", "Trainer::step"));
+        assert!(!matches("_Z11xtrain_stepi", "train_step"));
+        assert!(!matches("train_steps", "train_step"));
+    }
+
+    #[test]
+    fn near_matches_rank_typos_first_and_drop_unrelated() {
+        let names = ["train_step", "validate", "train_epoch", "main", "_Z10train_stepi"];
+        let got = near_matches("trian_step", names.iter().copied(), 3);
+        assert_eq!(got.first().map(String::as_str), Some("train_step"));
+        assert!(!got.iter().any(|n| n == "main"));
+    }
+
+    #[test]
+    fn garbage_is_an_error() {
+        assert!(function_symbols(b"not an elf").is_err());
+    }
+}

@@ -1,0 +1,555 @@
+//! One profiling session: checks, attach, the event loop, and the flush.
+//!
+//! Data flows one way: ring buffer → decode → step tracking → batches → the
+//! store's writer thread. Nothing here touches SQLite directly.
+use std::{
+    collections::HashSet,
+    num::NonZeroU32,
+    os::fd::{FromRawFd, OwnedFd},
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{Context, bail};
+use aya::maps::{MapData, RingBuf};
+use tokio::{
+    io::unix::AsyncFd,
+    signal::unix::{SignalKind, signal},
+};
+
+use crate::{
+    clock,
+    events::{self, Event},
+    privileges,
+    probes::{
+        self, Probes,
+        maps::{self, LibraryKind},
+        step_symbol::{self, StepSymbolSpec},
+    },
+    steps::StepTracker,
+    store::{LaunchRow, LibraryRow, SessionEnd, SessionStart, StepRow, Store, StoreMsg, StoreWriter},
+};
+
+/// Whether every launch gets a row, or only per-step counts are kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LaunchMode {
+    /// One row per launch in `launches` (about 60 bytes each on disk).
+    All,
+    /// Only `steps.launches` and the session total; no `launches` rows.
+    Count,
+}
+
+impl LaunchMode {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::All => "all",
+            Self::Count => "count",
+        }
+    }
+}
+
+/// Everything a session needs, validated by the CLI layer.
+#[derive(Clone, Debug)]
+pub struct SessionConfig {
+    pub output: PathBuf,
+    pub step: Option<StepSymbolSpec>,
+    pub launch_mode: LaunchMode,
+    pub duration: Option<Duration>,
+    pub maps_interval: Duration,
+    pub quiet: bool,
+}
+
+/// A process started by `profiler run`, held before `exec` until the probes are in.
+pub struct LaunchedChild {
+    pub child: tokio::process::Child,
+    /// Writing a byte here lets the child `exec`.
+    pub release: OwnedFd,
+    /// The program it will exec (its step symbol is searched here).
+    pub exe: PathBuf,
+    pub command: String,
+}
+
+pub enum Target {
+    Attach(u32),
+    Run(LaunchedChild),
+}
+
+/// What the user is told at the end.
+#[derive(Debug)]
+pub struct Summary {
+    /// The `run` command's exit status, when it exited.
+    pub exit_code: Option<i32>,
+}
+
+macro_rules! say {
+    ($quiet:expr, $($arg:tt)*) => {
+        if !$quiet { eprintln!("profiler: {}", format!($($arg)*)); }
+    };
+}
+
+fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
+    // SAFETY: plain syscall; on success the returned fd is ours.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh fd returned by the kernel.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+fn command_line(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| {
+            b.split(|c| *c == 0)
+                .filter(|s| !s.is_empty())
+                .map(|s| String::from_utf8_lossy(s).into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default()
+}
+
+fn ldconfig_cache() -> String {
+    ["/sbin/ldconfig", "/usr/sbin/ldconfig", "ldconfig"]
+        .iter()
+        .find_map(|p| std::process::Command::new(p).arg("-p").output().ok())
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
+
+fn target_env(pid: u32, key: &str) -> Option<String> {
+    let raw = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    raw.split(|c| *c == 0).find_map(|kv| {
+        let kv = String::from_utf8_lossy(kv);
+        kv.strip_prefix(&format!("{key}=")).map(str::to_owned)
+    })
+}
+
+fn open_file(path: &Path) -> Option<memmap2::Mmap> {
+    let f = std::fs::File::open(path).ok()?;
+    // SAFETY: read-only private mapping of a file we only read; a concurrent
+    // truncation could fault, which executable files in use do not see.
+    unsafe { memmap2::Mmap::map(&f) }.ok()
+}
+
+/// Runs a whole session. Errors before the session row exists are the user's
+/// one-line errors; after that, everything collected is flushed whatever happens.
+pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summary> {
+    let (pid, mut child, exe, command, mode) = match target {
+        Target::Attach(pid) => {
+            let process = procfs::process::Process::new(pid as i32)
+                .map_err(|_| anyhow::anyhow!("no process with PID {pid}: check the PID (ps -p {pid})"))?;
+            privileges::check().map_err(anyhow::Error::msg)?;
+            let exe = process.exe().with_context(|| format!("cannot read /proc/{pid}/exe"))?;
+            (pid, None, exe, command_line(pid), "attach")
+        }
+        Target::Run(c) => {
+            let pid = c.child.id().context("the command exited before it could be profiled")?;
+            (pid, Some((c.child, c.release)), c.exe, c.command, "run")
+        }
+    };
+    let nz_pid = NonZeroU32::new(pid).context("PID 0 cannot be profiled")?;
+
+    let store = Store::open(&cfg.output)?;
+
+    // The step function, before anything is attached: a typo costs nothing.
+    let resolved_step = match &cfg.step {
+        None => None,
+        Some(spec) => {
+            let mut candidates = vec![exe.clone()];
+            if mode == "attach" {
+                let maps = procfs::process::Process::new(pid as i32).and_then(|p| p.maps()).with_context(|| format!("cannot read /proc/{pid}/maps"))?;
+                candidates.extend(maps::mapped_files(&maps).into_iter().map(|f| f.path).filter(|p| *p != exe));
+            }
+            let r = step_symbol::resolve(spec, &candidates, |p| {
+                if p.is_relative() { open_file(p) } else { open_file(&probes::in_target_root(pid, p)).or_else(|| open_file(p)) }
+            })?;
+            Some(r)
+        }
+    };
+
+    let (mut probes, ring) = Probes::load(nz_pid, cfg.launch_mode == LaunchMode::All)?;
+    let mut libraries: Vec<LibraryRow> = Vec::new();
+    if let Some(step) = &resolved_step {
+        let visible = if step.path.is_relative() { step.path.clone() } else { probes::in_target_root(pid, &step.path) };
+        let visible = if visible.exists() { visible } else { step.path.clone() };
+        probes.attach_step(&visible, step.file_offset, 0)?;
+        libraries.push(LibraryRow {
+            path: step.path.display().to_string(),
+            kind: "step".into(),
+            attached_ns: clock::monotonic_ns(),
+            probes: 2,
+            how: format!("symbol {} at file offset {:#x}", step.symbol, step.file_offset),
+        });
+        say!(cfg.quiet, "step function {} in {}", step.symbol, step.path.display());
+    }
+
+    let mut watcher = LibraryWatcher { pid, seen: HashSet::new() };
+    if mode == "attach" {
+        watcher.scan(&mut probes, &mut libraries, cfg.quiet);
+    }
+    // Probe the driver library where the target would find it, before it loads
+    // it: PyTorch initialises CUDA lazily, and the first launches follow at once.
+    let ld_path = if mode == "attach" { target_env(pid, "LD_LIBRARY_PATH") } else { std::env::var("LD_LIBRARY_PATH").ok() };
+    for cand in maps::driver_candidates(ld_path.as_deref(), &ldconfig_cache()) {
+        let visible = probes::in_target_root(pid, &cand);
+        if !visible.is_file() || probes.is_probed(&visible) {
+            continue;
+        }
+        match probes.attach_cuda_library(LibraryKind::Driver, &visible) {
+            Ok(0) => {}
+            Ok(n) => {
+                watcher.seen.insert(cand.clone());
+                libraries.push(LibraryRow {
+                    path: cand.display().to_string(),
+                    kind: LibraryKind::Driver.as_str().into(),
+                    attached_ns: clock::monotonic_ns(),
+                    probes: n,
+                    how: "predicted".into(),
+                });
+            }
+            Err(e) => log::warn!("could not probe {}: {e}", cand.display()),
+        }
+    }
+    if !libraries.iter().any(|l| l.kind == "driver" || l.kind == "runtime") {
+        say!(cfg.quiet, "PID {pid} has no CUDA library mapped yet; launches will appear once it loads libcuda or libcudart");
+    }
+
+    let started_ns = clock::monotonic_ns();
+    let session_id = store.begin_session(&SessionStart {
+        pid,
+        command,
+        exe: Some(exe.display().to_string()),
+        mode,
+        launch_mode: cfg.launch_mode.as_str(),
+        step_symbol: cfg.step.as_ref().map(|s| s.to_string()),
+        started_ns,
+        unix_offset_ns: clock::unix_offset_ns(),
+        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|s| s.trim().to_owned()),
+        kernel_release: std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().map(|s| s.trim().to_owned()),
+    })?;
+    let output = store.path().to_owned();
+    let writer = store.spawn_writer(session_id);
+    for l in libraries.drain(..) {
+        writer.send(StoreMsg::Library(l));
+    }
+    say!(cfg.quiet, "session {session_id}: tracing PID {pid} into {} (Ctrl-C to stop)", output.display());
+
+    // From here on, whatever happens, the session is finished and flushed.
+    let mut consumer = Consumer::new(writer, cfg.launch_mode == LaunchMode::All);
+    let outcome = event_loop(&cfg, pid, &mut child, &mut probes, ring, &mut consumer, &mut watcher).await;
+    let (ring, end_reason, exit_code) = match outcome {
+        Ok(v) => v,
+        Err((ring, e)) => (ring, format!("error: {e:#}"), None),
+    };
+    let counters = probes.detach();
+    // Records submitted before the probes were detached are still queued.
+    let mut ring = ring;
+    consumer.drain(&mut ring);
+    let kc = counters.read();
+    let ended_ns = clock::monotonic_ns();
+    let report = consumer.finish(SessionEnd {
+        ended_ns,
+        end_reason: end_reason.clone(),
+        lost_events: kc.lost,
+        total_launches: kc.launches,
+        unmatched_returns: 0,
+    })?;
+    let secs = (ended_ns - started_ns) as f64 / 1e9;
+    say!(
+        cfg.quiet,
+        "session {session_id} ended ({end_reason}) after {secs:.1} s: {} → {}",
+        report,
+        output.display()
+    );
+    if kc.lost > 0 {
+        eprintln!(
+            "profiler: warning: {} events were lost (ring buffer full); counts in steps.launches are still exact, launch rows are missing",
+            kc.lost
+        );
+    }
+
+    // `run`: the command outlives the profiling window; wait for it and pass on its status.
+    let exit_code = match (exit_code, child) {
+        (Some(c), _) => Some(c),
+        (None, Some((mut c, _))) => {
+            say!(cfg.quiet, "waiting for the command to exit (profiling has stopped)");
+            c.wait().await.ok().and_then(|s| s.code())
+        }
+        (None, None) => None,
+    };
+    Ok(Summary { exit_code })
+}
+
+type LoopOutcome = Result<(RingBuf<MapData>, String, Option<i32>), (RingBuf<MapData>, anyhow::Error)>;
+
+async fn event_loop(
+    cfg: &SessionConfig,
+    pid: u32,
+    child: &mut Option<(tokio::process::Child, OwnedFd)>,
+    probes: &mut Probes,
+    ring: RingBuf<MapData>,
+    consumer: &mut Consumer,
+    watcher: &mut LibraryWatcher,
+) -> LoopOutcome {
+    // SAFETY: the ring buffer's fd stays open and unchanged while the AsyncFd owns it.
+    let mut ring = match unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) } {
+        Ok(r) => r,
+        Err(e) => {
+            let (ring, err) = e.into_parts();
+            return Err((ring, anyhow::anyhow!("cannot poll the ring buffer: {err}")));
+        }
+    };
+    let result = run_loop(cfg, pid, child, probes, &mut ring, consumer, watcher).await;
+    let ring = ring.into_inner();
+    match result {
+        Ok((reason, code)) => Ok((ring, reason, code)),
+        Err(e) => Err((ring, e)),
+    }
+}
+
+async fn run_loop(
+    cfg: &SessionConfig,
+    pid: u32,
+    child: &mut Option<(tokio::process::Child, OwnedFd)>,
+    probes: &mut Probes,
+    ring: &mut AsyncFd<RingBuf<MapData>>,
+    consumer: &mut Consumer,
+    watcher: &mut LibraryWatcher,
+) -> anyhow::Result<(String, Option<i32>)> {
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let deadline = cfg.duration.map(|d| tokio::time::Instant::now() + d);
+    let pidfd = pidfd_open(pid).context("pidfd_open on the target")?;
+    // SAFETY: an OwnedFd keeps its fd open and unchanged for its lifetime.
+    let exit_fd = unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
+        .map_err(|e| e.into_parts().1)?;
+    // The probes see only what the kernel wakes us for above a fill level
+    // (see profiler-ebpf); the tick bounds the latency of everything else.
+    let mut flush = tokio::time::interval(Duration::from_millis(20));
+    flush.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut maps_tick = tokio::time::interval(cfg.maps_interval);
+    maps_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+
+    if let Some((_, release)) = child.as_ref() {
+        // SAFETY: writing one byte from a valid buffer to an fd we own.
+        let n = unsafe { libc::write(std::os::fd::AsRawFd::as_raw_fd(release), b"g".as_ptr().cast(), 1) };
+        if n != 1 {
+            bail!("could not start the command: {}", std::io::Error::last_os_error());
+        }
+    }
+    let sleep_until = |d: Option<tokio::time::Instant>| async move {
+        match d {
+            Some(d) => tokio::time::sleep_until(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    let mut mode_run = child.is_some();
+    loop {
+        tokio::select! {
+            guard = ring.readable_mut() => {
+                let mut guard = guard?;
+                consumer.drain(guard.get_inner_mut());
+                guard.clear_ready();
+            }
+            _ = flush.tick() => {
+                consumer.drain(ring.get_mut());
+                consumer.flush();
+            }
+            _ = maps_tick.tick() => {
+                let mut rows = Vec::new();
+                watcher.scan(probes, &mut rows, cfg.quiet);
+                for r in rows { consumer.writer.send(StoreMsg::Library(r)); }
+            }
+            _ = sigint.recv() => {
+                if mode_run { forward(pid, libc::SIGINT); }
+                return Ok(("sigint".into(), None));
+            }
+            _ = sigterm.recv() => {
+                if mode_run { forward(pid, libc::SIGTERM); }
+                return Ok(("sigterm".into(), None));
+            }
+            _ = sleep_until(deadline) => return Ok(("duration".into(), None)),
+            r = exit_fd.readable() => {
+                let _ = r?;
+                let code = match child.as_mut() {
+                    Some((c, _)) => { mode_run = false; c.wait().await.ok().and_then(|s| s.code()).or(Some(128)) }
+                    None => None,
+                };
+                let _ = mode_run;
+                return Ok(("target-exited".into(), code));
+            }
+        }
+    }
+}
+
+fn forward(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill(2) with a valid signal number.
+    unsafe { libc::kill(pid as libc::pid_t, sig) };
+}
+
+/// Finds CUDA libraries in the target's maps and probes the new ones.
+struct LibraryWatcher {
+    pid: u32,
+    /// Target-visible paths already handled.
+    seen: HashSet<PathBuf>,
+}
+
+impl LibraryWatcher {
+    fn scan(&mut self, probes: &mut Probes, rows: &mut Vec<LibraryRow>, quiet: bool) {
+        let Ok(maps) = procfs::process::Process::new(self.pid as i32).and_then(|p| p.maps()) else { return };
+        for (kind, file) in maps::cuda_libraries(&maps) {
+            if !self.seen.insert(file.path.clone()) {
+                continue;
+            }
+            let visible = probes::in_target_root(self.pid, &file.path);
+            if probes.is_probed(&visible) {
+                continue;
+            }
+            match probes.attach_cuda_library(kind, &visible) {
+                Ok(n) => {
+                    if n == 0 {
+                        log::warn!("{} exports no launch entry point", file.path.display());
+                    } else {
+                        say!(quiet, "probing {} ({} probes)", file.path.display(), n);
+                    }
+                    rows.push(LibraryRow {
+                        path: file.path.display().to_string(),
+                        kind: kind.as_str().into(),
+                        attached_ns: clock::monotonic_ns(),
+                        probes: n,
+                        how: "maps".into(),
+                    });
+                }
+                Err(e) => log::warn!("could not probe {}: {e}", file.path.display()),
+            }
+        }
+    }
+}
+
+/// Turns records into rows, in batches.
+struct Consumer {
+    writer: StoreWriter,
+    keep_launches: bool,
+    tracker: StepTracker,
+    launches: Vec<LaunchRow>,
+    steps: Vec<StepRow>,
+    decode_errors: u64,
+    completed_steps: u64,
+    launch_rows: u64,
+    step_ns_total: u128,
+}
+
+const BATCH: usize = 16 * 1024;
+
+impl Consumer {
+    fn new(writer: StoreWriter, keep_launches: bool) -> Self {
+        Self {
+            writer,
+            keep_launches,
+            tracker: StepTracker::new(),
+            launches: Vec::with_capacity(BATCH),
+            steps: Vec::new(),
+            decode_errors: 0,
+            completed_steps: 0,
+            launch_rows: 0,
+            step_ns_total: 0,
+        }
+    }
+
+    fn drain(&mut self, ring: &mut RingBuf<MapData>) {
+        while let Some(item) = ring.next() {
+            match events::decode(&item) {
+                Ok(Event::Launch(l)) => {
+                    if self.keep_launches {
+                        self.launches.push(LaunchRow {
+                            ts_ns: l.ts_ns,
+                            tid: l.tid,
+                            api: l.api,
+                            function: l.function,
+                            grid: l.grid,
+                            block: l.block,
+                            shared_mem_bytes: l.shared_mem_bytes,
+                            stream: l.stream,
+                            step: self.tracker.current_step(l.tid),
+                        });
+                        if self.launches.len() >= BATCH {
+                            self.flush_launches();
+                        }
+                    }
+                }
+                Ok(Event::StepEnter(e)) => {
+                    self.tracker.enter(e.tid, e.ts_ns, e.thread_launches);
+                }
+                Ok(Event::StepExit(e)) => {
+                    if let Some(s) = self.tracker.exit(e.tid, e.ts_ns, e.thread_launches) {
+                        self.completed_steps += 1;
+                        self.step_ns_total += u128::from(s.end_ns - s.start_ns);
+                        self.steps.push(StepRow {
+                            step: s.step,
+                            tid: s.tid,
+                            start_ns: s.start_ns,
+                            end_ns: Some(s.end_ns),
+                            inter_step_ns: s.inter_step_ns,
+                            launches: Some(s.launches),
+                        });
+                    }
+                }
+                Err(e) => {
+                    if self.decode_errors == 0 {
+                        log::error!("undecodable record: {e}");
+                    }
+                    self.decode_errors += 1;
+                }
+            }
+        }
+    }
+
+    fn flush_launches(&mut self) {
+        if !self.launches.is_empty() {
+            self.launch_rows += self.launches.len() as u64;
+            let batch = std::mem::replace(&mut self.launches, Vec::with_capacity(BATCH));
+            self.writer.send(StoreMsg::Launches(batch));
+        }
+    }
+
+    fn flush(&mut self) {
+        self.flush_launches();
+        if !self.steps.is_empty() {
+            self.writer.send(StoreMsg::Steps(std::mem::take(&mut self.steps)));
+        }
+    }
+
+    /// Stores steps still open (end NULL), finishes the session, and returns a
+    /// one-line description of what was stored.
+    fn finish(mut self, mut end: SessionEnd) -> anyhow::Result<String> {
+        for s in self.tracker.open_steps() {
+            self.steps.push(StepRow {
+                step: s.step,
+                tid: s.tid,
+                start_ns: s.start_ns,
+                end_ns: None,
+                inter_step_ns: s.inter_step_ns,
+                launches: None,
+            });
+        }
+        self.flush();
+        end.unmatched_returns = self.tracker.unmatched_returns;
+        let stats = self.writer.finish(end.clone())?;
+        if let Some(e) = &stats.first_error {
+            eprintln!("profiler: error: {} rows could not be written: {e}", stats.failed_rows);
+        }
+        if self.decode_errors > 0 {
+            eprintln!("profiler: warning: {} records could not be decoded", self.decode_errors);
+        }
+        let mean = if self.completed_steps > 0 {
+            format!(" (mean {:.3} ms)", self.step_ns_total as f64 / self.completed_steps as f64 / 1e6)
+        } else {
+            String::new()
+        };
+        Ok(format!(
+            "{} steps{mean}, {} launches seen, {} launch rows, {} lost events",
+            self.completed_steps, end.total_launches, stats.launches, end.lost_events
+        ))
+    }
+}
