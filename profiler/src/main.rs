@@ -18,6 +18,10 @@ fn main() -> ExitCode {
         .format_target(false)
         .format_timestamp(None)
         .init();
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(cli::EXEC_GATE) {
+        return cli::exec_gate(&argv[2..]);
+    }
     let args = cli::Cli::parse();
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,

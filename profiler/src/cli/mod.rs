@@ -8,6 +8,8 @@ use std::{path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Args, Parser, Subcommand};
 
+pub use run::{EXEC_GATE, exec_gate};
+
 use crate::{
     probes::step_symbol::StepSymbolSpec,
     session::{LaunchMode, SessionConfig},

@@ -33,23 +33,48 @@ fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
+/// Name of the hidden subcommand the child runs first (see [`exec_gate`]).
+pub const EXEC_GATE: &str = "__exec-gate";
+
+/// The child's side: wait on `fd` until the profiler has attached, then become
+/// the command. std's `spawn` waits for `exec`, so the wait cannot sit between
+/// fork and exec; it sits in this first program instead, under the same PID.
+pub fn exec_gate(args: &[String]) -> ExitCode {
+    use std::os::unix::process::CommandExt;
+    let (Some(fd), Some(program)) = (args.first().and_then(|f| f.parse::<i32>().ok()), args.get(1)) else {
+        eprintln!("profiler: error: {EXEC_GATE} FD PROGRAM ARG0 [ARGS...]");
+        return ExitCode::FAILURE;
+    };
+    let mut b = 0u8;
+    // SAFETY: reading one byte into a valid buffer from an inherited fd.
+    let n = unsafe { libc::read(fd, (&mut b as *mut u8).cast(), 1) };
+    // SAFETY: closing the inherited fd we own.
+    unsafe { libc::close(fd) };
+    if n != 1 {
+        // The profiler went away before attaching: do not run unprofiled.
+        return ExitCode::from(127);
+    }
+    let err = std::process::Command::new(program).arg0(args.get(2).map_or(program.as_str(), String::as_str)).args(args.iter().skip(3)).exec();
+    eprintln!("profiler: error: cannot run {program}: {err}");
+    ExitCode::from(127)
+}
+
 pub async fn main(args: RunArgs) -> anyhow::Result<ExitCode> {
     privileges::check().map_err(anyhow::Error::msg)?;
     let program = &args.command[0];
     let exe = which::which(program).with_context(|| format!("command '{program}' not found in PATH"))?;
     let exe = std::fs::canonicalize(&exe).unwrap_or(exe);
     let (gate_read, gate_write) = pipe().context("pipe")?;
-    let (read_fd, write_fd) = (gate_read.as_raw_fd(), gate_write.as_raw_fd());
-    let mut cmd = tokio::process::Command::new(&exe);
-    cmd.arg0(program).args(&args.command[1..]);
-    // SAFETY: only async-signal-safe calls (close, read, _exit) between fork and exec.
+    let read_fd = gate_read.as_raw_fd();
+    let me = std::env::current_exe().context("cannot find the profiler's own executable")?;
+    let mut cmd = tokio::process::Command::new(me);
+    cmd.arg(EXEC_GATE).arg(read_fd.to_string()).arg(&exe).arg(program).args(&args.command[1..]);
+    // SAFETY: fcntl on an fd we own, between fork and exec (async-signal-safe).
     unsafe {
         cmd.pre_exec(move || {
-            libc::close(write_fd);
-            let mut b = 0u8;
-            // Wait for the profiler to attach; EOF means it gave up.
-            if libc::read(read_fd, (&mut b as *mut u8).cast(), 1) != 1 {
-                libc::_exit(127);
+            // Let the gate's read end survive exec; the write end stays CLOEXEC.
+            if libc::fcntl(read_fd, libc::F_SETFD, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
             }
             Ok(())
         });
