@@ -1,7 +1,10 @@
 //! The one clock: CLOCK_MONOTONIC nanoseconds, as `bpf_ktime_get_ns()` reads it.
 
 fn read(clock: libc::clockid_t) -> i128 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: valid clock id and a valid out-pointer.
     unsafe { libc::clock_gettime(clock, &mut ts) };
     ts.tv_sec as i128 * 1_000_000_000 + ts.tv_nsec as i128
@@ -39,6 +42,9 @@ mod tests {
             .expect("after 1970")
             .as_nanos() as i64;
         let mapped = super::monotonic_ns() as i64 + off;
-        assert!((wall - mapped).abs() < 50_000_000, "wall {wall} vs mapped {mapped}");
+        assert!(
+            (wall - mapped).abs() < 50_000_000,
+            "wall {wall} vs mapped {mapped}"
+        );
     }
 }

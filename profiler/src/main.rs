@@ -23,7 +23,10 @@ fn main() -> ExitCode {
         return cli::exec_gate(&argv[2..]);
     }
     let args = cli::Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("profiler: error: cannot start the async runtime: {e}");

@@ -27,7 +27,9 @@ use crate::{
         step_symbol::{self, StepSymbolSpec},
     },
     steps::StepTracker,
-    store::{LaunchRow, LibraryRow, SessionEnd, SessionStart, StepRow, Store, StoreMsg, StoreWriter},
+    store::{
+        LaunchRow, LibraryRow, SessionEnd, SessionStart, StepRow, Store, StoreMsg, StoreWriter,
+    },
 };
 
 /// Whether every launch gets a row, or only per-step counts are kept.
@@ -137,14 +139,20 @@ fn open_file(path: &Path) -> Option<memmap2::Mmap> {
 pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summary> {
     let (pid, mut child, exe, command, mode) = match target {
         Target::Attach(pid) => {
-            let process = procfs::process::Process::new(pid as i32)
-                .map_err(|_| anyhow::anyhow!("no process with PID {pid}: check the PID (ps -p {pid})"))?;
+            let process = procfs::process::Process::new(pid as i32).map_err(|_| {
+                anyhow::anyhow!("no process with PID {pid}: check the PID (ps -p {pid})")
+            })?;
             privileges::check().map_err(anyhow::Error::msg)?;
-            let exe = process.exe().with_context(|| format!("cannot read /proc/{pid}/exe"))?;
+            let exe = process
+                .exe()
+                .with_context(|| format!("cannot read /proc/{pid}/exe"))?;
             (pid, None, exe, command_line(pid), "attach")
         }
         Target::Run(c) => {
-            let pid = c.child.id().context("the command exited before it could be profiled")?;
+            let pid = c
+                .child
+                .id()
+                .context("the command exited before it could be profiled")?;
             (pid, Some((c.child, c.release)), c.exe, c.command, "run")
         }
     };
@@ -158,11 +166,22 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         Some(spec) => {
             let mut candidates = vec![exe.clone()];
             if mode == "attach" {
-                let maps = procfs::process::Process::new(pid as i32).and_then(|p| p.maps()).with_context(|| format!("cannot read /proc/{pid}/maps"))?;
-                candidates.extend(maps::mapped_files(&maps).into_iter().map(|f| f.path).filter(|p| *p != exe));
+                let maps = procfs::process::Process::new(pid as i32)
+                    .and_then(|p| p.maps())
+                    .with_context(|| format!("cannot read /proc/{pid}/maps"))?;
+                candidates.extend(
+                    maps::mapped_files(&maps)
+                        .into_iter()
+                        .map(|f| f.path)
+                        .filter(|p| *p != exe),
+                );
             }
             let r = step_symbol::resolve(spec, &candidates, |p| {
-                if p.is_relative() { open_file(p) } else { open_file(&probes::in_target_root(pid, p)).or_else(|| open_file(p)) }
+                if p.is_relative() {
+                    open_file(p)
+                } else {
+                    open_file(&probes::in_target_root(pid, p)).or_else(|| open_file(p))
+                }
             })?;
             Some(r)
         }
@@ -171,26 +190,49 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     let (mut probes, ring) = Probes::load(nz_pid, cfg.launch_mode == LaunchMode::All)?;
     let mut libraries: Vec<LibraryRow> = Vec::new();
     if let Some(step) = &resolved_step {
-        let visible = if step.path.is_relative() { step.path.clone() } else { probes::in_target_root(pid, &step.path) };
-        let visible = if visible.exists() { visible } else { step.path.clone() };
+        let visible = if step.path.is_relative() {
+            step.path.clone()
+        } else {
+            probes::in_target_root(pid, &step.path)
+        };
+        let visible = if visible.exists() {
+            visible
+        } else {
+            step.path.clone()
+        };
         probes.attach_step(&visible, step.file_offset, 0)?;
         libraries.push(LibraryRow {
             path: step.path.display().to_string(),
             kind: "step".into(),
             attached_ns: clock::monotonic_ns(),
             probes: 2,
-            how: format!("symbol {} at file offset {:#x}", step.symbol, step.file_offset),
+            how: format!(
+                "symbol {} at file offset {:#x}",
+                step.symbol, step.file_offset
+            ),
         });
-        say!(cfg.quiet, "step function {} in {}", step.symbol, step.path.display());
+        say!(
+            cfg.quiet,
+            "step function {} in {}",
+            step.symbol,
+            step.path.display()
+        );
     }
 
-    let mut watcher = LibraryWatcher { pid, seen: HashSet::new() };
+    let mut watcher = LibraryWatcher {
+        pid,
+        seen: HashSet::new(),
+    };
     if mode == "attach" {
         watcher.scan(&mut probes, &mut libraries, cfg.quiet);
     }
     // Probe the driver library where the target would find it, before it loads
     // it: PyTorch initialises CUDA lazily, and the first launches follow at once.
-    let ld_path = if mode == "attach" { target_env(pid, "LD_LIBRARY_PATH") } else { std::env::var("LD_LIBRARY_PATH").ok() };
+    let ld_path = if mode == "attach" {
+        target_env(pid, "LD_LIBRARY_PATH")
+    } else {
+        std::env::var("LD_LIBRARY_PATH").ok()
+    };
     for cand in maps::driver_candidates(ld_path.as_deref(), &ldconfig_cache()) {
         let visible = probes::in_target_root(pid, &cand);
         if !visible.is_file() || probes.is_probed(&visible) {
@@ -211,8 +253,14 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
             Err(e) => log::warn!("could not probe {}: {e}", cand.display()),
         }
     }
-    if !libraries.iter().any(|l| l.kind == "driver" || l.kind == "runtime") {
-        say!(cfg.quiet, "PID {pid} has no CUDA library mapped yet; launches will appear once it loads libcuda or libcudart");
+    if !libraries
+        .iter()
+        .any(|l| l.kind == "driver" || l.kind == "runtime")
+    {
+        say!(
+            cfg.quiet,
+            "PID {pid} has no CUDA library mapped yet; launches will appear once it loads libcuda or libcudart"
+        );
     }
 
     let started_ns = clock::monotonic_ns();
@@ -225,19 +273,36 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         step_symbol: cfg.step.as_ref().map(|s| s.to_string()),
         started_ns,
         unix_offset_ns: clock::unix_offset_ns(),
-        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|s| s.trim().to_owned()),
-        kernel_release: std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().map(|s| s.trim().to_owned()),
+        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .map(|s| s.trim().to_owned()),
+        kernel_release: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .ok()
+            .map(|s| s.trim().to_owned()),
     })?;
     let output = store.path().to_owned();
     let writer = store.spawn_writer(session_id);
     for l in libraries.drain(..) {
         writer.send(StoreMsg::Library(l));
     }
-    say!(cfg.quiet, "session {session_id}: tracing PID {pid} into {} (Ctrl-C to stop)", output.display());
+    say!(
+        cfg.quiet,
+        "session {session_id}: tracing PID {pid} into {} (Ctrl-C to stop)",
+        output.display()
+    );
 
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer, cfg.launch_mode == LaunchMode::All);
-    let outcome = event_loop(&cfg, pid, &mut child, &mut probes, ring, &mut consumer, &mut watcher).await;
+    let outcome = event_loop(
+        &cfg,
+        pid,
+        &mut child,
+        &mut probes,
+        ring,
+        &mut consumer,
+        &mut watcher,
+    )
+    .await;
     let (ring, end_reason, exit_code) = match outcome {
         Ok(v) => v,
         Err((ring, e)) => (ring, format!("error: {e:#}"), None),
@@ -273,7 +338,10 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     let exit_code = match (exit_code, child) {
         (Some(c), _) => Some(c),
         (None, Some((mut c, _))) => {
-            say!(cfg.quiet, "waiting for the command to exit (profiling has stopped)");
+            say!(
+                cfg.quiet,
+                "waiting for the command to exit (profiling has stopped)"
+            );
             c.wait().await.ok().and_then(|s| s.code())
         }
         (None, None) => None,
@@ -281,7 +349,8 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     Ok(Summary { exit_code })
 }
 
-type LoopOutcome = Result<(RingBuf<MapData>, String, Option<i32>), (RingBuf<MapData>, anyhow::Error)>;
+type LoopOutcome =
+    Result<(RingBuf<MapData>, String, Option<i32>), (RingBuf<MapData>, anyhow::Error)>;
 
 async fn event_loop(
     cfg: &SessionConfig,
@@ -293,13 +362,14 @@ async fn event_loop(
     watcher: &mut LibraryWatcher,
 ) -> LoopOutcome {
     // SAFETY: the ring buffer's fd stays open and unchanged while the AsyncFd owns it.
-    let mut ring = match unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) } {
-        Ok(r) => r,
-        Err(e) => {
-            let (ring, err) = e.into_parts();
-            return Err((ring, anyhow::anyhow!("cannot poll the ring buffer: {err}")));
-        }
-    };
+    let mut ring =
+        match unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) } {
+            Ok(r) => r,
+            Err(e) => {
+                let (ring, err) = e.into_parts();
+                return Err((ring, anyhow::anyhow!("cannot poll the ring buffer: {err}")));
+            }
+        };
     let result = run_loop(cfg, pid, child, probes, &mut ring, consumer, watcher).await;
     let ring = ring.into_inner();
     match result {
@@ -333,9 +403,18 @@ async fn run_loop(
 
     if let Some((_, release)) = child.as_ref() {
         // SAFETY: writing one byte from a valid buffer to an fd we own.
-        let n = unsafe { libc::write(std::os::fd::AsRawFd::as_raw_fd(release), b"g".as_ptr().cast(), 1) };
+        let n = unsafe {
+            libc::write(
+                std::os::fd::AsRawFd::as_raw_fd(release),
+                b"g".as_ptr().cast(),
+                1,
+            )
+        };
         if n != 1 {
-            bail!("could not start the command: {}", std::io::Error::last_os_error());
+            bail!(
+                "could not start the command: {}",
+                std::io::Error::last_os_error()
+            );
         }
     }
     let sleep_until = |d: Option<tokio::time::Instant>| async move {
@@ -397,7 +476,9 @@ struct LibraryWatcher {
 
 impl LibraryWatcher {
     fn scan(&mut self, probes: &mut Probes, rows: &mut Vec<LibraryRow>, quiet: bool) {
-        let Ok(maps) = procfs::process::Process::new(self.pid as i32).and_then(|p| p.maps()) else { return };
+        let Ok(maps) = procfs::process::Process::new(self.pid as i32).and_then(|p| p.maps()) else {
+            return;
+        };
         for (kind, file) in maps::cuda_libraries(&maps) {
             if !self.seen.insert(file.path.clone()) {
                 continue;
@@ -516,7 +597,8 @@ impl Consumer {
     fn flush(&mut self) {
         self.flush_launches();
         if !self.steps.is_empty() {
-            self.writer.send(StoreMsg::Steps(std::mem::take(&mut self.steps)));
+            self.writer
+                .send(StoreMsg::Steps(std::mem::take(&mut self.steps)));
         }
     }
 
@@ -537,13 +619,22 @@ impl Consumer {
         end.unmatched_returns = self.tracker.unmatched_returns;
         let stats = self.writer.finish(end.clone())?;
         if let Some(e) = &stats.first_error {
-            eprintln!("profiler: error: {} rows could not be written: {e}", stats.failed_rows);
+            eprintln!(
+                "profiler: error: {} rows could not be written: {e}",
+                stats.failed_rows
+            );
         }
         if self.decode_errors > 0 {
-            eprintln!("profiler: warning: {} records could not be decoded", self.decode_errors);
+            eprintln!(
+                "profiler: warning: {} records could not be decoded",
+                self.decode_errors
+            );
         }
         let mean = if self.completed_steps > 0 {
-            format!(" (mean {:.3} ms)", self.step_ns_total as f64 / self.completed_steps as f64 / 1e6)
+            format!(
+                " (mean {:.3} ms)",
+                self.step_ns_total as f64 / self.completed_steps as f64 / 1e6
+            )
         } else {
             String::new()
         };

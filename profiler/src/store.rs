@@ -87,15 +87,25 @@ CREATE VIEW launches_named AS
 pub enum StoreError {
     /// The file exists but is not a SQLite database.
     #[error("{path} is not a SQLite database ({source}); pass a new file with -o")]
-    NotADatabase { path: PathBuf, source: rusqlite::Error },
+    NotADatabase {
+        path: PathBuf,
+        source: rusqlite::Error,
+    },
     /// SQLite could not open or create the file.
     #[error("cannot open {path} for writing ({source}); choose a writable path with -o")]
-    Open { path: PathBuf, source: rusqlite::Error },
+    Open {
+        path: PathBuf,
+        source: rusqlite::Error,
+    },
     /// The file is a SQLite database that this profiler did not write.
-    #[error("{path} is a SQLite database of something else (it has tables but no profiler schema); pass a new file with -o")]
+    #[error(
+        "{path} is a SQLite database of something else (it has tables but no profiler schema); pass a new file with -o"
+    )]
     Foreign { path: PathBuf },
     /// Written by a newer profiler.
-    #[error("{path} has schema version {found}, newer than this profiler's {SCHEMA_VERSION}; upgrade profiler or pass a new file with -o")]
+    #[error(
+        "{path} has schema version {found}, newer than this profiler's {SCHEMA_VERSION}; upgrade profiler or pass a new file with -o"
+    )]
     TooNew { path: PathBuf, found: i64 },
     #[error("database error: {0}")]
     Sql(#[from] rusqlite::Error),
@@ -190,15 +200,25 @@ fn i(v: u64) -> i64 {
 impl Store {
     /// Opens (or creates) `path`, checks it is ours, creates or migrates the schema.
     pub fn open(path: &Path) -> Result<Self, StoreError> {
-        let conn = Connection::open(path).map_err(|source| StoreError::Open { path: path.to_owned(), source })?;
+        let conn = Connection::open(path).map_err(|source| StoreError::Open {
+            path: path.to_owned(),
+            source,
+        })?;
         let classify = |source: rusqlite::Error| match source.sqlite_error_code() {
-            Some(ErrorCode::NotADatabase) => StoreError::NotADatabase { path: path.to_owned(), source },
+            Some(ErrorCode::NotADatabase) => StoreError::NotADatabase {
+                path: path.to_owned(),
+                source,
+            },
             Some(ErrorCode::CannotOpen | ErrorCode::ReadOnly | ErrorCode::PermissionDenied) => {
-                StoreError::Open { path: path.to_owned(), source }
+                StoreError::Open {
+                    path: path.to_owned(),
+                    source,
+                }
             }
             _ => StoreError::Sql(source),
         };
-        conn.pragma_update(None, "journal_mode", "WAL").map_err(classify)?;
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .map_err(classify)?;
         if conn.is_readonly(DatabaseName::Main).unwrap_or(true) {
             return Err(StoreError::Open {
                 path: path.to_owned(),
@@ -208,16 +228,25 @@ impl Store {
                 ),
             });
         }
-        conn.pragma_update(None, "synchronous", "NORMAL").map_err(classify)?;
-        let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0)).map_err(classify)?;
+        conn.pragma_update(None, "synchronous", "NORMAL")
+            .map_err(classify)?;
+        let version: i64 = conn
+            .pragma_query_value(None, "user_version", |r| r.get(0))
+            .map_err(classify)?;
         if version > SCHEMA_VERSION {
-            return Err(StoreError::TooNew { path: path.to_owned(), found: version });
+            return Err(StoreError::TooNew {
+                path: path.to_owned(),
+                found: version,
+            });
         }
         if version == 0 {
-            let tables: i64 =
-                conn.query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0)).map_err(classify)?;
+            let tables: i64 = conn
+                .query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))
+                .map_err(classify)?;
             if tables > 0 {
-                return Err(StoreError::Foreign { path: path.to_owned() });
+                return Err(StoreError::Foreign {
+                    path: path.to_owned(),
+                });
             }
             let tx = conn.unchecked_transaction().map_err(classify)?;
             tx.execute_batch(SCHEMA).map_err(classify)?;
@@ -226,13 +255,20 @@ impl Store {
                     ApiLayer::Driver => "driver",
                     ApiLayer::Runtime => "runtime",
                 };
-                tx.execute("INSERT INTO apis(id, name, layer) VALUES (?1, ?2, ?3)", params![api as u32, api.symbol(), layer])
-                    .map_err(classify)?;
+                tx.execute(
+                    "INSERT INTO apis(id, name, layer) VALUES (?1, ?2, ?3)",
+                    params![api as u32, api.symbol(), layer],
+                )
+                .map_err(classify)?;
             }
-            tx.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(classify)?;
+            tx.pragma_update(None, "user_version", SCHEMA_VERSION)
+                .map_err(classify)?;
             tx.commit().map_err(classify)?;
         }
-        Ok(Self { conn, path: path.to_owned() })
+        Ok(Self {
+            conn,
+            path: path.to_owned(),
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -294,11 +330,21 @@ impl StoreWriter {
     pub fn finish(self, end: SessionEnd) -> Result<WriterStats, StoreError> {
         self.send(StoreMsg::Finish(end));
         drop(self.tx);
-        self.join.join().unwrap_or_else(|_| Ok(WriterStats { first_error: Some("writer panicked".into()), ..Default::default() }))
+        self.join.join().unwrap_or_else(|_| {
+            Ok(WriterStats {
+                first_error: Some("writer panicked".into()),
+                ..Default::default()
+            })
+        })
     }
 }
 
-fn write_batch(conn: &mut Connection, session_id: i64, msgs: &mut Vec<StoreMsg>, stats: &mut WriterStats) -> rusqlite::Result<()> {
+fn write_batch(
+    conn: &mut Connection,
+    session_id: i64,
+    msgs: &mut Vec<StoreMsg>,
+    stats: &mut WriterStats,
+) -> rusqlite::Result<()> {
     let tx = conn.transaction()?;
     {
         let mut launch = tx.prepare_cached(
@@ -374,7 +420,11 @@ fn rows_in(msgs: &[StoreMsg]) -> u64 {
         .sum()
 }
 
-fn write_loop(mut conn: Connection, session_id: i64, rx: Receiver<StoreMsg>) -> Result<WriterStats, StoreError> {
+fn write_loop(
+    mut conn: Connection,
+    session_id: i64,
+    rx: Receiver<StoreMsg>,
+) -> Result<WriterStats, StoreError> {
     let mut stats = WriterStats::default();
     let mut end: Option<SessionEnd> = None;
     let mut batch: Vec<StoreMsg> = Vec::new();
@@ -489,7 +539,13 @@ mod tests {
             assert_eq!((stats.launches, stats.steps, stats.failed_rows), (1, 1, 0));
         }
         let conn = Connection::open(&p).expect("reopen");
-        let n: i64 = conn.query_row("SELECT count(*) FROM sessions WHERE end_reason = 'target-exited'", [], |r| r.get(0)).expect("q");
+        let n: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sessions WHERE end_reason = 'target-exited'",
+                [],
+                |r| r.get(0),
+            )
+            .expect("q");
         assert_eq!(n, 2);
         let (dur, name): (i64, String) = conn
             .query_row(
@@ -499,7 +555,9 @@ mod tests {
             )
             .expect("q");
         assert_eq!((dur, name.as_str()), (150, "cuLaunchKernel"));
-        let v: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0)).expect("q");
+        let v: i64 = conn
+            .pragma_query_value(None, "user_version", |r| r.get(0))
+            .expect("q");
         assert_eq!(v, SCHEMA_VERSION);
     }
 
@@ -507,7 +565,10 @@ mod tests {
     fn rejects_corrupt_foreign_and_newer_files() {
         let (_d, p) = temp_db();
         std::fs::write(&p, vec![0x42u8; 8192]).expect("write");
-        assert!(matches!(Store::open(&p), Err(StoreError::NotADatabase { .. })));
+        assert!(matches!(
+            Store::open(&p),
+            Err(StoreError::NotADatabase { .. })
+        ));
 
         std::fs::remove_file(&p).expect("rm");
         let c = Connection::open(&p).expect("create");
@@ -519,7 +580,10 @@ mod tests {
         let c = Connection::open(&p).expect("create");
         c.pragma_update(None, "user_version", 99).expect("set");
         drop(c);
-        assert!(matches!(Store::open(&p), Err(StoreError::TooNew { found: 99, .. })));
+        assert!(matches!(
+            Store::open(&p),
+            Err(StoreError::TooNew { found: 99, .. })
+        ));
     }
 
     #[test]

@@ -1,1 +1,284 @@
-fn main() {}
+//! Build, test, benchmark and demo tasks: `cargo xtask <task>`.
+//!
+//! Installs what a fresh machine lacks (rust-src for nightly, Debian's
+//! llvm-22-dev, bpf-linker built against it) and says what it is doing.
+mod bench;
+mod toolchain;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install what is missing: rust-src (nightly), llvm-22-dev, bpf-linker, Debian non-free access.
+    Setup,
+    /// Build the eBPF object (installs the toolchain first if needed).
+    BuildEbpf,
+    /// Build everything: the eBPF object, then the profiler binary that embeds it.
+    Build,
+    /// Build the C test fixtures and fetch the genuine NVIDIA driver library.
+    Fixtures,
+    /// Run all tests: unit tests, then the root integration tests.
+    Test {
+        /// Passed to the integration-test binary (e.g. a test name filter).
+        args: Vec<String>,
+    },
+    /// Print the overhead and throughput table.
+    Bench,
+    /// Build everything and profile the bundled synthetic trainer into demo.db.
+    Demo,
+}
+
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_owned()
+}
+
+pub fn fixtures_dir() -> PathBuf {
+    root().join("target/fixtures")
+}
+
+pub fn profiler_bin() -> PathBuf {
+    root().join("target/release/profiler")
+}
+
+pub fn say(msg: impl AsRef<str>) {
+    eprintln!("xtask: {}", msg.as_ref());
+}
+
+/// Runs a command, failing with its command line if it fails.
+pub fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot start {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+/// A cargo invocation free of the variables the outer `cargo xtask` set.
+pub fn cargo() -> Command {
+    let mut c = Command::new("cargo");
+    for v in [
+        "RUSTUP_TOOLCHAIN",
+        "RUSTC",
+        "RUSTC_WRAPPER",
+        "RUSTFLAGS",
+        "CARGO_ENCODED_RUSTFLAGS",
+        "CARGO_TARGET_DIR",
+        "CARGO",
+    ] {
+        c.env_remove(v);
+    }
+    c
+}
+
+fn build_ebpf() -> Result<()> {
+    toolchain::ensure_ebpf_toolchain()?;
+    say("building the eBPF object (nightly, bpfel-unknown-none, build-std=core)");
+    run(cargo()
+        .current_dir(root().join("profiler-ebpf"))
+        .args(["+nightly", "build", "--release"]))
+}
+
+fn build() -> Result<()> {
+    build_ebpf()?;
+    say("building the profiler (release)");
+    run(cargo()
+        .current_dir(root())
+        .args(["build", "--release", "-p", "profiler"]))
+}
+
+fn fixtures() -> Result<()> {
+    let dir = fixtures_dir();
+    std::fs::create_dir_all(&dir)?;
+    let src = root().join("tests/fixtures");
+    let gcc =
+        |args: &[&str]| -> Result<()> { run(Command::new("gcc").current_dir(&src).args(args)) };
+    let out = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    say(format!("building C fixtures into {}", dir.display()));
+    let common = ["-O2", "-g", "-Wall", "-Werror"];
+    let so = |soname: &str, file: &str, extra: &[&str]| -> Result<()> {
+        let mut a: Vec<String> = common.iter().map(|s| s.to_string()).collect();
+        a.extend(["-shared", "-fPIC", "-fvisibility=hidden"].map(String::from));
+        a.push(format!("-Wl,-soname,{soname}"));
+        a.extend(["-o".to_string(), out(soname), file.to_string()]);
+        a.extend(extra.iter().map(|s| s.to_string()));
+        gcc(&a.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    so("libcuda.so.1", "fake_cuda.c", &[])?;
+    so("libcudart.so.12", "fake_cudart.c", &["-ldl"])?;
+    gcc(&[
+        &common[..],
+        &[
+            "-rdynamic",
+            "-o",
+            &out("trainer"),
+            "trainer.c",
+            "-ldl",
+            "-lpthread",
+        ],
+    ]
+    .concat())?;
+    gcc(&[
+        &common[..],
+        &["-o", &out("genuine_launch"), "genuine_launch.c", "-ldl"],
+    ]
+    .concat())?;
+    // A copy of the stand-in driver in a directory nobody's search path names:
+    // found only by watching the target's maps.
+    std::fs::create_dir_all(dir.join("hidden"))?;
+    std::fs::copy(dir.join("libcuda.so.1"), dir.join("hidden/libcuda.so.1"))?;
+    toolchain::fetch_genuine_libcuda(&dir.join("nvidia"))?;
+    Ok(())
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn test(args: &[String]) -> Result<()> {
+    build()?;
+    fixtures()?;
+    say("unit tests (host crates, no root needed)");
+    run(cargo().current_dir(root()).args([
+        "test",
+        "--workspace",
+        "--exclude",
+        "integration-tests",
+    ]))?;
+    if !is_root() {
+        bail!(
+            "the integration tests load eBPF programs and need root: run `sudo cargo xtask test`"
+        );
+    }
+    say("root integration tests: the real profiler against fixtures with known ground truth");
+    let mut c = cargo();
+    c.current_dir(root())
+        .args([
+            "test",
+            "--release",
+            "-p",
+            "integration-tests",
+            "--",
+            "--test-threads=1",
+            "--show-output",
+        ])
+        .args(args)
+        .env("PROFILER_BIN", profiler_bin())
+        .env("PROFILER_FIXTURES", fixtures_dir());
+    run(&mut c)
+}
+
+fn demo() -> Result<()> {
+    build()?;
+    fixtures()?;
+    if !is_root() {
+        bail!("the demo loads eBPF programs and needs root: run `sudo cargo xtask demo`");
+    }
+    let db = root().join("demo.db");
+    let _ = std::fs::remove_file(&db);
+    let fx = fixtures_dir();
+    say(
+        "profiling the synthetic trainer: 2 threads × 50 steps × 200 launches, all 16 entry points",
+    );
+    run(Command::new(profiler_bin())
+        .args(["run", "-o"])
+        .arg(&db)
+        .args(["--step-symbol", "train_step", "--"])
+        .arg(fx.join("trainer"))
+        .args([
+            "--threads",
+            "2",
+            "--steps",
+            "50",
+            "--launches",
+            "200",
+            "--api",
+            "all",
+            "--step-sleep-us",
+            "2000",
+        ])
+        .args(["--gap-us", "500", "--after-dlopen-ms", "300"])
+        .env("LD_LIBRARY_PATH", &fx))?;
+    let conn = rusqlite::Connection::open(&db)?;
+    println!("\nsteps (first 5):");
+    println!(
+        "{:>5} {:>8} {:>12} {:>14} {:>9}",
+        "step", "tid", "duration_ms", "inter_step_ms", "launches"
+    );
+    let mut q = conn.prepare(
+        "SELECT step, tid, duration_ns, inter_step_ns, launches FROM steps ORDER BY step LIMIT 5",
+    )?;
+    let mut rows = q.query([])?;
+    while let Some(r) = rows.next()? {
+        let inter: Option<i64> = r.get(3)?;
+        println!(
+            "{:>5} {:>8} {:>12.3} {:>14} {:>9}",
+            r.get::<_, i64>(0)?,
+            r.get::<_, i64>(1)?,
+            r.get::<_, i64>(2)? as f64 / 1e6,
+            inter.map_or("NULL".into(), |v| format!("{:.3}", v as f64 / 1e6)),
+            r.get::<_, i64>(4)?
+        );
+    }
+    let (n, mean, launches): (i64, f64, i64) = conn.query_row(
+        "SELECT count(*), avg(duration_ns) / 1e6, sum(launches) FROM steps WHERE end_ns IS NOT NULL",
+        [],
+        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+    )?;
+    println!("\n{n} steps, mean {mean:.3} ms, {launches} launches in steps");
+    println!("\nlaunches by entry point:");
+    let mut q = conn.prepare(
+        "SELECT api_name, api_layer, count(*) FROM launches_named GROUP BY api ORDER BY api",
+    )?;
+    let mut rows = q.query([])?;
+    while let Some(r) = rows.next()? {
+        println!(
+            "  {:<34} {:<8} {:>6}",
+            r.get::<_, String>(0)?,
+            r.get::<_, String>(1)?,
+            r.get::<_, i64>(2)?
+        );
+    }
+    println!(
+        "\nquery it: sqlite3 {} 'SELECT * FROM steps LIMIT 10'",
+        db.display()
+    );
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().task {
+        Task::Setup => {
+            toolchain::ensure_ebpf_toolchain()?;
+            toolchain::ensure_nonfree()
+        }
+        Task::BuildEbpf => build_ebpf(),
+        Task::Build => build(),
+        Task::Fixtures => fixtures(),
+        Task::Test { args } => test(&args),
+        Task::Bench => {
+            build()?;
+            fixtures()?;
+            bench::main()
+        }
+        Task::Demo => demo(),
+    }
+}

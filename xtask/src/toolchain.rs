@@ -1,0 +1,177 @@
+//! Installing what a fresh Debian 12 machine lacks for the eBPF build and the
+//! genuine-driver test. Each step checks first and says what it does.
+use std::{
+    path::Path,
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context, Result, bail};
+
+use crate::{cargo, run, say};
+
+const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+fn output(cmd: &mut Command) -> Option<String> {
+    let o = cmd.stderr(Stdio::null()).output().ok()?;
+    o.status
+        .success()
+        .then(|| String::from_utf8_lossy(&o.stdout).into_owned())
+}
+
+fn apt_candidate(package: &str) -> Option<String> {
+    let out = output(Command::new("apt-cache").args(["policy", package]))?;
+    let cand = out
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Candidate:"))?
+        .trim()
+        .to_owned();
+    (cand != "(none)").then_some(cand)
+}
+
+fn write_if_absent(path: &str, contents: &str) -> Result<bool> {
+    if Path::new(path).exists() {
+        return Ok(false);
+    }
+    std::fs::write(path, contents).with_context(|| format!("cannot write {path} (run as root)"))?;
+    Ok(true)
+}
+
+fn apt_update() -> Result<()> {
+    run(Command::new("apt-get").args(["update", "-qq"]))
+}
+
+/// Debian 12 has no LLVM 22; Debian 13 (trixie) does. Its packages are added
+/// at a low pin priority, so nothing else on the machine moves to trixie
+/// except what llvm-22-dev needs.
+fn ensure_llvm22() -> Result<()> {
+    if Path::new(LLVM_PREFIX).join("bin/llvm-config").exists() {
+        return Ok(());
+    }
+    if apt_candidate("llvm-22-dev").is_none() {
+        say("adding Debian trixie (pinned low) to apt sources for llvm-22-dev");
+        write_if_absent(
+            "/etc/apt/sources.list.d/profiler-trixie.sources",
+            "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: trixie\nComponents: main\n\
+             Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n",
+        )?;
+        write_if_absent(
+            "/etc/apt/preferences.d/profiler-trixie",
+            "Package: *\nPin: release n=trixie\nPin-Priority: 100\n",
+        )?;
+        apt_update()?;
+    }
+    say("installing llvm-22-dev from Debian trixie (needed to build bpf-linker)");
+    run(Command::new("apt-get")
+        .args(["install", "-y", "-q", "-t", "trixie", "llvm-22-dev"])
+        .env("DEBIAN_FRONTEND", "noninteractive"))
+}
+
+/// rust-src for nightly, and bpf-linker built against LLVM 22.
+pub fn ensure_ebpf_toolchain() -> Result<()> {
+    let installed = output(Command::new("rustup").args([
+        "component",
+        "list",
+        "--toolchain",
+        "nightly",
+        "--installed",
+    ]))
+    .context(
+        "rustup has no nightly toolchain: install one with `rustup toolchain install nightly`",
+    )?;
+    if !installed.lines().any(|l| l.starts_with("rust-src")) {
+        say("installing rust-src for nightly (the eBPF target builds core from source)");
+        run(Command::new("rustup").args([
+            "component",
+            "add",
+            "rust-src",
+            "--toolchain",
+            "nightly",
+        ]))?;
+    }
+    let linker_ok = output(Command::new("bpf-linker").arg("--version"))
+        .is_some_and(|v| v.contains(BPF_LINKER_VERSION));
+    if !linker_ok {
+        ensure_llvm22()?;
+        say(format!(
+            "installing bpf-linker {BPF_LINKER_VERSION} against LLVM 22 (a few minutes)"
+        ));
+        run(cargo()
+            .args([
+                "install",
+                "bpf-linker",
+                "--version",
+                BPF_LINKER_VERSION,
+                "--no-default-features",
+                "--features",
+                "llvm-22",
+            ])
+            .env("LLVM_PREFIX", LLVM_PREFIX))?;
+    }
+    Ok(())
+}
+
+/// Debian's non-free component, where the genuine driver library lives.
+pub fn ensure_nonfree() -> Result<()> {
+    if apt_candidate("libcuda1").is_some() {
+        return Ok(());
+    }
+    say("adding Debian bookworm non-free to apt sources (for the genuine libcuda1 test fixture)");
+    write_if_absent(
+        "/etc/apt/sources.list.d/profiler-nonfree.sources",
+        "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm\nComponents: non-free\n\
+         Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n",
+    )?;
+    apt_update()?;
+    if apt_candidate("libcuda1").is_none() {
+        bail!("libcuda1 is still not available from apt after adding non-free");
+    }
+    Ok(())
+}
+
+/// Unpacks Debian's libcuda1 (NVIDIA 535) into `dir`; the library ends up in
+/// `dir/lib/libcuda.so.1`.
+pub fn fetch_genuine_libcuda(dir: &Path) -> Result<()> {
+    let lib = dir.join("lib/libcuda.so.1");
+    if lib.exists() {
+        return Ok(());
+    }
+    ensure_nonfree()?;
+    let dl = dir.join("download");
+    std::fs::create_dir_all(&dl)?;
+    say("downloading Debian's libcuda1 (the genuine NVIDIA 535 driver library)");
+    run(Command::new("apt-get")
+        .current_dir(&dl)
+        .args(["download", "-q", "libcuda1"]))?;
+    let deb = std::fs::read_dir(&dl)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|e| e == "deb"))
+        .context("apt-get download left no .deb")?;
+    let unpacked = dir.join("root");
+    run(Command::new("dpkg").arg("-x").arg(&deb).arg(&unpacked))?;
+    let found = walk(&unpacked)
+        .into_iter()
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("libcuda.so.5"))
+        })
+        .context("no libcuda.so.5xx in the package")?;
+    std::fs::create_dir_all(dir.join("lib"))?;
+    std::fs::copy(&found, &lib)?;
+    Ok(())
+}
+
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_dir() && !p.is_symlink() {
+                out.extend(walk(&p));
+            } else if p.is_file() && !p.is_symlink() {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
