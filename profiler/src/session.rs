@@ -73,7 +73,7 @@ pub struct LaunchedChild {
 
 pub enum Target {
     Attach(u32),
-    Run(LaunchedChild),
+    Run(Box<LaunchedChild>),
 }
 
 /// What the user is told at the end.
@@ -307,12 +307,14 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         Ok(v) => v,
         Err((ring, e)) => (ring, format!("error: {e:#}"), None),
     };
+    // The session ends when we decide to stop; detaching (which waits for the
+    // kernel to retire each uprobe) can take a while and is not part of it.
+    let ended_ns = clock::monotonic_ns();
     let counters = probes.detach();
     // Records submitted before the probes were detached are still queued.
     let mut ring = ring;
     consumer.drain(&mut ring);
     let kc = counters.read();
-    let ended_ns = clock::monotonic_ns();
     let report = consumer.finish(SessionEnd {
         ended_ns,
         end_reason: end_reason.clone(),

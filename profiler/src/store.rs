@@ -342,7 +342,7 @@ impl StoreWriter {
 fn write_batch(
     conn: &mut Connection,
     session_id: i64,
-    msgs: &mut Vec<StoreMsg>,
+    msgs: &[StoreMsg],
     stats: &mut WriterStats,
 ) -> rusqlite::Result<()> {
     let tx = conn.transaction()?;
@@ -441,7 +441,7 @@ fn write_loop(
         if let Some(StoreMsg::Finish(e)) = batch.iter().find(|m| matches!(m, StoreMsg::Finish(_))) {
             end = Some(e.clone());
         }
-        if let Err(e) = write_batch(&mut conn, session_id, &mut batch, &mut stats) {
+        if let Err(e) = write_batch(&mut conn, session_id, &batch, &mut stats) {
             stats.failed_rows += rows_in(&batch);
             stats.first_error.get_or_insert_with(|| e.to_string());
         }

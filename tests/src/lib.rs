@@ -1,1 +1,378 @@
+//! Harness for the root integration tests: starts the C fixtures, attaches the
+//! real `profiler` binary, and reads back both the trainer's ground truth and
+//! the database. Run through `cargo xtask test`, which builds the fixtures and
+//! sets `PROFILER_BIN` and `PROFILER_FIXTURES`.
+use std::{
+    collections::BTreeMap,
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitStatus, Stdio},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
 
+pub fn profiler_bin() -> PathBuf {
+    PathBuf::from(
+        std::env::var_os("PROFILER_BIN")
+            .expect("PROFILER_BIN is not set: run these tests with `cargo xtask test`"),
+    )
+}
+
+pub fn fixtures() -> PathBuf {
+    PathBuf::from(
+        std::env::var_os("PROFILER_FIXTURES")
+            .expect("PROFILER_FIXTURES is not set: run these tests with `cargo xtask test`"),
+    )
+}
+
+/// A fresh directory for one test's files.
+pub fn workdir(test: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("profiler-it-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("create workdir");
+    d
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TruthStep {
+    pub tid: u32,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub launches: u64,
+}
+
+#[derive(Debug, Default)]
+pub struct Truth {
+    pub steps: Vec<TruthStep>,
+    pub total: u64,
+    pub apis: BTreeMap<String, u64>,
+}
+
+impl Truth {
+    pub fn read(path: &Path) -> Truth {
+        let text = std::fs::read_to_string(path)
+            .unwrap_or_else(|e| panic!("read truth {}: {e}", path.display()));
+        let mut t = Truth::default();
+        for line in text.lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let n = |s: &str| s.parse::<u64>().expect("number in truth file");
+            match f.as_slice() {
+                ["step", tid, s, e, l] => t.steps.push(TruthStep {
+                    tid: n(tid) as u32,
+                    start_ns: n(s),
+                    end_ns: n(e),
+                    launches: n(l),
+                }),
+                ["total", v] => t.total = n(v),
+                ["api", name, v, ..] => {
+                    t.apis.insert(name.to_string(), n(v));
+                }
+                _ => {}
+            }
+        }
+        t.steps.sort_by_key(|s| (s.tid, s.start_ns));
+        t
+    }
+
+    /// Launches per second over the steps' span.
+    pub fn launch_rate(&self) -> f64 {
+        let first = self.steps.iter().map(|s| s.start_ns).min().unwrap_or(0);
+        let last = self.steps.iter().map(|s| s.end_ns).max().unwrap_or(0);
+        self.total as f64 / ((last - first) as f64 / 1e9)
+    }
+}
+
+/// The synthetic trainer, held before it loads CUDA until [`Trainer::go`].
+pub struct Trainer {
+    pub child: Child,
+    pub truth: PathBuf,
+    go: PathBuf,
+}
+
+impl Trainer {
+    /// Starts `trainer ARGS --truth … --wait-file …` with the stand-in
+    /// libraries on LD_LIBRARY_PATH.
+    pub fn spawn(dir: &Path, args: &[&str]) -> Trainer {
+        Self::spawn_with(dir, args, Some(fixtures()))
+    }
+
+    pub fn spawn_with(dir: &Path, args: &[&str], ld_library_path: Option<PathBuf>) -> Trainer {
+        let truth = dir.join("truth.txt");
+        let go = dir.join("go");
+        let mut c = Command::new(fixtures().join("trainer"));
+        c.args(args)
+            .arg("--truth")
+            .arg(&truth)
+            .arg("--wait-file")
+            .arg(&go);
+        match ld_library_path {
+            Some(p) => c.env("LD_LIBRARY_PATH", p),
+            None => c.env_remove("LD_LIBRARY_PATH"),
+        };
+        let child = c.spawn().expect("start trainer");
+        Trainer { child, truth, go }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn go(&self) {
+        std::fs::write(&self.go, b"").expect("write go file");
+    }
+
+    pub fn wait(&mut self) -> ExitStatus {
+        self.child.wait().expect("wait trainer")
+    }
+
+    pub fn truth(&self) -> Truth {
+        Truth::read(&self.truth)
+    }
+}
+
+impl Drop for Trainer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A running `profiler` with its stderr collected.
+pub struct Agent {
+    pub child: Child,
+    stderr: Arc<Mutex<Vec<String>>>,
+}
+
+impl Agent {
+    /// Starts `profiler ARGS` and, when `ready` is set, waits until it says it is tracing.
+    pub fn start(args: &[String], ready: bool) -> Agent {
+        let mut child = Command::new(profiler_bin())
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start profiler");
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        let sink = stderr.clone();
+        let pipe = child.stderr.take().expect("stderr piped");
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                sink.lock().expect("lock").push(line);
+            }
+        });
+        let agent = Agent { child, stderr };
+        if ready {
+            agent.wait_for("tracing PID", Duration::from_secs(30));
+        }
+        agent
+    }
+
+    pub fn attach(pid: u32, db: &Path, extra: &[&str]) -> Agent {
+        let mut args = vec![
+            "attach".to_string(),
+            pid.to_string(),
+            "-o".into(),
+            db.display().to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        Self::start(&args, true)
+    }
+
+    pub fn wait_for(&self, needle: &str, timeout: Duration) {
+        let t0 = Instant::now();
+        while t0.elapsed() < timeout {
+            if self
+                .stderr
+                .lock()
+                .expect("lock")
+                .iter()
+                .any(|l| l.contains(needle))
+            {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        panic!(
+            "profiler never printed '{needle}'; stderr so far:\n{}",
+            self.stderr()
+        );
+    }
+
+    pub fn stderr(&self) -> String {
+        self.stderr.lock().expect("lock").join("\n")
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, sig) };
+    }
+
+    /// Waits for exit; returns the status and everything it printed.
+    pub fn finish(mut self) -> (ExitStatus, String) {
+        let status = self.child.wait().expect("wait profiler");
+        // Let the reader thread take the last lines.
+        std::thread::sleep(Duration::from_millis(50));
+        (status, self.stderr())
+    }
+}
+
+/// Runs `profiler ARGS` to completion; returns (exit code, stderr).
+pub fn profiler_output(args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(profiler_bin())
+        .args(args)
+        .output()
+        .expect("run profiler");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[derive(Clone, Debug)]
+pub struct DbStep {
+    pub step: i64,
+    pub tid: u32,
+    pub start_ns: u64,
+    pub end_ns: Option<u64>,
+    pub inter_step_ns: Option<i64>,
+    pub launches: Option<u64>,
+}
+
+#[derive(Debug)]
+pub struct Session {
+    pub id: i64,
+    pub pid: u32,
+    pub end_reason: Option<String>,
+    pub lost_events: Option<i64>,
+    pub total_launches: Option<i64>,
+    pub started_ns: i64,
+    pub ended_ns: Option<i64>,
+}
+
+pub fn open(db: &Path) -> rusqlite::Connection {
+    rusqlite::Connection::open(db).expect("open db")
+}
+
+pub fn last_session(db: &Path) -> Session {
+    open(db)
+        .query_row(
+            "SELECT id, pid, end_reason, lost_events, total_launches, started_ns, ended_ns FROM sessions ORDER BY id DESC LIMIT 1",
+            [],
+            |r| {
+                Ok(Session {
+                    id: r.get(0)?,
+                    pid: r.get(1)?,
+                    end_reason: r.get(2)?,
+                    lost_events: r.get(3)?,
+                    total_launches: r.get(4)?,
+                    started_ns: r.get(5)?,
+                    ended_ns: r.get(6)?,
+                })
+            },
+        )
+        .expect("a session row")
+}
+
+pub fn steps(db: &Path, session: i64) -> Vec<DbStep> {
+    let conn = open(db);
+    let mut q = conn
+        .prepare("SELECT step, tid, start_ns, end_ns, inter_step_ns, launches FROM steps WHERE session_id = ?1 ORDER BY tid, start_ns")
+        .expect("prepare");
+    q.query_map([session], |r| {
+        Ok(DbStep {
+            step: r.get(0)?,
+            tid: r.get(1)?,
+            start_ns: r.get::<_, i64>(2)? as u64,
+            end_ns: r.get::<_, Option<i64>>(3)?.map(|v| v as u64),
+            inter_step_ns: r.get(4)?,
+            launches: r.get::<_, Option<i64>>(5)?.map(|v| v as u64),
+        })
+    })
+    .expect("query")
+    .collect::<Result<Vec<_>, _>>()
+    .expect("rows")
+}
+
+pub fn count(db: &Path, sql: &str, session: i64) -> i64 {
+    open(db)
+        .query_row(sql, [session], |r| r.get(0))
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+}
+
+/// Per-entry-point launch counts of a session.
+pub fn api_counts(db: &Path, session: i64) -> BTreeMap<String, u64> {
+    let conn = open(db);
+    let mut q = conn
+        .prepare(
+            "SELECT api_name, count(*) FROM launches_named WHERE session_id = ?1 GROUP BY api_name",
+        )
+        .expect("prepare");
+    q.query_map([session], |r| {
+        Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64))
+    })
+    .expect("query")
+    .collect::<Result<BTreeMap<_, _>, _>>()
+    .expect("rows")
+}
+
+/// Boundary errors in ns between matched steps: (start: truth − db, end: db − truth).
+pub struct BoundaryErrors {
+    pub start: Vec<i64>,
+    pub end: Vec<i64>,
+}
+
+impl BoundaryErrors {
+    pub fn p99(v: &[i64]) -> i64 {
+        let mut s = v.to_vec();
+        s.sort_unstable();
+        s.get(((s.len() as f64) * 0.99).ceil() as usize - 1)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+/// Asserts `db` steps equal `truth` steps one for one (same thread, same
+/// launches, boundaries within `tolerance_ns`, the probe's entry before the
+/// trainer's own first stamp and its return after the last one).
+pub fn assert_steps_match(truth: &[TruthStep], db: &[DbStep], tolerance_ns: i64) -> BoundaryErrors {
+    assert_eq!(
+        db.len(),
+        truth.len(),
+        "step count: database {} vs ground truth {}",
+        db.len(),
+        truth.len()
+    );
+    let mut errs = BoundaryErrors {
+        start: Vec::new(),
+        end: Vec::new(),
+    };
+    for (t, d) in truth.iter().zip(db) {
+        assert_eq!(d.tid, t.tid, "thread of step {d:?} vs {t:?}");
+        assert_eq!(
+            d.launches,
+            Some(t.launches),
+            "launches of step {} (tid {})",
+            d.step,
+            d.tid
+        );
+        let end = d.end_ns.expect("completed step has an end");
+        let ds = t.start_ns as i64 - d.start_ns as i64;
+        let de = end as i64 - t.end_ns as i64;
+        assert!(
+            (0..tolerance_ns).contains(&ds),
+            "step {} start: probe {} vs truth {} ({ds} ns)",
+            d.step,
+            d.start_ns,
+            t.start_ns
+        );
+        assert!(
+            (0..tolerance_ns).contains(&de),
+            "step {} end: probe {end} vs truth {} ({de} ns)",
+            d.step,
+            t.end_ns
+        );
+        errs.start.push(ds);
+        errs.end.push(de);
+    }
+    errs
+}

@@ -35,6 +35,8 @@ enum Task {
         /// Passed to the integration-test binary (e.g. a test name filter).
         args: Vec<String>,
     },
+    /// rustfmt check, and clippy with warnings denied for the host crates and the eBPF crate.
+    Lint,
     /// Print the overhead and throughput table.
     Bench,
     /// Build everything and profile the bundled synthetic trainer into demo.db.
@@ -186,6 +188,33 @@ fn test(args: &[String]) -> Result<()> {
     run(&mut c)
 }
 
+fn lint() -> Result<()> {
+    say("rustfmt --check and clippy -D warnings (host crates, then the eBPF crate)");
+    run(cargo()
+        .current_dir(root())
+        .args(["fmt", "--all", "--check"]))?;
+    run(cargo().current_dir(root()).args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
+    let ebpf = root().join("profiler-ebpf");
+    run(cargo()
+        .current_dir(&ebpf)
+        .args(["+nightly", "fmt", "--check"]))?;
+    run(cargo().current_dir(&ebpf).args([
+        "+nightly",
+        "clippy",
+        "--release",
+        "--",
+        "-D",
+        "warnings",
+    ]))
+}
+
 fn demo() -> Result<()> {
     build()?;
     fixtures()?;
@@ -280,5 +309,9 @@ fn main() -> Result<()> {
             bench::main()
         }
         Task::Demo => demo(),
+        Task::Lint => {
+            toolchain::ensure_ebpf_toolchain()?;
+            lint()
+        }
     }
 }

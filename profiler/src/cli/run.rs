@@ -100,7 +100,8 @@ pub async fn main(args: RunArgs) -> anyhow::Result<ExitCode> {
         exe,
         command: args.command.join(" "),
     };
-    let summary = session::profile(args.trace.into_config(), Target::Run(launched)).await?;
+    let summary =
+        session::profile(args.trace.into_config(), Target::Run(Box::new(launched))).await?;
     Ok(match summary.exit_code {
         Some(0) | None => ExitCode::SUCCESS,
         Some(c) => ExitCode::from(u8::try_from(c).unwrap_or(1)),
