@@ -29,6 +29,15 @@ pub enum Event {
     StepExit(StepEvent),
 }
 
+impl Event {
+    pub fn ts_ns(&self) -> u64 {
+        match self {
+            Self::Launch(l) => l.ts_ns,
+            Self::StepEnter(s) | Self::StepExit(s) => s.ts_ns,
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DecodeError {
     #[error("record of {0} bytes is shorter than its header")]

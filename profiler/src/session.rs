@@ -189,36 +189,6 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
 
     let (mut probes, ring) = Probes::load(nz_pid, cfg.launch_mode == LaunchMode::All)?;
     let mut libraries: Vec<LibraryRow> = Vec::new();
-    if let Some(step) = &resolved_step {
-        let visible = if step.path.is_relative() {
-            step.path.clone()
-        } else {
-            probes::in_target_root(pid, &step.path)
-        };
-        let visible = if visible.exists() {
-            visible
-        } else {
-            step.path.clone()
-        };
-        probes.attach_step(&visible, step.file_offset, 0)?;
-        libraries.push(LibraryRow {
-            path: step.path.display().to_string(),
-            kind: "step".into(),
-            attached_ns: clock::monotonic_ns(),
-            probes: 2,
-            how: format!(
-                "symbol {} at file offset {:#x}",
-                step.symbol, step.file_offset
-            ),
-        });
-        say!(
-            cfg.quiet,
-            "step function {} in {}",
-            step.symbol,
-            step.path.display()
-        );
-    }
-
     let mut watcher = LibraryWatcher {
         pid,
         seen: HashSet::new(),
@@ -253,6 +223,38 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
             Err(e) => log::warn!("could not probe {}: {e}", cand.display()),
         }
     }
+    // The step probes go in last, so that every step they see has the launch
+    // probes of the libraries known now in place for its whole span.
+    if let Some(step) = &resolved_step {
+        let visible = if step.path.is_relative() {
+            step.path.clone()
+        } else {
+            probes::in_target_root(pid, &step.path)
+        };
+        let visible = if visible.exists() {
+            visible
+        } else {
+            step.path.clone()
+        };
+        probes.attach_step(&visible, step.file_offset, 0)?;
+        libraries.push(LibraryRow {
+            path: step.path.display().to_string(),
+            kind: "step".into(),
+            attached_ns: clock::monotonic_ns(),
+            probes: 2,
+            how: format!(
+                "symbol {} at file offset {:#x}",
+                step.symbol, step.file_offset
+            ),
+        });
+        say!(
+            cfg.quiet,
+            "step function {} in {}",
+            step.symbol,
+            step.path.display()
+        );
+    }
+
     if !libraries
         .iter()
         .any(|l| l.kind == "driver" || l.kind == "runtime")
@@ -310,11 +312,14 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     // The session ends when we decide to stop; detaching (which waits for the
     // kernel to retire each uprobe) can take a while and is not part of it.
     let ended_ns = clock::monotonic_ns();
-    let counters = probes.detach();
-    // Records submitted before the probes were detached are still queued.
+    let kc = probes.counters();
+    // Records from before the stop are still queued; those written while the
+    // probes are being detached (neither instantaneous nor ordered between
+    // probes) are not part of the session.
+    consumer.cutoff_ns = Some(ended_ns);
+    probes.detach();
     let mut ring = ring;
     consumer.drain(&mut ring);
-    let kc = counters.read();
     let report = consumer.finish(SessionEnd {
         ended_ns,
         end_reason: end_reason.clone(),
@@ -521,6 +526,8 @@ struct Consumer {
     completed_steps: u64,
     launch_rows: u64,
     step_ns_total: u128,
+    /// Records stamped after this are dropped (see the end of [`profile`]).
+    cutoff_ns: Option<u64>,
 }
 
 const BATCH: usize = 16 * 1024;
@@ -537,12 +544,19 @@ impl Consumer {
             completed_steps: 0,
             launch_rows: 0,
             step_ns_total: 0,
+            cutoff_ns: None,
         }
     }
 
     fn drain(&mut self, ring: &mut RingBuf<MapData>) {
         while let Some(item) = ring.next() {
-            match events::decode(&item) {
+            let event = events::decode(&item);
+            if let (Some(cutoff), Ok(e)) = (self.cutoff_ns, &event)
+                && e.ts_ns() > cutoff
+            {
+                continue;
+            }
+            match event {
                 Ok(Event::Launch(l)) => {
                     if self.keep_launches {
                         self.launches.push(LaunchRow {

@@ -359,7 +359,12 @@ fn interrupted(name: &str, sig: i32, extra: &[&str], reason: &str) {
             t.tid == d.tid && (t.start_ns as i64 - d.start_ns as i64).abs() < TOLERANCE_NS
         });
         let t = t.unwrap_or_else(|| panic!("recorded step {d:?} is not in the ground truth"));
-        assert_eq!(d.launches, Some(t.launches));
+        assert_eq!(
+            d.launches,
+            Some(t.launches),
+            "launches of {d:?} (session {s:?}, {} steps recorded)",
+            done.len()
+        );
     }
 }
 

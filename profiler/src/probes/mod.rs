@@ -242,34 +242,43 @@ impl Probes {
         self.attach(programs::BARE, path, file_offset, 0)
     }
 
-    /// Detaches every probe; the counters stay readable.
-    pub fn detach(self) -> Counters {
-        let Self {
-            ebpf,
-            lost,
-            launches,
-            ..
-        } = self;
-        drop(ebpf);
-        Counters { lost, launches }
+    pub fn counters(&self) -> KernelCounters {
+        read_counters(&self.lost, &self.launches)
+    }
+
+    /// Detaches every probe.
+    ///
+    /// Step probes go first and the runtime return probe last, so that no
+    /// step ends with launch probes already gone and no thread is left marked
+    /// as inside a runtime launch while driver probes still fire. The kernel
+    /// retires uprobes asynchronously all the same, so the caller also drops
+    /// records stamped after its stop time.
+    pub fn detach(self) {
+        let Self { mut ebpf, .. } = self;
+        let mut order: Vec<&'static str> = vec![programs::STEP_EXIT, programs::STEP_ENTER];
+        order.extend(LaunchApi::ALL.iter().map(|a| a.program()));
+        order.extend([programs::RUNTIME_RETURN, programs::BARE]);
+        let mut done = HashSet::new();
+        for name in order.into_iter().filter(|n| done.insert(*n)) {
+            let prog: Option<&mut UProbe> = ebpf.program_mut(name).and_then(|p| p.try_into().ok());
+            if let Some(prog) = prog
+                && let Err(e) = prog.unload()
+            {
+                log::warn!("detaching {name}: {e}");
+            }
+        }
     }
 }
 
-/// The counter maps, kept after the programs are gone.
-pub struct Counters {
-    lost: PerCpuArray<MapData, u64>,
-    launches: PerCpuArray<MapData, u64>,
-}
-
-impl Counters {
-    pub fn read(&self) -> KernelCounters {
-        let sum = |m: &PerCpuArray<MapData, u64>| {
-            m.get(&0, 0).map(|v| v.iter().sum::<u64>()).unwrap_or(0)
-        };
-        KernelCounters {
-            lost: sum(&self.lost),
-            launches: sum(&self.launches),
-        }
+fn read_counters(
+    lost: &PerCpuArray<MapData, u64>,
+    launches: &PerCpuArray<MapData, u64>,
+) -> KernelCounters {
+    let sum =
+        |m: &PerCpuArray<MapData, u64>| m.get(&0, 0).map(|v| v.iter().sum::<u64>()).unwrap_or(0);
+    KernelCounters {
+        lost: sum(lost),
+        launches: sum(launches),
     }
 }
 
