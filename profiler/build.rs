@@ -6,17 +6,13 @@
 use std::{env, fs, path::PathBuf};
 
 fn main() {
-    let manifest =
-        PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let object = env::var_os("PROFILER_EBPF_OBJECT")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            manifest.join("../profiler-ebpf/target/bpfel-unknown-none/release/profiler-ebpf")
-        });
+        .unwrap_or_else(|| manifest.join("../profiler-ebpf/target/bpfel-unknown-none/release/profiler-ebpf"));
     println!("cargo:rerun-if-env-changed=PROFILER_EBPF_OBJECT");
     println!("cargo:rerun-if-changed={}", object.display());
-    let out =
-        PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("profiler-ebpf.o");
+    let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("profiler-ebpf.o");
     match fs::read(&object) {
         Ok(bytes) => fs::write(&out, bytes).expect("write OUT_DIR/profiler-ebpf.o"),
         Err(_) => {

@@ -127,21 +127,14 @@ impl LaunchApi {
     }
 
     pub fn layer(self) -> ApiLayer {
-        if (self as u32) < 100 {
-            ApiLayer::Driver
-        } else {
-            ApiLayer::Runtime
-        }
+        if (self as u32) < 100 { ApiLayer::Driver } else { ApiLayer::Runtime }
     }
 
     /// Graph launches carry a graph-exec handle and no grid.
     pub fn is_graph(self) -> bool {
         matches!(
             self,
-            Self::CuGraphLaunch
-                | Self::CuGraphLaunchPtsz
-                | Self::CudaGraphLaunch
-                | Self::CudaGraphLaunchPtsz
+            Self::CuGraphLaunch | Self::CuGraphLaunchPtsz | Self::CudaGraphLaunch | Self::CudaGraphLaunchPtsz
         )
     }
 }

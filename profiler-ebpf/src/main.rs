@@ -13,10 +13,7 @@
 
 use aya_ebpf::{
     EbpfContext,
-    helpers::{
-        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user,
-        generated::bpf_get_attach_cookie,
-    },
+    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, generated::bpf_get_attach_cookie},
     macros::{map, uprobe, uretprobe},
     maps::{HashMap, PerCpuArray, RingBuf},
     programs::{ProbeContext, RetProbeContext},
@@ -68,11 +65,7 @@ const BPF_RB_AVAIL_DATA: u64 = 0;
 
 #[inline(always)]
 fn submit_flags() -> u64 {
-    if EVENTS.query(BPF_RB_AVAIL_DATA) >= WAKEUP_BYTES {
-        BPF_RB_FORCE_WAKEUP
-    } else {
-        BPF_RB_NO_WAKEUP
-    }
+    if EVENTS.query(BPF_RB_AVAIL_DATA) >= WAKEUP_BYTES { BPF_RB_FORCE_WAKEUP } else { BPF_RB_NO_WAKEUP }
 }
 
 #[inline(always)]
@@ -80,11 +73,7 @@ fn target_tid() -> Option<u32> {
     let pid_tgid = bpf_get_current_pid_tgid();
     // SAFETY: a plain read of a global the loader patched.
     let target = unsafe { core::ptr::read_volatile(&TARGET_TGID) };
-    if (pid_tgid >> 32) as u32 == target {
-        Some(pid_tgid as u32)
-    } else {
-        None
-    }
+    if (pid_tgid >> 32) as u32 == target { Some(pid_tgid as u32) } else { None }
 }
 
 #[inline(always)]
@@ -142,11 +131,7 @@ fn emit_launch(tid: u32, api: u32, l: Launch) {
     match EVENTS.reserve::<LaunchRecord>(0) {
         Some(mut entry) => {
             entry.write(LaunchRecord {
-                header: RecordHeader {
-                    kind: RecordKind::Launch as u32,
-                    tid,
-                    ts_ns: unsafe { bpf_ktime_get_ns() },
-                },
+                header: RecordHeader { kind: RecordKind::Launch as u32, tid, ts_ns: unsafe { bpf_ktime_get_ns() } },
                 api,
                 shared_mem_bytes: l.shared_mem_bytes,
                 function: l.function,
@@ -184,16 +169,8 @@ pub fn launch_driver_classic(ctx: ProbeContext) -> u32 {
     }
     let l = Launch {
         function: reg(&ctx, 0),
-        grid: [
-            reg(&ctx, 1) as u32,
-            reg(&ctx, 2) as u32,
-            reg(&ctx, 3) as u32,
-        ],
-        block: [
-            reg(&ctx, 4) as u32,
-            reg(&ctx, 5) as u32,
-            stack_arg(&ctx, 0) as u32,
-        ],
+        grid: [reg(&ctx, 1) as u32, reg(&ctx, 2) as u32, reg(&ctx, 3) as u32],
+        block: [reg(&ctx, 4) as u32, reg(&ctx, 5) as u32, stack_arg(&ctx, 0) as u32],
         shared_mem_bytes: stack_arg(&ctx, 1) as u32,
         stream: stack_arg(&ctx, 2),
     };
@@ -230,13 +207,7 @@ pub fn launch_driver_ex(ctx: ProbeContext) -> u32 {
             shared_mem_bytes: c.shared_mem_bytes,
             stream: c.stream,
         },
-        None => Launch {
-            function: reg(&ctx, 1),
-            grid: [0; 3],
-            block: [0; 3],
-            shared_mem_bytes: 0,
-            stream: 0,
-        },
+        None => Launch { function: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0, stream: 0 },
     };
     emit_launch(tid, cookie(&ctx), l);
     0
@@ -249,13 +220,7 @@ pub fn launch_driver_graph(ctx: ProbeContext) -> u32 {
     if in_runtime_launch(tid) {
         return 0;
     }
-    let l = Launch {
-        function: reg(&ctx, 0),
-        stream: reg(&ctx, 1),
-        grid: [0; 3],
-        block: [0; 3],
-        shared_mem_bytes: 0,
-    };
+    let l = Launch { function: reg(&ctx, 0), stream: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0 };
     emit_launch(tid, cookie(&ctx), l);
     0
 }
@@ -311,13 +276,7 @@ pub fn launch_runtime_ex(ctx: ProbeContext) -> u32 {
             shared_mem_bytes: c.dynamic_smem_bytes as u32,
             stream: c.stream,
         },
-        None => Launch {
-            function: reg(&ctx, 1),
-            grid: [0; 3],
-            block: [0; 3],
-            shared_mem_bytes: 0,
-            stream: 0,
-        },
+        None => Launch { function: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0, stream: 0 },
     };
     emit_launch(tid, cookie(&ctx), l);
     0
@@ -328,13 +287,7 @@ pub fn launch_runtime_ex(ctx: ProbeContext) -> u32 {
 pub fn launch_runtime_graph(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
     enter_runtime_launch(tid);
-    let l = Launch {
-        function: reg(&ctx, 0),
-        stream: reg(&ctx, 1),
-        grid: [0; 3],
-        block: [0; 3],
-        shared_mem_bytes: 0,
-    };
+    let l = Launch { function: reg(&ctx, 0), stream: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0 };
     emit_launch(tid, cookie(&ctx), l);
     0
 }
@@ -356,11 +309,7 @@ fn emit_step(tid: u32, kind: RecordKind, probe: u32) {
     match EVENTS.reserve::<StepRecord>(0) {
         Some(mut entry) => {
             entry.write(StepRecord {
-                header: RecordHeader {
-                    kind: kind as u32,
-                    tid,
-                    ts_ns: unsafe { bpf_ktime_get_ns() },
-                },
+                header: RecordHeader { kind: kind as u32, tid, ts_ns: unsafe { bpf_ktime_get_ns() } },
                 probe,
                 _pad: 0,
                 thread_launches,

@@ -1,10 +1,7 @@
 //! The one clock: CLOCK_MONOTONIC nanoseconds, as `bpf_ktime_get_ns()` reads it.
 
 fn read(clock: libc::clockid_t) -> i128 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: valid clock id and a valid out-pointer.
     unsafe { libc::clock_gettime(clock, &mut ts) };
     ts.tv_sec as i128 * 1_000_000_000 + ts.tv_nsec as i128
@@ -37,14 +34,9 @@ mod tests {
     #[test]
     fn offset_maps_monotonic_to_wall_clock() {
         let off = super::unix_offset_ns();
-        let wall = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .expect("after 1970")
-            .as_nanos() as i64;
+        let wall =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_nanos() as i64;
         let mapped = super::monotonic_ns() as i64 + off;
-        assert!(
-            (wall - mapped).abs() < 50_000_000,
-            "wall {wall} vs mapped {mapped}"
-        );
+        assert!((wall - mapped).abs() < 50_000_000, "wall {wall} vs mapped {mapped}");
     }
 }

@@ -43,11 +43,7 @@ pub enum DecodeError {
     #[error("record of {0} bytes is shorter than its header")]
     Short(usize),
     #[error("record of kind {kind} has {len} bytes, expected {expected}")]
-    Length {
-        kind: u32,
-        len: usize,
-        expected: usize,
-    },
+    Length { kind: u32, len: usize, expected: usize },
     #[error("unknown record kind {0}")]
     Kind(u32),
     #[error("unknown launch entry point id {0}")]
@@ -65,11 +61,7 @@ fn read<T: Copy>(bytes: &[u8]) -> T {
 fn exact<T>(bytes: &[u8], kind: u32) -> Result<(), DecodeError> {
     let expected = std::mem::size_of::<T>();
     if bytes.len() < expected {
-        return Err(DecodeError::Length {
-            kind,
-            len: bytes.len(),
-            expected,
-        });
+        return Err(DecodeError::Length { kind, len: bytes.len(), expected });
     }
     Ok(())
 }
@@ -99,17 +91,9 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         Some(kind @ (RecordKind::StepEnter | RecordKind::StepExit)) => {
             exact::<StepRecord>(bytes, header.kind)?;
             let r: StepRecord = read(bytes);
-            let e = StepEvent {
-                ts_ns: header.ts_ns,
-                tid: header.tid,
-                probe: r.probe,
-                thread_launches: r.thread_launches,
-            };
-            Ok(if kind == RecordKind::StepEnter {
-                Event::StepEnter(e)
-            } else {
-                Event::StepExit(e)
-            })
+            let e =
+                StepEvent { ts_ns: header.ts_ns, tid: header.tid, probe: r.probe, thread_launches: r.thread_launches };
+            Ok(if kind == RecordKind::StepEnter { Event::StepEnter(e) } else { Event::StepExit(e) })
         }
         None => Err(DecodeError::Kind(header.kind)),
     }
@@ -121,20 +105,13 @@ mod tests {
 
     fn bytes_of<T>(v: &T) -> Vec<u8> {
         // SAFETY: test-only view of a padding-free #[repr(C)] record.
-        unsafe {
-            std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>())
-        }
-        .to_vec()
+        unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }.to_vec()
     }
 
     #[test]
     fn decodes_launch() {
         let r = LaunchRecord {
-            header: RecordHeader {
-                kind: RecordKind::Launch as u32,
-                tid: 7,
-                ts_ns: 123,
-            },
+            header: RecordHeader { kind: RecordKind::Launch as u32, tid: 7, ts_ns: 123 },
             api: LaunchApi::CuLaunchKernelEx as u32,
             shared_mem_bytes: 4096,
             function: 0xdead,
@@ -161,11 +138,7 @@ mod tests {
     #[test]
     fn decodes_step_records_at_odd_alignment() {
         let r = StepRecord {
-            header: RecordHeader {
-                kind: RecordKind::StepExit as u32,
-                tid: 9,
-                ts_ns: 55,
-            },
+            header: RecordHeader { kind: RecordKind::StepExit as u32, tid: 9, ts_ns: 55 },
             probe: 2,
             _pad: 0,
             thread_launches: 1000,
@@ -173,45 +146,18 @@ mod tests {
         let mut buf = vec![0u8];
         buf.extend(bytes_of(&r));
         let e = decode(&buf[1..]).expect("decodes");
-        assert_eq!(
-            e,
-            Event::StepExit(StepEvent {
-                ts_ns: 55,
-                tid: 9,
-                probe: 2,
-                thread_launches: 1000
-            })
-        );
+        assert_eq!(e, Event::StepExit(StepEvent { ts_ns: 55, tid: 9, probe: 2, thread_launches: 1000 }));
     }
 
     #[test]
     fn rejects_bad_records() {
         assert_eq!(decode(&[0u8; 4]), Err(DecodeError::Short(4)));
-        let mut h = bytes_of(&RecordHeader {
-            kind: 99,
-            tid: 1,
-            ts_ns: 1,
-        });
+        let mut h = bytes_of(&RecordHeader { kind: 99, tid: 1, ts_ns: 1 });
         assert_eq!(decode(&h), Err(DecodeError::Kind(99)));
-        h = bytes_of(&RecordHeader {
-            kind: RecordKind::Launch as u32,
-            tid: 1,
-            ts_ns: 1,
-        });
-        assert_eq!(
-            decode(&h),
-            Err(DecodeError::Length {
-                kind: 1,
-                len: 16,
-                expected: 64
-            })
-        );
+        h = bytes_of(&RecordHeader { kind: RecordKind::Launch as u32, tid: 1, ts_ns: 1 });
+        assert_eq!(decode(&h), Err(DecodeError::Length { kind: 1, len: 16, expected: 64 }));
         let mut r = LaunchRecord {
-            header: RecordHeader {
-                kind: RecordKind::Launch as u32,
-                tid: 7,
-                ts_ns: 123,
-            },
+            header: RecordHeader { kind: RecordKind::Launch as u32, tid: 7, ts_ns: 123 },
             api: 55,
             shared_mem_bytes: 0,
             function: 0,

@@ -2,9 +2,11 @@
 //! launch and every training step into SQLite.
 mod cli;
 mod clock;
+mod correlate;
 mod events;
 mod privileges;
 mod probes;
+mod samplers;
 mod session;
 mod steps;
 mod store;
@@ -23,10 +25,7 @@ fn main() -> ExitCode {
         return cli::exec_gate(&argv[2..]);
     }
     let args = cli::Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("profiler: error: cannot start the async runtime: {e}");

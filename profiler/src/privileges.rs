@@ -12,8 +12,8 @@ pub fn can_trace(cap_eff: u64) -> bool {
 
 /// Checks this process; `Err` carries the message for the user.
 pub fn check() -> Result<(), String> {
-    let status = std::fs::read_to_string("/proc/self/status")
-        .map_err(|e| format!("cannot read /proc/self/status: {e}"))?;
+    let status =
+        std::fs::read_to_string("/proc/self/status").map_err(|e| format!("cannot read /proc/self/status: {e}"))?;
     let cap_eff = status
         .lines()
         .find_map(|l| l.strip_prefix("CapEff:"))

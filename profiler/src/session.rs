@@ -27,9 +27,7 @@ use crate::{
         step_symbol::{self, StepSymbolSpec},
     },
     steps::StepTracker,
-    store::{
-        LaunchRow, LibraryRow, SessionEnd, SessionStart, StepRow, Store, StoreMsg, StoreWriter,
-    },
+    store::{LaunchRow, LibraryRow, SessionEnd, SessionStart, StepRow, Store, StoreMsg, StoreWriter},
 };
 
 /// Whether every launch gets a row, or only per-step counts are kept.
@@ -139,20 +137,14 @@ fn open_file(path: &Path) -> Option<memmap2::Mmap> {
 pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summary> {
     let (pid, mut child, exe, command, mode) = match target {
         Target::Attach(pid) => {
-            let process = procfs::process::Process::new(pid as i32).map_err(|_| {
-                anyhow::anyhow!("no process with PID {pid}: check the PID (ps -p {pid})")
-            })?;
+            let process = procfs::process::Process::new(pid as i32)
+                .map_err(|_| anyhow::anyhow!("no process with PID {pid}: check the PID (ps -p {pid})"))?;
             privileges::check().map_err(anyhow::Error::msg)?;
-            let exe = process
-                .exe()
-                .with_context(|| format!("cannot read /proc/{pid}/exe"))?;
+            let exe = process.exe().with_context(|| format!("cannot read /proc/{pid}/exe"))?;
             (pid, None, exe, command_line(pid), "attach")
         }
         Target::Run(c) => {
-            let pid = c
-                .child
-                .id()
-                .context("the command exited before it could be profiled")?;
+            let pid = c.child.id().context("the command exited before it could be profiled")?;
             (pid, Some((c.child, c.release)), c.exe, c.command, "run")
         }
     };
@@ -169,12 +161,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
                 let maps = procfs::process::Process::new(pid as i32)
                     .and_then(|p| p.maps())
                     .with_context(|| format!("cannot read /proc/{pid}/maps"))?;
-                candidates.extend(
-                    maps::mapped_files(&maps)
-                        .into_iter()
-                        .map(|f| f.path)
-                        .filter(|p| *p != exe),
-                );
+                candidates.extend(maps::mapped_files(&maps).into_iter().map(|f| f.path).filter(|p| *p != exe));
             }
             let r = step_symbol::resolve(spec, &candidates, |p| {
                 if p.is_relative() {
@@ -189,20 +176,14 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
 
     let (mut probes, ring) = Probes::load(nz_pid, cfg.launch_mode == LaunchMode::All)?;
     let mut libraries: Vec<LibraryRow> = Vec::new();
-    let mut watcher = LibraryWatcher {
-        pid,
-        seen: HashSet::new(),
-    };
+    let mut watcher = LibraryWatcher { pid, seen: HashSet::new() };
     if mode == "attach" {
         watcher.scan(&mut probes, &mut libraries, cfg.quiet);
     }
     // Probe the driver library where the target would find it, before it loads
     // it: PyTorch initialises CUDA lazily, and the first launches follow at once.
-    let ld_path = if mode == "attach" {
-        target_env(pid, "LD_LIBRARY_PATH")
-    } else {
-        std::env::var("LD_LIBRARY_PATH").ok()
-    };
+    let ld_path =
+        if mode == "attach" { target_env(pid, "LD_LIBRARY_PATH") } else { std::env::var("LD_LIBRARY_PATH").ok() };
     for cand in maps::driver_candidates(ld_path.as_deref(), &ldconfig_cache()) {
         let visible = probes::in_target_root(pid, &cand);
         if !visible.is_file() || probes.is_probed(&visible) {
@@ -226,39 +207,20 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     // The step probes go in last, so that every step they see has the launch
     // probes of the libraries known now in place for its whole span.
     if let Some(step) = &resolved_step {
-        let visible = if step.path.is_relative() {
-            step.path.clone()
-        } else {
-            probes::in_target_root(pid, &step.path)
-        };
-        let visible = if visible.exists() {
-            visible
-        } else {
-            step.path.clone()
-        };
+        let visible = if step.path.is_relative() { step.path.clone() } else { probes::in_target_root(pid, &step.path) };
+        let visible = if visible.exists() { visible } else { step.path.clone() };
         probes.attach_step(&visible, step.file_offset, 0)?;
         libraries.push(LibraryRow {
             path: step.path.display().to_string(),
             kind: "step".into(),
             attached_ns: clock::monotonic_ns(),
             probes: 2,
-            how: format!(
-                "symbol {} at file offset {:#x}",
-                step.symbol, step.file_offset
-            ),
+            how: format!("symbol {} at file offset {:#x}", step.symbol, step.file_offset),
         });
-        say!(
-            cfg.quiet,
-            "step function {} in {}",
-            step.symbol,
-            step.path.display()
-        );
+        say!(cfg.quiet, "step function {} in {}", step.symbol, step.path.display());
     }
 
-    if !libraries
-        .iter()
-        .any(|l| l.kind == "driver" || l.kind == "runtime")
-    {
+    if !libraries.iter().any(|l| l.kind == "driver" || l.kind == "runtime") {
         say!(
             cfg.quiet,
             "PID {pid} has no CUDA library mapped yet; launches will appear once it loads libcuda or libcudart"
@@ -275,36 +237,19 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         step_symbol: cfg.step.as_ref().map(|s| s.to_string()),
         started_ns,
         unix_offset_ns: clock::unix_offset_ns(),
-        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .ok()
-            .map(|s| s.trim().to_owned()),
-        kernel_release: std::fs::read_to_string("/proc/sys/kernel/osrelease")
-            .ok()
-            .map(|s| s.trim().to_owned()),
+        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|s| s.trim().to_owned()),
+        kernel_release: std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().map(|s| s.trim().to_owned()),
     })?;
     let output = store.path().to_owned();
     let writer = store.spawn_writer(session_id);
     for l in libraries.drain(..) {
         writer.send(StoreMsg::Library(l));
     }
-    say!(
-        cfg.quiet,
-        "session {session_id}: tracing PID {pid} into {} (Ctrl-C to stop)",
-        output.display()
-    );
+    say!(cfg.quiet, "session {session_id}: tracing PID {pid} into {} (Ctrl-C to stop)", output.display());
 
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer, cfg.launch_mode == LaunchMode::All);
-    let outcome = event_loop(
-        &cfg,
-        pid,
-        &mut child,
-        &mut probes,
-        ring,
-        &mut consumer,
-        &mut watcher,
-    )
-    .await;
+    let outcome = event_loop(&cfg, pid, &mut child, &mut probes, ring, &mut consumer, &mut watcher).await;
     let (ring, end_reason, exit_code) = match outcome {
         Ok(v) => v,
         Err((ring, e)) => (ring, format!("error: {e:#}"), None),
@@ -328,12 +273,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         unmatched_returns: 0,
     })?;
     let secs = (ended_ns - started_ns) as f64 / 1e9;
-    say!(
-        cfg.quiet,
-        "session {session_id} ended ({end_reason}) after {secs:.1} s: {} → {}",
-        report,
-        output.display()
-    );
+    say!(cfg.quiet, "session {session_id} ended ({end_reason}) after {secs:.1} s: {} → {}", report, output.display());
     if kc.lost > 0 {
         eprintln!(
             "profiler: warning: {} events were lost (ring buffer full); counts in steps.launches are still exact, launch rows are missing",
@@ -345,10 +285,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     let exit_code = match (exit_code, child) {
         (Some(c), _) => Some(c),
         (None, Some((mut c, _))) => {
-            say!(
-                cfg.quiet,
-                "waiting for the command to exit (profiling has stopped)"
-            );
+            say!(cfg.quiet, "waiting for the command to exit (profiling has stopped)");
             c.wait().await.ok().and_then(|s| s.code())
         }
         (None, None) => None,
@@ -356,8 +293,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     Ok(Summary { exit_code })
 }
 
-type LoopOutcome =
-    Result<(RingBuf<MapData>, String, Option<i32>), (RingBuf<MapData>, anyhow::Error)>;
+type LoopOutcome = Result<(RingBuf<MapData>, String, Option<i32>), (RingBuf<MapData>, anyhow::Error)>;
 
 async fn event_loop(
     cfg: &SessionConfig,
@@ -369,14 +305,13 @@ async fn event_loop(
     watcher: &mut LibraryWatcher,
 ) -> LoopOutcome {
     // SAFETY: the ring buffer's fd stays open and unchanged while the AsyncFd owns it.
-    let mut ring =
-        match unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) } {
-            Ok(r) => r,
-            Err(e) => {
-                let (ring, err) = e.into_parts();
-                return Err((ring, anyhow::anyhow!("cannot poll the ring buffer: {err}")));
-            }
-        };
+    let mut ring = match unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) } {
+        Ok(r) => r,
+        Err(e) => {
+            let (ring, err) = e.into_parts();
+            return Err((ring, anyhow::anyhow!("cannot poll the ring buffer: {err}")));
+        }
+    };
     let result = run_loop(cfg, pid, child, probes, &mut ring, consumer, watcher).await;
     let ring = ring.into_inner();
     match result {
@@ -410,18 +345,9 @@ async fn run_loop(
 
     if let Some((_, release)) = child.as_ref() {
         // SAFETY: writing one byte from a valid buffer to an fd we own.
-        let n = unsafe {
-            libc::write(
-                std::os::fd::AsRawFd::as_raw_fd(release),
-                b"g".as_ptr().cast(),
-                1,
-            )
-        };
+        let n = unsafe { libc::write(std::os::fd::AsRawFd::as_raw_fd(release), b"g".as_ptr().cast(), 1) };
         if n != 1 {
-            bail!(
-                "could not start the command: {}",
-                std::io::Error::last_os_error()
-            );
+            bail!("could not start the command: {}", std::io::Error::last_os_error());
         }
     }
     let sleep_until = |d: Option<tokio::time::Instant>| async move {
@@ -613,8 +539,7 @@ impl Consumer {
     fn flush(&mut self) {
         self.flush_launches();
         if !self.steps.is_empty() {
-            self.writer
-                .send(StoreMsg::Steps(std::mem::take(&mut self.steps)));
+            self.writer.send(StoreMsg::Steps(std::mem::take(&mut self.steps)));
         }
     }
 
@@ -633,24 +558,15 @@ impl Consumer {
         }
         self.flush();
         end.unmatched_returns = self.tracker.unmatched_returns;
-        let stats = self.writer.finish(end.clone())?;
+        let stats = self.writer.finish(end.clone(), Vec::new())?;
         if let Some(e) = &stats.first_error {
-            eprintln!(
-                "profiler: error: {} rows could not be written: {e}",
-                stats.failed_rows
-            );
+            eprintln!("profiler: error: {} rows could not be written: {e}", stats.failed_rows);
         }
         if self.decode_errors > 0 {
-            eprintln!(
-                "profiler: warning: {} records could not be decoded",
-                self.decode_errors
-            );
+            eprintln!("profiler: warning: {} records could not be decoded", self.decode_errors);
         }
         let mean = if self.completed_steps > 0 {
-            format!(
-                " (mean {:.3} ms)",
-                self.step_ns_total as f64 / self.completed_steps as f64 / 1e6
-            )
+            format!(" (mean {:.3} ms)", self.step_ns_total as f64 / self.completed_steps as f64 / 1e6)
         } else {
             String::new()
         };

@@ -88,9 +88,7 @@ impl StepTracker {
 
     /// The step `tid` is inside, if any.
     pub fn current_step(&self, tid: u32) -> Option<u64> {
-        self.threads
-            .get(&tid)
-            .and_then(|t| t.open.map(|(s, _, _)| s))
+        self.threads.get(&tid).and_then(|t| t.open.map(|(s, _, _)| s))
     }
 
     /// Steps begun and not ended, in step order.
@@ -122,17 +120,7 @@ mod tests {
         assert_eq!(t.enter(1, 100, 0), Some(0));
         assert_eq!(t.current_step(1), Some(0));
         let s0 = t.exit(1, 200, 5).expect("closes");
-        assert_eq!(
-            s0,
-            CompletedStep {
-                step: 0,
-                tid: 1,
-                start_ns: 100,
-                end_ns: 200,
-                inter_step_ns: None,
-                launches: 5
-            }
-        );
+        assert_eq!(s0, CompletedStep { step: 0, tid: 1, start_ns: 100, end_ns: 200, inter_step_ns: None, launches: 5 });
         assert_eq!(t.current_step(1), None);
         assert_eq!(t.enter(1, 250, 7), Some(1));
         let s1 = t.exit(1, 400, 10).expect("closes");
@@ -186,18 +174,8 @@ mod tests {
         assert_eq!(
             open,
             vec![
-                OpenStep {
-                    step: 1,
-                    tid: 1,
-                    start_ns: 25,
-                    inter_step_ns: Some(5)
-                },
-                OpenStep {
-                    step: 2,
-                    tid: 3,
-                    start_ns: 26,
-                    inter_step_ns: None
-                }
+                OpenStep { step: 1, tid: 1, start_ns: 25, inter_step_ns: Some(5) },
+                OpenStep { step: 2, tid: 3, start_ns: 26, inter_step_ns: None }
             ]
         );
     }

@@ -12,12 +12,16 @@ use std::{
 };
 
 use profiler_common::{ApiLayer, LaunchApi};
-use rusqlite::{Connection, DatabaseName, ErrorCode, params};
+use rusqlite::{Connection, DatabaseName, ErrorCode, params, params_from_iter, types::Value};
 
-/// Version of the schema below, kept in `PRAGMA user_version`.
-pub const SCHEMA_VERSION: i64 = 1;
+/// Schema changes in order; `PRAGMA user_version` is how many are applied.
+/// Append, never edit: a database written by an older profiler gets the rest.
+const MIGRATIONS: &[&str] = &[CORE_SCHEMA, crate::samplers::gpu::SCHEMA];
 
-const SCHEMA: &str = r#"
+/// Version of the schema, kept in `PRAGMA user_version`.
+pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
+
+const CORE_SCHEMA: &str = r#"
 CREATE TABLE sessions (
     id                INTEGER PRIMARY KEY,
     pid               INTEGER NOT NULL,
@@ -78,6 +82,14 @@ CREATE TABLE launches (
     stream           INTEGER NOT NULL,
     step             INTEGER
 );
+CREATE TABLE capabilities (
+    session_id INTEGER NOT NULL REFERENCES sessions(id),
+    source     TEXT    NOT NULL,
+    metric     TEXT    NOT NULL,
+    available  INTEGER NOT NULL,
+    reason     TEXT,
+    UNIQUE (session_id, source, metric)
+);
 CREATE VIEW launches_named AS
     SELECT l.*, a.name AS api_name, a.layer AS api_layer
     FROM launches l JOIN apis a ON a.id = l.api;
@@ -87,16 +99,10 @@ CREATE VIEW launches_named AS
 pub enum StoreError {
     /// The file exists but is not a SQLite database.
     #[error("{path} is not a SQLite database ({source}); pass a new file with -o")]
-    NotADatabase {
-        path: PathBuf,
-        source: rusqlite::Error,
-    },
+    NotADatabase { path: PathBuf, source: rusqlite::Error },
     /// SQLite could not open or create the file.
     #[error("cannot open {path} for writing ({source}); choose a writable path with -o")]
-    Open {
-        path: PathBuf,
-        source: rusqlite::Error,
-    },
+    Open { path: PathBuf, source: rusqlite::Error },
     /// The file is a SQLite database that this profiler did not write.
     #[error(
         "{path} is a SQLite database of something else (it has tables but no profiler schema); pass a new file with -o"
@@ -173,11 +179,33 @@ pub struct LibraryRow {
     pub how: String,
 }
 
+/// Rows for a table a sampler owns: `sql` takes the session id as `?1` and
+/// each row's values as `?2`, `?3`, ….
+pub struct Insert {
+    pub sql: &'static str,
+    pub rows: Vec<Vec<Value>>,
+}
+
+/// Work done in the session's last transaction, after every row is in: the
+/// per-step figures computed from samples and steps.
+pub type FinishHook = Box<dyn FnOnce(&Connection, i64) -> rusqlite::Result<()> + Send>;
+
+/// A metric's availability, recorded once per session.
+#[derive(Clone, Debug)]
+pub struct Capability {
+    pub source: String,
+    pub metric: String,
+    pub available: bool,
+    pub reason: Option<String>,
+}
+
 pub enum StoreMsg {
+    Insert(Insert),
+    Capability(Capability),
     Launches(Vec<LaunchRow>),
     Steps(Vec<StepRow>),
     Library(LibraryRow),
-    Finish(SessionEnd),
+    Finish(SessionEnd, Vec<FinishHook>),
 }
 
 /// What the writer did, for the end-of-session summary.
@@ -200,25 +228,15 @@ fn i(v: u64) -> i64 {
 impl Store {
     /// Opens (or creates) `path`, checks it is ours, creates or migrates the schema.
     pub fn open(path: &Path) -> Result<Self, StoreError> {
-        let conn = Connection::open(path).map_err(|source| StoreError::Open {
-            path: path.to_owned(),
-            source,
-        })?;
+        let conn = Connection::open(path).map_err(|source| StoreError::Open { path: path.to_owned(), source })?;
         let classify = |source: rusqlite::Error| match source.sqlite_error_code() {
-            Some(ErrorCode::NotADatabase) => StoreError::NotADatabase {
-                path: path.to_owned(),
-                source,
-            },
+            Some(ErrorCode::NotADatabase) => StoreError::NotADatabase { path: path.to_owned(), source },
             Some(ErrorCode::CannotOpen | ErrorCode::ReadOnly | ErrorCode::PermissionDenied) => {
-                StoreError::Open {
-                    path: path.to_owned(),
-                    source,
-                }
+                StoreError::Open { path: path.to_owned(), source }
             }
             _ => StoreError::Sql(source),
         };
-        conn.pragma_update(None, "journal_mode", "WAL")
-            .map_err(classify)?;
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(classify)?;
         if conn.is_readonly(DatabaseName::Main).unwrap_or(true) {
             return Err(StoreError::Open {
                 path: path.to_owned(),
@@ -228,47 +246,40 @@ impl Store {
                 ),
             });
         }
-        conn.pragma_update(None, "synchronous", "NORMAL")
-            .map_err(classify)?;
-        let version: i64 = conn
-            .pragma_query_value(None, "user_version", |r| r.get(0))
-            .map_err(classify)?;
+        conn.pragma_update(None, "synchronous", "NORMAL").map_err(classify)?;
+        let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0)).map_err(classify)?;
         if version > SCHEMA_VERSION {
-            return Err(StoreError::TooNew {
-                path: path.to_owned(),
-                found: version,
-            });
+            return Err(StoreError::TooNew { path: path.to_owned(), found: version });
         }
         if version == 0 {
-            let tables: i64 = conn
-                .query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))
-                .map_err(classify)?;
+            let tables: i64 =
+                conn.query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0)).map_err(classify)?;
             if tables > 0 {
-                return Err(StoreError::Foreign {
-                    path: path.to_owned(),
-                });
+                return Err(StoreError::Foreign { path: path.to_owned() });
             }
+        }
+        if version < SCHEMA_VERSION {
             let tx = conn.unchecked_transaction().map_err(classify)?;
-            tx.execute_batch(SCHEMA).map_err(classify)?;
-            for api in LaunchApi::ALL {
-                let layer = match api.layer() {
-                    ApiLayer::Driver => "driver",
-                    ApiLayer::Runtime => "runtime",
-                };
-                tx.execute(
-                    "INSERT INTO apis(id, name, layer) VALUES (?1, ?2, ?3)",
-                    params![api as u32, api.symbol(), layer],
-                )
-                .map_err(classify)?;
+            for (v, migration) in MIGRATIONS.iter().enumerate().skip(version as usize) {
+                tx.execute_batch(migration).map_err(classify)?;
+                if v == 0 {
+                    for api in LaunchApi::ALL {
+                        let layer = match api.layer() {
+                            ApiLayer::Driver => "driver",
+                            ApiLayer::Runtime => "runtime",
+                        };
+                        tx.execute(
+                            "INSERT INTO apis(id, name, layer) VALUES (?1, ?2, ?3)",
+                            params![api as u32, api.symbol(), layer],
+                        )
+                        .map_err(classify)?;
+                    }
+                }
             }
-            tx.pragma_update(None, "user_version", SCHEMA_VERSION)
-                .map_err(classify)?;
+            tx.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(classify)?;
             tx.commit().map_err(classify)?;
         }
-        Ok(Self {
-            conn,
-            path: path.to_owned(),
-        })
+        Ok(Self { conn, path: path.to_owned() })
     }
 
     pub fn path(&self) -> &Path {
@@ -326,16 +337,31 @@ impl StoreWriter {
         }
     }
 
-    /// Finishes the session and waits for everything to be on disk.
-    pub fn finish(self, end: SessionEnd) -> Result<WriterStats, StoreError> {
-        self.send(StoreMsg::Finish(end));
+    /// A sender for sampler threads.
+    pub fn sender(&self) -> RowSender {
+        RowSender(self.tx.clone())
+    }
+
+    /// Finishes the session: runs `hooks` in the last transaction, records
+    /// the end, and waits for everything to be on disk.
+    pub fn finish(self, end: SessionEnd, hooks: Vec<FinishHook>) -> Result<WriterStats, StoreError> {
+        self.send(StoreMsg::Finish(end, hooks));
         drop(self.tx);
-        self.join.join().unwrap_or_else(|_| {
-            Ok(WriterStats {
-                first_error: Some("writer panicked".into()),
-                ..Default::default()
-            })
-        })
+        self.join
+            .join()
+            .unwrap_or_else(|_| Ok(WriterStats { first_error: Some("writer panicked".into()), ..Default::default() }))
+    }
+}
+
+/// A clonable handle for threads that produce rows (samplers).
+#[derive(Clone)]
+pub struct RowSender(SyncSender<StoreMsg>);
+
+impl RowSender {
+    pub fn send(&self, msg: StoreMsg) {
+        if self.0.send(msg).is_err() {
+            log::error!("store writer is gone; rows not written");
+        }
     }
 }
 
@@ -358,6 +384,19 @@ fn write_batch(
         )?;
         for msg in msgs.iter() {
             match msg {
+                StoreMsg::Insert(ins) => {
+                    let mut stmt = tx.prepare_cached(ins.sql)?;
+                    for row in &ins.rows {
+                        stmt.execute(params_from_iter(std::iter::once(&Value::Integer(session_id)).chain(row.iter())))?;
+                    }
+                }
+                StoreMsg::Capability(c) => {
+                    tx.execute(
+                        "INSERT OR IGNORE INTO capabilities(session_id, source, metric, available, reason)
+                         VALUES (?1, ?2, ?3, ?4, ?5)",
+                        params![session_id, c.source, c.metric, c.available, c.reason],
+                    )?;
+                }
                 StoreMsg::Launches(rows) => {
                     for r in rows {
                         launch.execute(params![
@@ -400,7 +439,7 @@ fn write_batch(
                         params![session_id, l.path, l.kind, i(l.attached_ns), l.probes, l.how],
                     )?;
                 }
-                StoreMsg::Finish(_) => {}
+                StoreMsg::Finish(..) => {}
             }
         }
     }
@@ -414,19 +453,16 @@ fn rows_in(msgs: &[StoreMsg]) -> u64 {
         .map(|m| match m {
             StoreMsg::Launches(r) => r.len() as u64,
             StoreMsg::Steps(r) => r.len() as u64,
-            StoreMsg::Library(_) => 1,
-            StoreMsg::Finish(_) => 0,
+            StoreMsg::Insert(ins) => ins.rows.len() as u64,
+            StoreMsg::Library(_) | StoreMsg::Capability(_) => 1,
+            StoreMsg::Finish(..) => 0,
         })
         .sum()
 }
 
-fn write_loop(
-    mut conn: Connection,
-    session_id: i64,
-    rx: Receiver<StoreMsg>,
-) -> Result<WriterStats, StoreError> {
+fn write_loop(mut conn: Connection, session_id: i64, rx: Receiver<StoreMsg>) -> Result<WriterStats, StoreError> {
     let mut stats = WriterStats::default();
-    let mut end: Option<SessionEnd> = None;
+    let mut end: Option<(SessionEnd, Vec<FinishHook>)> = None;
     let mut batch: Vec<StoreMsg> = Vec::new();
     while end.is_none() {
         let Ok(first) = rx.recv() else { break };
@@ -438,8 +474,10 @@ fn write_loop(
                 Err(_) => break,
             }
         }
-        if let Some(StoreMsg::Finish(e)) = batch.iter().find(|m| matches!(m, StoreMsg::Finish(_))) {
-            end = Some(e.clone());
+        if let Some(pos) = batch.iter().position(|m| matches!(m, StoreMsg::Finish(..))) {
+            if let StoreMsg::Finish(e, hooks) = batch.remove(pos) {
+                end = Some((e, hooks));
+            }
         }
         if let Err(e) = write_batch(&mut conn, session_id, &batch, &mut stats) {
             stats.failed_rows += rows_in(&batch);
@@ -447,14 +485,28 @@ fn write_loop(
         }
         batch.clear();
     }
-    let end = end.unwrap_or(SessionEnd {
-        ended_ns: crate::clock::monotonic_ns(),
-        end_reason: "error: event path stopped without finishing the session".into(),
-        lost_events: 0,
-        total_launches: 0,
-        unmatched_returns: 0,
+    let (end, hooks) = end.unwrap_or_else(|| {
+        let end = SessionEnd {
+            ended_ns: crate::clock::monotonic_ns(),
+            end_reason: "error: event path stopped without finishing the session".into(),
+            lost_events: 0,
+            total_launches: 0,
+            unmatched_returns: 0,
+        };
+        (end, Vec::new())
     });
-    conn.execute(
+    let mut tx = conn.transaction()?;
+    for hook in hooks {
+        // A failed hook loses its derived figures (rolled back), not the session.
+        let sp = tx.savepoint()?;
+        match hook(&sp, session_id) {
+            Ok(()) => sp.commit()?,
+            Err(e) => {
+                stats.first_error.get_or_insert_with(|| format!("computing per-step figures: {e}"));
+            }
+        }
+    }
+    tx.execute(
         "UPDATE sessions SET ended_ns = ?2, end_reason = ?3, lost_events = ?4, total_launches = ?5,
                              stored_launches = ?6, unmatched_returns = ?7 WHERE id = ?1",
         params![
@@ -467,6 +519,7 @@ fn write_loop(
             i(end.unmatched_returns)
         ],
     )?;
+    tx.commit()?;
     // Built once at the end: an index maintained during capture would slow every insert.
     conn.execute_batch(
         "CREATE INDEX IF NOT EXISTS launches_by_step ON launches(session_id, step);
@@ -528,23 +581,22 @@ mod tests {
                 step: Some(0),
             }]));
             let stats = w
-                .finish(SessionEnd {
-                    ended_ns: 2000,
-                    end_reason: "target-exited".into(),
-                    lost_events: 0,
-                    total_launches: 1,
-                    unmatched_returns: 0,
-                })
+                .finish(
+                    SessionEnd {
+                        ended_ns: 2000,
+                        end_reason: "target-exited".into(),
+                        lost_events: 0,
+                        total_launches: 1,
+                        unmatched_returns: 0,
+                    },
+                    Vec::new(),
+                )
                 .expect("finish");
             assert_eq!((stats.launches, stats.steps, stats.failed_rows), (1, 1, 0));
         }
         let conn = Connection::open(&p).expect("reopen");
         let n: i64 = conn
-            .query_row(
-                "SELECT count(*) FROM sessions WHERE end_reason = 'target-exited'",
-                [],
-                |r| r.get(0),
-            )
+            .query_row("SELECT count(*) FROM sessions WHERE end_reason = 'target-exited'", [], |r| r.get(0))
             .expect("q");
         assert_eq!(n, 2);
         let (dur, name): (i64, String) = conn
@@ -555,9 +607,7 @@ mod tests {
             )
             .expect("q");
         assert_eq!((dur, name.as_str()), (150, "cuLaunchKernel"));
-        let v: i64 = conn
-            .pragma_query_value(None, "user_version", |r| r.get(0))
-            .expect("q");
+        let v: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0)).expect("q");
         assert_eq!(v, SCHEMA_VERSION);
     }
 
@@ -565,10 +615,7 @@ mod tests {
     fn rejects_corrupt_foreign_and_newer_files() {
         let (_d, p) = temp_db();
         std::fs::write(&p, vec![0x42u8; 8192]).expect("write");
-        assert!(matches!(
-            Store::open(&p),
-            Err(StoreError::NotADatabase { .. })
-        ));
+        assert!(matches!(Store::open(&p), Err(StoreError::NotADatabase { .. })));
 
         std::fs::remove_file(&p).expect("rm");
         let c = Connection::open(&p).expect("create");
@@ -580,10 +627,7 @@ mod tests {
         let c = Connection::open(&p).expect("create");
         c.pragma_update(None, "user_version", 99).expect("set");
         drop(c);
-        assert!(matches!(
-            Store::open(&p),
-            Err(StoreError::TooNew { found: 99, .. })
-        ));
+        assert!(matches!(Store::open(&p), Err(StoreError::TooNew { found: 99, .. })));
     }
 
     #[test]

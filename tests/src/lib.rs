@@ -13,8 +13,7 @@ use std::{
 
 pub fn profiler_bin() -> PathBuf {
     PathBuf::from(
-        std::env::var_os("PROFILER_BIN")
-            .expect("PROFILER_BIN is not set: run these tests with `cargo xtask test`"),
+        std::env::var_os("PROFILER_BIN").expect("PROFILER_BIN is not set: run these tests with `cargo xtask test`"),
     )
 }
 
@@ -50,19 +49,15 @@ pub struct Truth {
 
 impl Truth {
     pub fn read(path: &Path) -> Truth {
-        let text = std::fs::read_to_string(path)
-            .unwrap_or_else(|e| panic!("read truth {}: {e}", path.display()));
+        let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read truth {}: {e}", path.display()));
         let mut t = Truth::default();
         for line in text.lines() {
             let f: Vec<&str> = line.split_whitespace().collect();
             let n = |s: &str| s.parse::<u64>().expect("number in truth file");
             match f.as_slice() {
-                ["step", tid, s, e, l] => t.steps.push(TruthStep {
-                    tid: n(tid) as u32,
-                    start_ns: n(s),
-                    end_ns: n(e),
-                    launches: n(l),
-                }),
+                ["step", tid, s, e, l] => {
+                    t.steps.push(TruthStep { tid: n(tid) as u32, start_ns: n(s), end_ns: n(e), launches: n(l) })
+                }
                 ["total", v] => t.total = n(v),
                 ["api", name, v, ..] => {
                     t.apis.insert(name.to_string(), n(v));
@@ -100,11 +95,7 @@ impl Trainer {
         let truth = dir.join("truth.txt");
         let go = dir.join("go");
         let mut c = Command::new(fixtures().join("trainer"));
-        c.args(args)
-            .arg("--truth")
-            .arg(&truth)
-            .arg("--wait-file")
-            .arg(&go);
+        c.args(args).arg("--truth").arg(&truth).arg("--wait-file").arg(&go);
         match ld_library_path {
             Some(p) => c.env("LD_LIBRARY_PATH", p),
             None => c.env_remove("LD_LIBRARY_PATH"),
@@ -168,12 +159,7 @@ impl Agent {
     }
 
     pub fn attach(pid: u32, db: &Path, extra: &[&str]) -> Agent {
-        let mut args = vec![
-            "attach".to_string(),
-            pid.to_string(),
-            "-o".into(),
-            db.display().to_string(),
-        ];
+        let mut args = vec!["attach".to_string(), pid.to_string(), "-o".into(), db.display().to_string()];
         args.extend(extra.iter().map(|s| s.to_string()));
         Self::start(&args, true)
     }
@@ -181,21 +167,12 @@ impl Agent {
     pub fn wait_for(&self, needle: &str, timeout: Duration) {
         let t0 = Instant::now();
         while t0.elapsed() < timeout {
-            if self
-                .stderr
-                .lock()
-                .expect("lock")
-                .iter()
-                .any(|l| l.contains(needle))
-            {
+            if self.stderr.lock().expect("lock").iter().any(|l| l.contains(needle)) {
                 return;
             }
             std::thread::sleep(Duration::from_millis(5));
         }
-        panic!(
-            "profiler never printed '{needle}'; stderr so far:\n{}",
-            self.stderr()
-        );
+        panic!("profiler never printed '{needle}'; stderr so far:\n{}", self.stderr());
     }
 
     pub fn stderr(&self) -> String {
@@ -218,14 +195,8 @@ impl Agent {
 
 /// Runs `profiler ARGS` to completion; returns (exit code, stderr).
 pub fn profiler_output(args: &[&str]) -> (Option<i32>, String) {
-    let out = Command::new(profiler_bin())
-        .args(args)
-        .output()
-        .expect("run profiler");
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let out = Command::new(profiler_bin()).args(args).output().expect("run profiler");
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 #[derive(Clone, Debug)]
@@ -294,25 +265,19 @@ pub fn steps(db: &Path, session: i64) -> Vec<DbStep> {
 }
 
 pub fn count(db: &Path, sql: &str, session: i64) -> i64 {
-    open(db)
-        .query_row(sql, [session], |r| r.get(0))
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    open(db).query_row(sql, [session], |r| r.get(0)).unwrap_or_else(|e| panic!("{sql}: {e}"))
 }
 
 /// Per-entry-point launch counts of a session.
 pub fn api_counts(db: &Path, session: i64) -> BTreeMap<String, u64> {
     let conn = open(db);
     let mut q = conn
-        .prepare(
-            "SELECT api_name, count(*) FROM launches_named WHERE session_id = ?1 GROUP BY api_name",
-        )
+        .prepare("SELECT api_name, count(*) FROM launches_named WHERE session_id = ?1 GROUP BY api_name")
         .expect("prepare");
-    q.query_map([session], |r| {
-        Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64))
-    })
-    .expect("query")
-    .collect::<Result<BTreeMap<_, _>, _>>()
-    .expect("rows")
+    q.query_map([session], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64)))
+        .expect("query")
+        .collect::<Result<BTreeMap<_, _>, _>>()
+        .expect("rows")
 }
 
 /// Boundary errors in ns between matched steps: (start: truth − db, end: db − truth).
@@ -325,9 +290,7 @@ impl BoundaryErrors {
     pub fn p99(v: &[i64]) -> i64 {
         let mut s = v.to_vec();
         s.sort_unstable();
-        s.get(((s.len() as f64) * 0.99).ceil() as usize - 1)
-            .copied()
-            .unwrap_or(0)
+        s.get(((s.len() as f64) * 0.99).ceil() as usize - 1).copied().unwrap_or(0)
     }
 }
 
@@ -335,26 +298,11 @@ impl BoundaryErrors {
 /// launches, boundaries within `tolerance_ns`, the probe's entry before the
 /// trainer's own first stamp and its return after the last one).
 pub fn assert_steps_match(truth: &[TruthStep], db: &[DbStep], tolerance_ns: i64) -> BoundaryErrors {
-    assert_eq!(
-        db.len(),
-        truth.len(),
-        "step count: database {} vs ground truth {}",
-        db.len(),
-        truth.len()
-    );
-    let mut errs = BoundaryErrors {
-        start: Vec::new(),
-        end: Vec::new(),
-    };
+    assert_eq!(db.len(), truth.len(), "step count: database {} vs ground truth {}", db.len(), truth.len());
+    let mut errs = BoundaryErrors { start: Vec::new(), end: Vec::new() };
     for (t, d) in truth.iter().zip(db) {
         assert_eq!(d.tid, t.tid, "thread of step {d:?} vs {t:?}");
-        assert_eq!(
-            d.launches,
-            Some(t.launches),
-            "launches of step {} (tid {})",
-            d.step,
-            d.tid
-        );
+        assert_eq!(d.launches, Some(t.launches), "launches of step {} (tid {})", d.step, d.tid);
         let end = d.end_ns.expect("completed step has an end");
         let ds = t.start_ns as i64 - d.start_ns as i64;
         let de = end as i64 - t.end_ns as i64;
@@ -365,12 +313,7 @@ pub fn assert_steps_match(truth: &[TruthStep], db: &[DbStep], tolerance_ns: i64)
             d.start_ns,
             t.start_ns
         );
-        assert!(
-            (0..tolerance_ns).contains(&de),
-            "step {} end: probe {end} vs truth {} ({de} ns)",
-            d.step,
-            t.end_ns
-        );
+        assert!((0..tolerance_ns).contains(&de), "step {} end: probe {end} vs truth {} ({de} ns)", d.step, t.end_ns);
         errs.start.push(ds);
         errs.end.push(de);
     }

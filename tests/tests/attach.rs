@@ -20,11 +20,7 @@ fn report(name: &str, e: &BoundaryErrors) {
     );
 }
 
-fn attach_and_run(
-    name: &str,
-    trainer_args: &[&str],
-    profiler_args: &[&str],
-) -> (std::path::PathBuf, Truth, Session) {
+fn attach_and_run(name: &str, trainer_args: &[&str], profiler_args: &[&str]) -> (std::path::PathBuf, Truth, Session) {
     let dir = workdir(name);
     let db = dir.join("p.db");
     let mut trainer = Trainer::spawn(&dir, trainer_args);
@@ -35,45 +31,24 @@ fn attach_and_run(
     assert!(status.success(), "profiler failed: {stderr}");
     let truth = trainer.truth();
     let session = last_session(&db);
-    assert_eq!(
-        session.end_reason.as_deref(),
-        Some("target-exited"),
-        "{stderr}"
-    );
+    assert_eq!(session.end_reason.as_deref(), Some("target-exited"), "{stderr}");
     (db, truth, session)
 }
 
 #[test]
 fn counts_and_arguments_match_ground_truth() {
-    let (db, truth, s) = attach_and_run(
-        "exact",
-        &["--steps", "50", "--launches", "100"],
-        &["--step-symbol", "train_step"],
-    );
+    let (db, truth, s) =
+        attach_and_run("exact", &["--steps", "50", "--launches", "100"], &["--step-symbol", "train_step"]);
     assert_eq!(s.lost_events, Some(0));
     let steps = steps(&db, s.id);
     let e = assert_steps_match(&truth.steps, &steps, TOLERANCE_NS);
     report("single thread", &e);
     assert_eq!(s.total_launches, Some(5000));
-    assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM launches WHERE session_id = ?1",
-            s.id
-        ),
-        5000
-    );
+    assert_eq!(count(&db, "SELECT count(*) FROM launches WHERE session_id = ?1", s.id), 5000);
     // Step numbers from 0; the first step has no inter-step gap, the others do.
-    assert_eq!(
-        steps.iter().map(|s| s.step).collect::<Vec<_>>(),
-        (0..50).collect::<Vec<_>>()
-    );
+    assert_eq!(steps.iter().map(|s| s.step).collect::<Vec<_>>(), (0..50).collect::<Vec<_>>());
     assert!(steps[0].inter_step_ns.is_none());
-    assert!(
-        steps[1..]
-            .iter()
-            .all(|s| s.inter_step_ns.is_some_and(|g| g >= 0))
-    );
+    assert!(steps[1..].iter().all(|s| s.inter_step_ns.is_some_and(|g| g >= 0)));
     // Every launch is inside its step, and its arguments are the trainer's
     // formula: function = 0x100000 + i, grid = {s+1, i+1, 1}, block = {32,2,1},
     // shared = 16 * (i % 64), stream = 0x7000.
@@ -89,36 +64,15 @@ fn counts_and_arguments_match_ground_truth() {
              AND l.stream = 28672 AND l.tid = s.tid AND l.api = 1)",
         s.id,
     );
-    assert_eq!(
-        bad, 0,
-        "launch rows that disagree with the trainer's arguments"
-    );
-    assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM launches WHERE session_id = ?1 AND step IS NULL",
-            s.id
-        ),
-        0
-    );
+    assert_eq!(bad, 0, "launch rows that disagree with the trainer's arguments");
+    assert_eq!(count(&db, "SELECT count(*) FROM launches WHERE session_id = ?1 AND step IS NULL", s.id), 0);
 }
 
 #[test]
 fn threads_nesting_and_every_driver_entry_point() {
     let (db, truth, s) = attach_and_run(
         "threads",
-        &[
-            "--threads",
-            "3",
-            "--steps",
-            "20",
-            "--launches",
-            "64",
-            "--nest",
-            "3",
-            "--api",
-            "driver-all",
-        ],
+        &["--threads", "3", "--steps", "20", "--launches", "64", "--nest", "3", "--api", "driver-all"],
         &["--step-symbol", "train_step"],
     );
     assert_eq!(s.lost_events, Some(0));
@@ -148,31 +102,15 @@ fn runtime_launches_are_counted_once() {
     // trainer gives the watcher time before launching, as cuInit would.
     let (db, truth, s) = attach_and_run(
         "runtime",
-        &[
-            "--steps",
-            "20",
-            "--launches",
-            "64",
-            "--api",
-            "all",
-            "--after-dlopen-ms",
-            "500",
-        ],
+        &["--steps", "20", "--launches", "64", "--api", "all", "--after-dlopen-ms", "500"],
         &["--step-symbol", "train_step"],
     );
     assert_eq!(truth.apis.len(), 16);
-    assert_eq!(
-        api_counts(&db, s.id),
-        truth.apis,
-        "per entry point, runtime launches not doubled by the driver probe"
-    );
+    assert_eq!(api_counts(&db, s.id), truth.apis, "per entry point, runtime launches not doubled by the driver probe");
     assert_eq!(s.total_launches, Some(truth.total as i64));
     assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
-    let runtime_lib = count(
-        &db,
-        "SELECT count(*) FROM libraries WHERE session_id = ?1 AND kind = 'runtime' AND how = 'maps'",
-        s.id,
-    );
+    let runtime_lib =
+        count(&db, "SELECT count(*) FROM libraries WHERE session_id = ?1 AND kind = 'runtime' AND how = 'maps'", s.id);
     assert_eq!(runtime_lib, 1);
 }
 
@@ -184,23 +122,13 @@ fn no_loss_above_100k_launches_per_second() {
         &["--step-symbol", "train_step"],
     );
     let rate = truth.launch_rate();
-    println!(
-        "sustained {rate:.0} launches/s into SQLite, lost {:?}",
-        s.lost_events
-    );
+    println!("sustained {rate:.0} launches/s into SQLite, lost {:?}", s.lost_events);
     assert!(
         rate >= 100_000.0,
         "the traced trainer only reached {rate:.0} launches/s; this machine cannot show the target"
     );
     assert_eq!(s.lost_events, Some(0));
-    assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM launches WHERE session_id = ?1",
-            s.id
-        ),
-        truth.total as i64
-    );
+    assert_eq!(count(&db, "SELECT count(*) FROM launches WHERE session_id = ?1", s.id), truth.total as i64);
     assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
 }
 
@@ -211,14 +139,7 @@ fn count_mode_keeps_exact_counts_without_rows() {
         &["--steps", "30", "--launches", "50"],
         &["--step-symbol", "train_step", "--launches", "count"],
     );
-    assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM launches WHERE session_id = ?1",
-            s.id
-        ),
-        0
-    );
+    assert_eq!(count(&db, "SELECT count(*) FROM launches WHERE session_id = ?1", s.id), 0);
     assert_eq!(s.total_launches, Some(1500));
     assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
 }
@@ -227,22 +148,12 @@ fn count_mode_keeps_exact_counts_without_rows() {
 fn late_dlopen_of_the_driver_is_probed_before_it_loads() {
     // The trainer loads libcuda only after the profiler is attached, and
     // launches at once: the driver was probed where dlopen would find it.
-    let (db, truth, s) = attach_and_run(
-        "late",
-        &["--steps", "10", "--launches", "20"],
-        &["--step-symbol", "train_step"],
-    );
+    let (db, truth, s) =
+        attach_and_run("late", &["--steps", "10", "--launches", "20"], &["--step-symbol", "train_step"]);
     assert_eq!(s.total_launches, Some(200));
     assert_eq!(api_counts(&db, s.id).get("cuLaunchKernel"), Some(&200));
     assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
-    assert_eq!(
-        count(
-            &db,
-            "SELECT count(*) FROM libraries WHERE session_id = ?1 AND how = 'predicted'",
-            s.id
-        ),
-        1
-    );
+    assert_eq!(count(&db, "SELECT count(*) FROM libraries WHERE session_id = ?1 AND how = 'predicted'", s.id), 1);
 }
 
 #[test]
@@ -253,16 +164,7 @@ fn late_dlopen_from_an_unpredictable_path_is_found_in_the_maps() {
     let hidden = hidden.to_str().expect("utf-8 path");
     let mut trainer = Trainer::spawn_with(
         &dir,
-        &[
-            "--steps",
-            "10",
-            "--launches",
-            "20",
-            "--cuda",
-            hidden,
-            "--after-dlopen-ms",
-            "500",
-        ],
+        &["--steps", "10", "--launches", "20", "--cuda", hidden, "--after-dlopen-ms", "500"],
         None,
     );
     let agent = Agent::attach(trainer.pid(), &db, &["--step-symbol", "train_step"]);
@@ -275,11 +177,7 @@ fn late_dlopen_from_an_unpredictable_path_is_found_in_the_maps() {
     assert_eq!(s.total_launches, Some(200));
     assert_steps_match(&trainer.truth().steps, &steps(&db, s.id), TOLERANCE_NS);
     let how: String = open(&db)
-        .query_row(
-            "SELECT how FROM libraries WHERE session_id = ?1 AND kind = 'driver'",
-            [s.id],
-            |r| r.get(0),
-        )
+        .query_row("SELECT how FROM libraries WHERE session_id = ?1 AND kind = 'driver'", [s.id], |r| r.get(0))
         .expect("driver library row");
     assert_eq!(how, "maps");
 }
@@ -288,10 +186,7 @@ fn late_dlopen_from_an_unpredictable_path_is_found_in_the_maps() {
 fn target_exit_mid_step_keeps_the_open_step() {
     let dir = workdir("die");
     let db = dir.join("p.db");
-    let mut trainer = Trainer::spawn(
-        &dir,
-        &["--steps", "20", "--launches", "10", "--die-in-step", "5"],
-    );
+    let mut trainer = Trainer::spawn(&dir, &["--steps", "20", "--launches", "10", "--die-in-step", "5"]);
     let agent = Agent::attach(trainer.pid(), &db, &["--step-symbol", "train_step"]);
     trainer.go();
     assert_eq!(trainer.wait().code(), Some(3));
@@ -327,44 +222,23 @@ fn interrupted(name: &str, sig: i32, extra: &[&str], reason: &str) {
     let s = last_session(&db);
     assert_eq!(s.end_reason.as_deref(), Some(reason), "{stderr}");
     let truth = trainer.truth();
-    let done: Vec<DbStep> = steps(&db, s.id)
-        .into_iter()
-        .filter(|s| s.end_ns.is_some())
-        .collect();
+    let done: Vec<DbStep> = steps(&db, s.id).into_iter().filter(|s| s.end_ns.is_some()).collect();
     assert!(done.len() >= 20, "only {} steps recorded", done.len());
     // Every step the profiler saw is a real step with its exact launches; every
     // step that ended while it was attached was seen.
     let ended = s.ended_ns.expect("ended") as u64;
     let started = s.started_ns as u64;
-    let expected: Vec<TruthStep> = truth
-        .steps
-        .iter()
-        .filter(|t| t.start_ns > started && t.end_ns < ended)
-        .cloned()
-        .collect();
-    let seen: Vec<DbStep> = done
-        .iter()
-        .filter(|d| d.start_ns > started && d.end_ns.is_some_and(|e| e < ended))
-        .cloned()
-        .collect();
+    let expected: Vec<TruthStep> =
+        truth.steps.iter().filter(|t| t.start_ns > started && t.end_ns < ended).cloned().collect();
+    let seen: Vec<DbStep> =
+        done.iter().filter(|d| d.start_ns > started && d.end_ns.is_some_and(|e| e < ended)).cloned().collect();
     let covered = expected.len().abs_diff(seen.len()) <= 1;
-    assert!(
-        covered,
-        "{} steps ended while attached, {} recorded",
-        expected.len(),
-        seen.len()
-    );
+    assert!(covered, "{} steps ended while attached, {} recorded", expected.len(), seen.len());
     for d in &done {
-        let t = truth.steps.iter().find(|t| {
-            t.tid == d.tid && (t.start_ns as i64 - d.start_ns as i64).abs() < TOLERANCE_NS
-        });
+        let t =
+            truth.steps.iter().find(|t| t.tid == d.tid && (t.start_ns as i64 - d.start_ns as i64).abs() < TOLERANCE_NS);
         let t = t.unwrap_or_else(|| panic!("recorded step {d:?} is not in the ground truth"));
-        assert_eq!(
-            d.launches,
-            Some(t.launches),
-            "launches of {d:?} (session {s:?}, {} steps recorded)",
-            done.len()
-        );
+        assert_eq!(d.launches, Some(t.launches), "launches of {d:?} (session {s:?}, {} steps recorded)", done.len());
     }
 }
 
@@ -400,16 +274,8 @@ fn duration_zero_smoke_run_loads_and_attaches() {
     ]);
     assert_eq!(code, Some(0), "{stderr}");
     assert_eq!(last_session(&db).end_reason.as_deref(), Some("duration"));
-    let probes = count(
-        &db,
-        "SELECT sum(probes) FROM libraries WHERE session_id = ?1",
-        1,
-    );
-    assert_eq!(
-        probes,
-        2 + 8,
-        "step entry+return and the 8 driver entry points"
-    );
+    let probes = count(&db, "SELECT sum(probes) FROM libraries WHERE session_id = ?1", 1);
+    assert_eq!(probes, 2 + 8, "step entry+return and the 8 driver entry points");
 }
 
 #[test]
@@ -418,41 +284,18 @@ fn run_traces_a_command_from_its_start_and_passes_its_exit_code() {
     let db = dir.join("p.db");
     let truth = dir.join("truth.txt");
     let out = std::process::Command::new(profiler_bin())
-        .args([
-            "run",
-            "-o",
-            db.to_str().expect("utf-8"),
-            "--step-symbol",
-            "train_step",
-            "--",
-        ])
+        .args(["run", "-o", db.to_str().expect("utf-8"), "--step-symbol", "train_step", "--"])
         .arg(fixtures().join("trainer"))
-        .args([
-            "--steps",
-            "15",
-            "--launches",
-            "30",
-            "--die-in-step",
-            "12",
-            "--truth",
-            truth.to_str().expect("utf-8"),
-        ])
+        .args(["--steps", "15", "--launches", "30", "--die-in-step", "12", "--truth", truth.to_str().expect("utf-8")])
         .env("LD_LIBRARY_PATH", fixtures())
         .output()
         .expect("run profiler");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(
-        out.status.code(),
-        Some(3),
-        "the command's exit code: {stderr}"
-    );
+    assert_eq!(out.status.code(), Some(3), "the command's exit code: {stderr}");
     let s = last_session(&db);
     assert_eq!(s.end_reason.as_deref(), Some("target-exited"));
     assert_eq!(s.total_launches, Some(12 * 30));
-    let done: Vec<DbStep> = steps(&db, s.id)
-        .into_iter()
-        .filter(|s| s.end_ns.is_some())
-        .collect();
+    let done: Vec<DbStep> = steps(&db, s.id).into_iter().filter(|s| s.end_ns.is_some()).collect();
     assert_steps_match(&Truth::read(&truth).steps, &done, TOLERANCE_NS);
 }
 
@@ -462,10 +305,7 @@ fn genuine_nvidia_driver_library() {
     let db = dir.join("p.db");
     let truth = dir.join("truth.txt");
     let lib = fixtures().join("nvidia/lib");
-    assert!(
-        lib.join("libcuda.so.1").exists(),
-        "genuine libcuda missing: run `cargo xtask fixtures`"
-    );
+    assert!(lib.join("libcuda.so.1").exists(), "genuine libcuda missing: run `cargo xtask fixtures`");
     let out = std::process::Command::new(profiler_bin())
         .args(["run", "-o", db.to_str().expect("utf-8"), "--"])
         .arg(fixtures().join("genuine_launch"))
@@ -476,16 +316,9 @@ fn genuine_nvidia_driver_library() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     let t = std::fs::read_to_string(&truth).expect("truth");
-    assert!(
-        t.contains("cuInit 100"),
-        "no GPU here: cuInit must fail with 100 (no device): {t}"
-    );
+    assert!(t.contains("cuInit 100"), "no GPU here: cuInit must fail with 100 (no device): {t}");
     let expected = Truth::read(&truth).apis;
-    assert_eq!(
-        expected.len(),
-        8,
-        "the genuine library exports all 8 driver launch entry points: {t}"
-    );
+    assert_eq!(expected.len(), 8, "the genuine library exports all 8 driver launch entry points: {t}");
     let s = last_session(&db);
     assert_eq!(api_counts(&db, s.id), expected);
     assert_eq!(s.total_launches, Some(8000));
@@ -514,14 +347,8 @@ fn existing_database_gets_a_new_session() {
         assert!(status.success(), "{stderr}");
         assert_eq!(last_session(&db).id, round);
     }
-    assert_eq!(
-        count(&db, "SELECT count(*) FROM steps WHERE session_id = ?1", 1),
-        3
-    );
-    assert_eq!(
-        count(&db, "SELECT count(*) FROM steps WHERE session_id = ?1", 2),
-        3
-    );
+    assert_eq!(count(&db, "SELECT count(*) FROM steps WHERE session_id = ?1", 1), 3);
+    assert_eq!(count(&db, "SELECT count(*) FROM steps WHERE session_id = ?1", 2), 3);
 }
 
 fn one_error_line(code: Option<i32>, stderr: &str, needle: &str) {
@@ -543,21 +370,12 @@ fn error_without_privileges() {
     let dir = workdir("nopriv");
     let trainer = Trainer::spawn(&dir, &["--steps", "1"]);
     let out = std::process::Command::new("setpriv")
-        .args([
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            "--inh-caps=-all",
-        ])
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"])
         .arg(profiler_bin())
         .args(["attach", &trainer.pid().to_string(), "-o", "/tmp/nopriv.db"])
         .output()
         .expect("setpriv");
-    one_error_line(
-        out.status.code(),
-        &String::from_utf8_lossy(&out.stderr),
-        "run it with sudo",
-    );
+    one_error_line(out.status.code(), &String::from_utf8_lossy(&out.stderr), "run it with sudo");
 }
 
 #[test]
@@ -576,22 +394,14 @@ fn error_unknown_symbol_lists_near_matches() {
     one_error_line(code, &stderr, "'trian_step' not found");
     assert!(stderr.contains("near matches: train_step"), "{stderr}");
     // Nothing was started: no session row.
-    assert_eq!(
-        count(&db, "SELECT count(*) FROM sessions WHERE id >= ?1", 0),
-        0
-    );
+    assert_eq!(count(&db, "SELECT count(*) FROM sessions WHERE id >= ?1", 0), 0);
 }
 
 #[test]
 fn error_unwritable_output() {
     let dir = workdir("unwritable");
     let trainer = Trainer::spawn(&dir, &["--steps", "1"]);
-    let (code, stderr) = profiler_output(&[
-        "attach",
-        &trainer.pid().to_string(),
-        "-o",
-        "/proc/version/p.db",
-    ]);
+    let (code, stderr) = profiler_output(&["attach", &trainer.pid().to_string(), "-o", "/proc/version/p.db"]);
     one_error_line(code, &stderr, "cannot open /proc/version/p.db");
 }
 
@@ -601,16 +411,7 @@ fn error_corrupt_output() {
     let db = dir.join("p.db");
     std::fs::write(&db, vec![0x5au8; 4096]).expect("write");
     let trainer = Trainer::spawn(&dir, &["--steps", "1"]);
-    let (code, stderr) = profiler_output(&[
-        "attach",
-        &trainer.pid().to_string(),
-        "-o",
-        db.to_str().expect("utf-8"),
-    ]);
+    let (code, stderr) = profiler_output(&["attach", &trainer.pid().to_string(), "-o", db.to_str().expect("utf-8")]);
     one_error_line(code, &stderr, "is not a SQLite database");
-    assert_eq!(
-        std::fs::read(&db).expect("read"),
-        vec![0x5au8; 4096],
-        "the file is left as it was"
-    );
+    assert_eq!(std::fs::read(&db).expect("read"), vec![0x5au8; 4096], "the file is left as it was");
 }

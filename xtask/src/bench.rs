@@ -46,12 +46,7 @@ struct Truth {
 
 fn read_truth(path: &Path) -> Result<Truth> {
     let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
-    let mut t = Truth {
-        launch_ns: 0,
-        total: 0,
-        steps: 0,
-        span_ns: 0,
-    };
+    let mut t = Truth { launch_ns: 0, total: 0, steps: 0, span_ns: 0 };
     let (mut first, mut last) = (u64::MAX, 0u64);
     for line in text.lines() {
         let f: Vec<&str> = line.split_whitespace().collect();
@@ -105,8 +100,7 @@ fn wait_for_line(stream: impl std::io::Read + Send + 'static, needle: &'static s
             }
         }
     });
-    rx.recv_timeout(Duration::from_secs(60))
-        .with_context(|| format!("agent never printed '{needle}'"))
+    rx.recv_timeout(Duration::from_secs(60)).with_context(|| format!("agent never printed '{needle}'"))
 }
 
 fn measure(probe: Probe, threads: u32, work: &Path) -> Result<Measured> {
@@ -118,14 +112,7 @@ fn measure(probe: Probe, threads: u32, work: &Path) -> Result<Measured> {
         let _ = std::fs::remove_file(p);
     }
     let mut trainer = Command::new(fx.join("trainer"))
-        .args([
-            "--steps",
-            &STEPS.to_string(),
-            "--launches",
-            &LAUNCHES.to_string(),
-            "--threads",
-            &threads.to_string(),
-        ])
+        .args(["--steps", &STEPS.to_string(), "--launches", &LAUNCHES.to_string(), "--threads", &threads.to_string()])
         .arg("--truth")
         .arg(&truth)
         .arg("--wait-file")
@@ -148,9 +135,7 @@ fn measure(probe: Probe, threads: u32, work: &Path) -> Result<Measured> {
         }
         Probe::Profiler { count_only } => {
             let mut c = Command::new(profiler_bin());
-            c.args(["attach", &pid, "--step-symbol", "train_step", "-o"])
-                .arg(&db)
-                .stderr(Stdio::piped());
+            c.args(["attach", &pid, "--step-symbol", "train_step", "-o"]).arg(&db).stderr(Stdio::piped());
             if count_only {
                 c.args(["--launches", "count"]);
             }
@@ -178,16 +163,12 @@ fn measure(probe: Probe, threads: u32, work: &Path) -> Result<Measured> {
         let (cpu, rss_kib) = wait_rusage(&agent)?;
         if let Probe::Profiler { .. } = probe {
             let conn = rusqlite::Connection::open(&db)?;
-            let lost: i64 = conn.query_row(
-                "SELECT lost_events FROM sessions ORDER BY id DESC LIMIT 1",
-                [],
-                |r| r.get(0),
-            )?;
+            let lost: i64 =
+                conn.query_row("SELECT lost_events FROM sessions ORDER BY id DESC LIMIT 1", [], |r| r.get(0))?;
             m.lost = Some(lost);
             let events = t.total + 2 * t.steps;
             m.events_per_s = events as f64 / (t.span_ns as f64 / 1e9);
-            m.agent_cpu_pct =
-                Some(100.0 * cpu / (t.span_ns as f64 / 1e9 + waited.elapsed().as_secs_f64()));
+            m.agent_cpu_pct = Some(100.0 * cpu / (t.span_ns as f64 / 1e9 + waited.elapsed().as_secs_f64()));
             m.agent_rss_mib = Some(rss_kib / 1024.0);
         }
     }
@@ -209,57 +190,31 @@ pub fn main() -> Result<()> {
     let scenarios: [(&str, Probe, u32); 5] = [
         ("(a) untraced", Probe::None, 1),
         ("(b) bare uprobe, empty program", Probe::Bare, 1),
-        (
-            "(c) profiler, --launches all",
-            Probe::Profiler { count_only: false },
-            1,
-        ),
-        (
-            "(c) profiler, --launches count",
-            Probe::Profiler { count_only: true },
-            1,
-        ),
-        (
-            "(c) profiler, all, 2 threads",
-            Probe::Profiler { count_only: false },
-            2,
-        ),
+        ("(c) profiler, --launches all", Probe::Profiler { count_only: false }, 1),
+        ("(c) profiler, --launches count", Probe::Profiler { count_only: true }, 1),
+        ("(c) profiler, all, 2 threads", Probe::Profiler { count_only: false }, 2),
     ];
     let mut results = Vec::new();
     for (name, probe, threads) in scenarios {
-        say(format!(
-            "bench: {name} ({REPEATS} runs of {threads}×{STEPS} steps × {LAUNCHES} launches)"
-        ));
-        let runs = (0..REPEATS)
-            .map(|_| measure(probe, threads, &work))
-            .collect::<Result<Vec<_>>>()?;
+        say(format!("bench: {name} ({REPEATS} runs of {threads}×{STEPS} steps × {LAUNCHES} launches)"));
+        let runs = (0..REPEATS).map(|_| measure(probe, threads, &work)).collect::<Result<Vec<_>>>()?;
         results.push((name, median(runs)));
     }
     let opt = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$}"));
     println!();
-    println!(
-        "Host cost per cuLaunchKernel (stand-in driver), median of {REPEATS} runs; kernel {}",
-        kernel()
-    );
+    println!("Host cost per cuLaunchKernel (stand-in driver), median of {REPEATS} runs; kernel {}", kernel());
     println!(
         "| {:<32} | {:>12} | {:>9} | {:>12} | {:>4} | {:>10} | {:>13} |",
         "scenario", "ns / launch", "launches", "events/s", "lost", "agent CPU %", "agent RSS MiB"
     );
-    println!(
-        "|{:-<34}|{:->14}|{:->11}|{:->14}|{:->6}|{:->12}|{:->15}|",
-        "", "", "", "", "", "", ""
-    );
+    println!("|{:-<34}|{:->14}|{:->11}|{:->14}|{:->6}|{:->12}|{:->15}|", "", "", "", "", "", "", "");
     for (name, m) in &results {
         println!(
             "| {:<32} | {:>12.0} | {:>9} | {:>12} | {:>4} | {:>11} | {:>13} |",
             name,
             m.ns_per_launch,
             m.launches,
-            if m.events_per_s > 0.0 {
-                format!("{:.0}", m.events_per_s)
-            } else {
-                "-".into()
-            },
+            if m.events_per_s > 0.0 { format!("{:.0}", m.events_per_s) } else { "-".into() },
             m.lost.map_or("-".into(), |l| l.to_string()),
             opt(m.agent_cpu_pct, 1),
             opt(m.agent_rss_mib, 1),
@@ -267,17 +222,9 @@ pub fn main() -> Result<()> {
     }
     let bare = results[1].1.ns_per_launch;
     println!();
-    println!(
-        "ratio (c)/(b), --launches all:   {:.2}",
-        results[2].1.ns_per_launch / bare
-    );
-    println!(
-        "ratio (c)/(b), --launches count: {:.2}",
-        results[3].1.ns_per_launch / bare
-    );
-    println!(
-        "events/s counts launch records plus step entry/return records over the trainer's busy span;"
-    );
+    println!("ratio (c)/(b), --launches all:   {:.2}", results[2].1.ns_per_launch / bare);
+    println!("ratio (c)/(b), --launches count: {:.2}", results[3].1.ns_per_launch / bare);
+    println!("events/s counts launch records plus step entry/return records over the trainer's busy span;");
     println!(
         "agent CPU % is the agent's CPU time over that span plus its drain-and-flush time after the target exits."
     );
@@ -285,7 +232,5 @@ pub fn main() -> Result<()> {
 }
 
 fn kernel() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/osrelease")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_default()
+    std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_owned()).unwrap_or_default()
 }

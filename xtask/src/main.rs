@@ -44,10 +44,7 @@ enum Task {
 }
 
 pub fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace")
-        .to_owned()
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_owned()
 }
 
 pub fn fixtures_dir() -> PathBuf {
@@ -64,9 +61,7 @@ pub fn say(msg: impl AsRef<str>) {
 
 /// Runs a command, failing with its command line if it fails.
 pub fn run(cmd: &mut Command) -> Result<()> {
-    let status = cmd
-        .status()
-        .with_context(|| format!("cannot start {cmd:?}"))?;
+    let status = cmd.status().with_context(|| format!("cannot start {cmd:?}"))?;
     if !status.success() {
         bail!("{cmd:?} failed: {status}");
     }
@@ -93,25 +88,20 @@ pub fn cargo() -> Command {
 fn build_ebpf() -> Result<()> {
     toolchain::ensure_ebpf_toolchain()?;
     say("building the eBPF object (nightly, bpfel-unknown-none, build-std=core)");
-    run(cargo()
-        .current_dir(root().join("profiler-ebpf"))
-        .args(["+nightly", "build", "--release"]))
+    run(cargo().current_dir(root().join("profiler-ebpf")).args(["+nightly", "build", "--release"]))
 }
 
 fn build() -> Result<()> {
     build_ebpf()?;
     say("building the profiler (release)");
-    run(cargo()
-        .current_dir(root())
-        .args(["build", "--release", "-p", "profiler"]))
+    run(cargo().current_dir(root()).args(["build", "--release", "-p", "profiler"]))
 }
 
 fn fixtures() -> Result<()> {
     let dir = fixtures_dir();
     std::fs::create_dir_all(&dir)?;
     let src = root().join("tests/fixtures");
-    let gcc =
-        |args: &[&str]| -> Result<()> { run(Command::new("gcc").current_dir(&src).args(args)) };
+    let gcc = |args: &[&str]| -> Result<()> { run(Command::new("gcc").current_dir(&src).args(args)) };
     let out = |name: &str| dir.join(name).to_string_lossy().into_owned();
     say(format!("building C fixtures into {}", dir.display()));
     let common = ["-O2", "-g", "-Wall", "-Werror"];
@@ -125,23 +115,8 @@ fn fixtures() -> Result<()> {
     };
     so("libcuda.so.1", "fake_cuda.c", &[])?;
     so("libcudart.so.12", "fake_cudart.c", &["-ldl"])?;
-    gcc(&[
-        &common[..],
-        &[
-            "-rdynamic",
-            "-o",
-            &out("trainer"),
-            "trainer.c",
-            "-ldl",
-            "-lpthread",
-        ],
-    ]
-    .concat())?;
-    gcc(&[
-        &common[..],
-        &["-o", &out("genuine_launch"), "genuine_launch.c", "-ldl"],
-    ]
-    .concat())?;
+    gcc(&[&common[..], &["-rdynamic", "-o", &out("trainer"), "trainer.c", "-ldl", "-lpthread"]].concat())?;
+    gcc(&[&common[..], &["-o", &out("genuine_launch"), "genuine_launch.c", "-ldl"]].concat())?;
     // A copy of the stand-in driver in a directory nobody's search path names:
     // found only by watching the target's maps.
     std::fs::create_dir_all(dir.join("hidden"))?;
@@ -159,29 +134,14 @@ fn test(args: &[String]) -> Result<()> {
     build()?;
     fixtures()?;
     say("unit tests (host crates, no root needed)");
-    run(cargo().current_dir(root()).args([
-        "test",
-        "--workspace",
-        "--exclude",
-        "integration-tests",
-    ]))?;
+    run(cargo().current_dir(root()).args(["test", "--workspace", "--exclude", "integration-tests"]))?;
     if !is_root() {
-        bail!(
-            "the integration tests load eBPF programs and need root: run `sudo cargo xtask test`"
-        );
+        bail!("the integration tests load eBPF programs and need root: run `sudo cargo xtask test`");
     }
     say("root integration tests: the real profiler against fixtures with known ground truth");
     let mut c = cargo();
     c.current_dir(root())
-        .args([
-            "test",
-            "--release",
-            "-p",
-            "integration-tests",
-            "--",
-            "--test-threads=1",
-            "--show-output",
-        ])
+        .args(["test", "--release", "-p", "integration-tests", "--", "--test-threads=1", "--show-output"])
         .args(args)
         .env("PROFILER_BIN", profiler_bin())
         .env("PROFILER_FIXTURES", fixtures_dir());
@@ -190,29 +150,11 @@ fn test(args: &[String]) -> Result<()> {
 
 fn lint() -> Result<()> {
     say("rustfmt --check and clippy -D warnings (host crates, then the eBPF crate)");
-    run(cargo()
-        .current_dir(root())
-        .args(["fmt", "--all", "--check"]))?;
-    run(cargo().current_dir(root()).args([
-        "clippy",
-        "--workspace",
-        "--all-targets",
-        "--",
-        "-D",
-        "warnings",
-    ]))?;
+    run(cargo().current_dir(root()).args(["fmt", "--all", "--check"]))?;
+    run(cargo().current_dir(root()).args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     let ebpf = root().join("profiler-ebpf");
-    run(cargo()
-        .current_dir(&ebpf)
-        .args(["+nightly", "fmt", "--check"]))?;
-    run(cargo().current_dir(&ebpf).args([
-        "+nightly",
-        "clippy",
-        "--release",
-        "--",
-        "-D",
-        "warnings",
-    ]))
+    run(cargo().current_dir(&ebpf).args(["+nightly", "fmt", "--check"]))?;
+    run(cargo().current_dir(&ebpf).args(["+nightly", "clippy", "--release", "--", "-D", "warnings"]))
 }
 
 fn demo() -> Result<()> {
@@ -224,37 +166,20 @@ fn demo() -> Result<()> {
     let db = root().join("demo.db");
     let _ = std::fs::remove_file(&db);
     let fx = fixtures_dir();
-    say(
-        "profiling the synthetic trainer: 2 threads × 50 steps × 200 launches, all 16 entry points",
-    );
+    say("profiling the synthetic trainer: 2 threads × 50 steps × 200 launches, all 16 entry points");
     run(Command::new(profiler_bin())
         .args(["run", "-o"])
         .arg(&db)
         .args(["--step-symbol", "train_step", "--"])
         .arg(fx.join("trainer"))
-        .args([
-            "--threads",
-            "2",
-            "--steps",
-            "50",
-            "--launches",
-            "200",
-            "--api",
-            "all",
-            "--step-sleep-us",
-            "2000",
-        ])
+        .args(["--threads", "2", "--steps", "50", "--launches", "200", "--api", "all", "--step-sleep-us", "2000"])
         .args(["--gap-us", "500", "--after-dlopen-ms", "300"])
         .env("LD_LIBRARY_PATH", &fx))?;
     let conn = rusqlite::Connection::open(&db)?;
     println!("\nsteps (first 5):");
-    println!(
-        "{:>5} {:>8} {:>12} {:>14} {:>9}",
-        "step", "tid", "duration_ms", "inter_step_ms", "launches"
-    );
-    let mut q = conn.prepare(
-        "SELECT step, tid, duration_ns, inter_step_ns, launches FROM steps ORDER BY step LIMIT 5",
-    )?;
+    println!("{:>5} {:>8} {:>12} {:>14} {:>9}", "step", "tid", "duration_ms", "inter_step_ms", "launches");
+    let mut q =
+        conn.prepare("SELECT step, tid, duration_ns, inter_step_ns, launches FROM steps ORDER BY step LIMIT 5")?;
     let mut rows = q.query([])?;
     while let Some(r) = rows.next()? {
         let inter: Option<i64> = r.get(3)?;
@@ -274,22 +199,12 @@ fn demo() -> Result<()> {
     )?;
     println!("\n{n} steps, mean {mean:.3} ms, {launches} launches in steps");
     println!("\nlaunches by entry point:");
-    let mut q = conn.prepare(
-        "SELECT api_name, api_layer, count(*) FROM launches_named GROUP BY api ORDER BY api",
-    )?;
+    let mut q = conn.prepare("SELECT api_name, api_layer, count(*) FROM launches_named GROUP BY api ORDER BY api")?;
     let mut rows = q.query([])?;
     while let Some(r) = rows.next()? {
-        println!(
-            "  {:<34} {:<8} {:>6}",
-            r.get::<_, String>(0)?,
-            r.get::<_, String>(1)?,
-            r.get::<_, i64>(2)?
-        );
+        println!("  {:<34} {:<8} {:>6}", r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?);
     }
-    println!(
-        "\nquery it: sqlite3 {} 'SELECT * FROM steps LIMIT 10'",
-        db.display()
-    );
+    println!("\nquery it: sqlite3 {} 'SELECT * FROM steps LIMIT 10'", db.display());
     Ok(())
 }
 

@@ -14,18 +14,12 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 
 fn output(cmd: &mut Command) -> Option<String> {
     let o = cmd.stderr(Stdio::null()).output().ok()?;
-    o.status
-        .success()
-        .then(|| String::from_utf8_lossy(&o.stdout).into_owned())
+    o.status.success().then(|| String::from_utf8_lossy(&o.stdout).into_owned())
 }
 
 fn apt_candidate(package: &str) -> Option<String> {
     let out = output(Command::new("apt-cache").args(["policy", package]))?;
-    let cand = out
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("Candidate:"))?
-        .trim()
-        .to_owned();
+    let cand = out.lines().find_map(|l| l.trim().strip_prefix("Candidate:"))?.trim().to_owned();
     (cand != "(none)").then_some(cand)
 }
 
@@ -69,33 +63,16 @@ fn ensure_llvm22() -> Result<()> {
 
 /// rust-src for nightly, and bpf-linker built against LLVM 22.
 pub fn ensure_ebpf_toolchain() -> Result<()> {
-    let installed = output(Command::new("rustup").args([
-        "component",
-        "list",
-        "--toolchain",
-        "nightly",
-        "--installed",
-    ]))
-    .context(
-        "rustup has no nightly toolchain: install one with `rustup toolchain install nightly`",
-    )?;
+    let installed = output(Command::new("rustup").args(["component", "list", "--toolchain", "nightly", "--installed"]))
+        .context("rustup has no nightly toolchain: install one with `rustup toolchain install nightly`")?;
     if !installed.lines().any(|l| l.starts_with("rust-src")) {
         say("installing rust-src for nightly (the eBPF target builds core from source)");
-        run(Command::new("rustup").args([
-            "component",
-            "add",
-            "rust-src",
-            "--toolchain",
-            "nightly",
-        ]))?;
+        run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))?;
     }
-    let linker_ok = output(Command::new("bpf-linker").arg("--version"))
-        .is_some_and(|v| v.contains(BPF_LINKER_VERSION));
+    let linker_ok = output(Command::new("bpf-linker").arg("--version")).is_some_and(|v| v.contains(BPF_LINKER_VERSION));
     if !linker_ok {
         ensure_llvm22()?;
-        say(format!(
-            "installing bpf-linker {BPF_LINKER_VERSION} against LLVM 22 (a few minutes)"
-        ));
+        say(format!("installing bpf-linker {BPF_LINKER_VERSION} against LLVM 22 (a few minutes)"));
         run(cargo()
             .args([
                 "install",
@@ -140,9 +117,7 @@ pub fn fetch_genuine_libcuda(dir: &Path) -> Result<()> {
     let dl = dir.join("download");
     std::fs::create_dir_all(&dl)?;
     say("downloading Debian's libcuda1 (the genuine NVIDIA 535 driver library)");
-    run(Command::new("apt-get")
-        .current_dir(&dl)
-        .args(["download", "-q", "libcuda1"]))?;
+    run(Command::new("apt-get").current_dir(&dl).args(["download", "-q", "libcuda1"]))?;
     let deb = std::fs::read_dir(&dl)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| p.extension().is_some_and(|e| e == "deb"))
@@ -151,10 +126,7 @@ pub fn fetch_genuine_libcuda(dir: &Path) -> Result<()> {
     run(Command::new("dpkg").arg("-x").arg(&deb).arg(&unpacked))?;
     let found = walk(&unpacked)
         .into_iter()
-        .find(|p| {
-            p.file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("libcuda.so.5"))
-        })
+        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("libcuda.so.5")))
         .context("no libcuda.so.5xx in the package")?;
     std::fs::create_dir_all(dir.join("lib"))?;
     std::fs::copy(&found, &lib)?;

@@ -17,8 +17,7 @@ pub struct BareProbeArgs {
 
 pub async fn main(args: BareProbeArgs) -> anyhow::Result<ExitCode> {
     let pid = NonZeroU32::new(args.pid).context("PID 0")?;
-    let data =
-        std::fs::read(&args.library).with_context(|| format!("read {}", args.library.display()))?;
+    let data = std::fs::read(&args.library).with_context(|| format!("read {}", args.library.display()))?;
     let sym = elf::function_symbols(&data)?
         .into_iter()
         .find(|s| s.name == args.symbol)

@@ -16,11 +16,7 @@ use crate::{
 };
 
 #[derive(Parser, Debug)]
-#[command(
-    name = "profiler",
-    version,
-    about = "Where do my training steps' time go? eBPF CUDA launch and step tracer."
-)]
+#[command(name = "profiler", version, about = "Where do my training steps' time go? eBPF CUDA launch and step tracer.")]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -62,9 +58,7 @@ pub struct TraceArgs {
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
-    let v: f64 = s
-        .parse()
-        .map_err(|_| format!("'{s}' is not a number of seconds"))?;
+    let v: f64 = s.parse().map_err(|_| format!("'{s}' is not a number of seconds"))?;
     if !v.is_finite() || v < 0.0 {
         return Err(format!("'{s}' is not a non-negative number of seconds"));
     }
@@ -112,21 +106,13 @@ mod tests {
             "1.5",
         ])
         .expect("parses");
-        let Command::Attach(a) = cli.command else {
-            panic!("attach expected")
-        };
+        let Command::Attach(a) = cli.command else { panic!("attach expected") };
         assert_eq!(a.pid, 42);
         let c = a.trace.into_config();
         assert_eq!(c.output, PathBuf::from("x.db"));
         assert_eq!(c.launch_mode, LaunchMode::Count);
         assert_eq!(c.duration, Some(Duration::from_millis(1500)));
-        assert_eq!(
-            c.step,
-            Some(StepSymbolSpec {
-                file: Some("lib.so".into()),
-                symbol: "step".into()
-            })
-        );
+        assert_eq!(c.step, Some(StepSymbolSpec { file: Some("lib.so".into()), symbol: "step".into() }));
     }
 
     #[test]
@@ -139,20 +125,9 @@ mod tests {
 
     #[test]
     fn run_takes_the_command_after_dashes() {
-        let cli = Cli::try_parse_from([
-            "profiler",
-            "run",
-            "--launches",
-            "count",
-            "--",
-            "trainer",
-            "--steps",
-            "3",
-        ])
-        .expect("parses");
-        let Command::Run(r) = cli.command else {
-            panic!("run expected")
-        };
+        let cli = Cli::try_parse_from(["profiler", "run", "--launches", "count", "--", "trainer", "--steps", "3"])
+            .expect("parses");
+        let Command::Run(r) = cli.command else { panic!("run expected") };
         assert_eq!(r.command, vec!["trainer", "--steps", "3"]);
     }
 }

@@ -41,10 +41,7 @@ pub const EXEC_GATE: &str = "__exec-gate";
 /// fork and exec; it sits in this first program instead, under the same PID.
 pub fn exec_gate(args: &[String]) -> ExitCode {
     use std::os::unix::process::CommandExt;
-    let (Some(fd), Some(program)) = (
-        args.first().and_then(|f| f.parse::<i32>().ok()),
-        args.get(1),
-    ) else {
+    let (Some(fd), Some(program)) = (args.first().and_then(|f| f.parse::<i32>().ok()), args.get(1)) else {
         eprintln!("profiler: error: {EXEC_GATE} FD PROGRAM ARG0 [ARGS...]");
         return ExitCode::FAILURE;
     };
@@ -68,18 +65,13 @@ pub fn exec_gate(args: &[String]) -> ExitCode {
 pub async fn main(args: RunArgs) -> anyhow::Result<ExitCode> {
     privileges::check().map_err(anyhow::Error::msg)?;
     let program = &args.command[0];
-    let exe =
-        which::which(program).with_context(|| format!("command '{program}' not found in PATH"))?;
+    let exe = which::which(program).with_context(|| format!("command '{program}' not found in PATH"))?;
     let exe = std::fs::canonicalize(&exe).unwrap_or(exe);
     let (gate_read, gate_write) = pipe().context("pipe")?;
     let read_fd = gate_read.as_raw_fd();
     let me = std::env::current_exe().context("cannot find the profiler's own executable")?;
     let mut cmd = tokio::process::Command::new(me);
-    cmd.arg(EXEC_GATE)
-        .arg(read_fd.to_string())
-        .arg(&exe)
-        .arg(program)
-        .args(&args.command[1..]);
+    cmd.arg(EXEC_GATE).arg(read_fd.to_string()).arg(&exe).arg(program).args(&args.command[1..]);
     // SAFETY: fcntl on an fd we own, between fork and exec (async-signal-safe).
     unsafe {
         cmd.pre_exec(move || {
@@ -90,18 +82,10 @@ pub async fn main(args: RunArgs) -> anyhow::Result<ExitCode> {
             Ok(())
         });
     }
-    let child = cmd
-        .spawn()
-        .with_context(|| format!("cannot start {}", exe.display()))?;
+    let child = cmd.spawn().with_context(|| format!("cannot start {}", exe.display()))?;
     drop(gate_read);
-    let launched = LaunchedChild {
-        child,
-        release: gate_write,
-        exe,
-        command: args.command.join(" "),
-    };
-    let summary =
-        session::profile(args.trace.into_config(), Target::Run(Box::new(launched))).await?;
+    let launched = LaunchedChild { child, release: gate_write, exe, command: args.command.join(" ") };
+    let summary = session::profile(args.trace.into_config(), Target::Run(Box::new(launched))).await?;
     Ok(match summary.exit_code {
         Some(0) | None => ExitCode::SUCCESS,
         Some(c) => ExitCode::from(u8::try_from(c).unwrap_or(1)),

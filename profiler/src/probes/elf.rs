@@ -25,10 +25,7 @@ pub enum ElfError {
 /// file offset. Symbols outside any loadable segment are skipped.
 pub fn function_symbols(data: &[u8]) -> Result<Vec<FunctionSymbol>, ElfError> {
     let file = object::File::parse(data)?;
-    let segments: Vec<(u64, u64, u64)> = file
-        .segments()
-        .map(|s| (s.address(), s.size(), s.file_range().0))
-        .collect();
+    let segments: Vec<(u64, u64, u64)> = file.segments().map(|s| (s.address(), s.size(), s.file_range().0)).collect();
     let mut out: Vec<FunctionSymbol> = Vec::new();
     for sym in file.symbols().chain(file.dynamic_symbols()) {
         if sym.kind() != SymbolKind::Text || sym.is_undefined() || sym.address() == 0 {
@@ -37,17 +34,11 @@ pub fn function_symbols(data: &[u8]) -> Result<Vec<FunctionSymbol>, ElfError> {
         let Ok(name) = sym.name() else { continue };
         let name = name.split('@').next().unwrap_or(name);
         let address = sym.address();
-        let Some(&(seg_addr, _, seg_off)) = segments
-            .iter()
-            .find(|(a, size, _)| address >= *a && address < a + size)
+        let Some(&(seg_addr, _, seg_off)) = segments.iter().find(|(a, size, _)| address >= *a && address < a + size)
         else {
             continue;
         };
-        out.push(FunctionSymbol {
-            name: name.to_owned(),
-            address,
-            file_offset: address - seg_addr + seg_off,
-        });
+        out.push(FunctionSymbol { name: name.to_owned(), address, file_offset: address - seg_addr + seg_off });
     }
     out.sort_by(|a, b| (a.name.as_str(), a.address).cmp(&(b.name.as_str(), b.address)));
     out.dedup_by(|a, b| a.name == b.name && a.address == b.address);
@@ -63,11 +54,7 @@ pub fn demangled(name: &str) -> String {
         return format!("{d:#}");
     }
     if let Ok(sym) = cpp_demangle::Symbol::new(name)
-        && let Ok(s) = sym.demangle(
-            &cpp_demangle::DemangleOptions::new()
-                .no_params()
-                .no_return_type(),
-        )
+        && let Ok(s) = sym.demangle(&cpp_demangle::DemangleOptions::new().no_params().no_return_type())
     {
         return s;
     }
@@ -81,24 +68,17 @@ pub fn matches(sym: &str, query: &str) -> bool {
         return true;
     }
     let d = demangled(sym);
-    d == query
-        || d.strip_suffix(query)
-            .is_some_and(|rest| rest.ends_with("::"))
+    d == query || d.strip_suffix(query).is_some_and(|rest| rest.ends_with("::"))
 }
 
 /// Up to `limit` names close to `query` (by edit distance on the demangled
 /// name, or containing it), best first.
-pub fn near_matches<'a>(
-    query: &str,
-    names: impl Iterator<Item = &'a str>,
-    limit: usize,
-) -> Vec<String> {
+pub fn near_matches<'a>(query: &str, names: impl Iterator<Item = &'a str>, limit: usize) -> Vec<String> {
     let mut scored: Vec<(f64, String)> = names
         .map(|n| {
             let d = demangled(n);
             let short = d.rsplit("::").next().unwrap_or(&d).to_owned();
-            let mut score =
-                strsim::jaro_winkler(query, &short).max(strsim::jaro_winkler(query, &d));
+            let mut score = strsim::jaro_winkler(query, &short).max(strsim::jaro_winkler(query, &d));
             if short.contains(query) || query.contains(short.as_str()) {
                 score = score.max(0.9);
             }
@@ -120,10 +100,7 @@ mod tests {
         let exe = std::env::current_exe().expect("current exe");
         let data = std::fs::read(exe).expect("read exe");
         let syms = function_symbols(&data).expect("parse");
-        let main = syms
-            .iter()
-            .find(|s| s.name == "main")
-            .expect("main is defined");
+        let main = syms.iter().find(|s| s.name == "main").expect("main is defined");
         // The bytes at the computed file offset are the bytes the loader maps
         // at the symbol's address: check via the section that holds it.
         let file = object::File::parse(&*data).expect("parse");
@@ -143,10 +120,7 @@ mod tests {
     fn demangles_cpp_and_rust() {
         assert_eq!(demangled("_Z10train_stepi"), "train_step");
         assert_eq!(demangled("_ZN7Trainer4stepEv"), "Trainer::step");
-        assert_eq!(
-            demangled("_ZN5myapp10train_step17h0123456789abcdefE"),
-            "myapp::train_step"
-        );
+        assert_eq!(demangled("_ZN5myapp10train_step17h0123456789abcdefE"), "myapp::train_step");
         assert_eq!(demangled("train_step"), "train_step");
     }
 
@@ -162,13 +136,7 @@ mod tests {
 
     #[test]
     fn near_matches_rank_typos_first_and_drop_unrelated() {
-        let names = [
-            "train_step",
-            "validate",
-            "train_epoch",
-            "main",
-            "_Z10train_stepi",
-        ];
+        let names = ["train_step", "validate", "train_epoch", "main", "_Z10train_stepi"];
         let got = near_matches("trian_step", names.iter().copied(), 3);
         assert_eq!(got.first().map(String::as_str), Some("train_step"));
         assert!(!got.iter().any(|n| n == "main"));

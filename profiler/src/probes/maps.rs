@@ -63,21 +63,14 @@ pub fn mapped_files(maps: &MemoryMaps) -> Vec<MappedFile> {
         if m.inode == 0 || !seen.insert((m.dev, m.inode)) {
             continue;
         }
-        out.push(MappedFile {
-            dev: m.dev,
-            inode: m.inode,
-            path: path.clone(),
-        });
+        out.push(MappedFile { dev: m.dev, inode: m.inode, path: path.clone() });
     }
     out
 }
 
 /// The CUDA libraries among `maps`.
 pub fn cuda_libraries(maps: &MemoryMaps) -> Vec<(LibraryKind, MappedFile)> {
-    mapped_files(maps)
-        .into_iter()
-        .filter_map(|f| classify(&f.path).map(|k| (k, f)))
-        .collect()
+    mapped_files(maps).into_iter().filter_map(|f| classify(&f.path).map(|k| (k, f))).collect()
 }
 
 #[cfg(target_arch = "aarch64")]
@@ -96,11 +89,7 @@ pub fn driver_candidates(ld_library_path: Option<&str>, ldconfig_p: &str) -> Vec
             out.push(p);
         }
     };
-    for dir in ld_library_path
-        .unwrap_or("")
-        .split(':')
-        .filter(|d| !d.is_empty())
-    {
+    for dir in ld_library_path.unwrap_or("").split(':').filter(|d| !d.is_empty()) {
         push(Path::new(dir).join("libcuda.so.1"));
     }
     for line in ldconfig_p.lines() {
@@ -115,13 +104,7 @@ pub fn driver_candidates(ld_library_path: Option<&str>, ldconfig_p: &str) -> Vec
             push(PathBuf::from(path.trim()));
         }
     }
-    for dir in [
-        "/usr/lib/x86_64-linux-gnu",
-        "/usr/lib64",
-        "/usr/lib",
-        "/usr/local/cuda/lib64",
-        "/usr/lib/wsl/lib",
-    ] {
+    for dir in ["/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/cuda/lib64", "/usr/lib/wsl/lib"] {
         push(Path::new(dir).join("libcuda.so.1"));
     }
     out
@@ -152,14 +135,8 @@ mod tests {
     fn finds_driver_and_runtime_once_each() {
         let libs = cuda_libraries(&maps());
         let kinds: Vec<_> = libs.iter().map(|(k, f)| (*k, f.inode)).collect();
-        assert_eq!(
-            kinds,
-            vec![(LibraryKind::Driver, 2001), (LibraryKind::Runtime, 3001)]
-        );
-        assert_eq!(
-            libs[0].1.path,
-            PathBuf::from("/usr/lib/x86_64-linux-gnu/libcuda.so.535.104.05")
-        );
+        assert_eq!(kinds, vec![(LibraryKind::Driver, 2001), (LibraryKind::Runtime, 3001)]);
+        assert_eq!(libs[0].1.path, PathBuf::from("/usr/lib/x86_64-linux-gnu/libcuda.so.535.104.05"));
     }
 
     #[test]
@@ -171,18 +148,9 @@ mod tests {
 
     #[test]
     fn classify_names() {
-        assert_eq!(
-            classify(Path::new("/x/libcuda.so")),
-            Some(LibraryKind::Driver)
-        );
-        assert_eq!(
-            classify(Path::new("/x/libcuda.so.1")),
-            Some(LibraryKind::Driver)
-        );
-        assert_eq!(
-            classify(Path::new("/x/libcudart.so.12.4.127")),
-            Some(LibraryKind::Runtime)
-        );
+        assert_eq!(classify(Path::new("/x/libcuda.so")), Some(LibraryKind::Driver));
+        assert_eq!(classify(Path::new("/x/libcuda.so.1")), Some(LibraryKind::Driver));
+        assert_eq!(classify(Path::new("/x/libcudart.so.12.4.127")), Some(LibraryKind::Runtime));
         assert_eq!(classify(Path::new("/x/libcudadebugger.so.1")), None);
         assert_eq!(classify(Path::new("/x/libcudart_static.a")), None);
     }
@@ -198,14 +166,8 @@ mod tests {
         let c = driver_candidates(Some("/opt/a::/opt/b"), ldconfig);
         assert_eq!(c[0], PathBuf::from("/opt/a/libcuda.so.1"));
         assert_eq!(c[1], PathBuf::from("/opt/b/libcuda.so.1"));
-        assert_eq!(
-            c[2],
-            PathBuf::from("/usr/lib/x86_64-linux-gnu/nvidia/libcuda.so.1")
-        );
+        assert_eq!(c[2], PathBuf::from("/usr/lib/x86_64-linux-gnu/nvidia/libcuda.so.1"));
         assert!(!c.iter().any(|p| p.starts_with("/usr/lib/i386-linux-gnu")));
-        assert_eq!(
-            c[3],
-            PathBuf::from("/usr/lib/x86_64-linux-gnu/libcuda.so.1")
-        );
+        assert_eq!(c[3], PathBuf::from("/usr/lib/x86_64-linux-gnu/libcuda.so.1"));
     }
 }

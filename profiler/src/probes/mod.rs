@@ -25,8 +25,7 @@ use profiler_common::{ApiLayer, LaunchApi, globals, maps as map_names, programs}
 use self::maps::LibraryKind;
 
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at build time.
-static EBPF_OBJECT: &[u8] =
-    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/profiler-ebpf.o"));
+static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/profiler-ebpf.o"));
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProbeError {
@@ -35,27 +34,15 @@ pub enum ProbeError {
     #[error("loading the eBPF object failed: {0}")]
     Load(#[from] aya::EbpfError),
     #[error("eBPF program {name}: {source}")]
-    Program {
-        name: &'static str,
-        source: aya::programs::ProgramError,
-    },
+    Program { name: &'static str, source: aya::programs::ProgramError },
     #[error("eBPF object has no {0}; rebuild with `cargo xtask build`")]
     Missing(&'static str),
     #[error("map {name}: {source}")]
-    Map {
-        name: &'static str,
-        source: aya::maps::MapError,
-    },
+    Map { name: &'static str, source: aya::maps::MapError },
     #[error("cannot read {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Read { path: PathBuf, source: std::io::Error },
     #[error("{path}: {source}")]
-    Elf {
-        path: PathBuf,
-        source: elf::ElfError,
-    },
+    Elf { path: PathBuf, source: elf::ElfError },
 }
 
 /// Kernel-side counters, summed over CPUs.
@@ -85,10 +72,7 @@ impl Probes {
     /// Loads all programs, filtering on `pid`'s tgid. Returns the probes and
     /// the ring buffer, which the caller owns so that it outlives the probes
     /// (it is drained once more after they are detached).
-    pub fn load(
-        pid: NonZeroU32,
-        emit_launches: bool,
-    ) -> Result<(Self, RingBuf<MapData>), ProbeError> {
+    pub fn load(pid: NonZeroU32, emit_launches: bool) -> Result<(Self, RingBuf<MapData>), ProbeError> {
         if EBPF_OBJECT.is_empty() {
             return Err(ProbeError::NoObject);
         }
@@ -99,12 +83,7 @@ impl Probes {
             .override_global(globals::EMIT_LAUNCHES, &emit, true)
             .load(EBPF_OBJECT)?;
         let mut names: Vec<&'static str> = LaunchApi::ALL.iter().map(|a| a.program()).collect();
-        names.extend([
-            programs::RUNTIME_RETURN,
-            programs::STEP_ENTER,
-            programs::STEP_EXIT,
-            programs::BARE,
-        ]);
+        names.extend([programs::RUNTIME_RETURN, programs::STEP_ENTER, programs::STEP_EXIT, programs::BARE]);
         names.sort_unstable();
         names.dedup();
         for name in names {
@@ -113,70 +92,30 @@ impl Probes {
                 .ok_or(ProbeError::Missing(name))?
                 .try_into()
                 .map_err(|source| ProbeError::Program { name, source })?;
-            prog.load()
-                .map_err(|source| ProbeError::Program { name, source })?;
+            prog.load().map_err(|source| ProbeError::Program { name, source })?;
         }
-        let ring =
-            RingBuf::try_from(take_map(&mut ebpf, map_names::EVENTS)?).map_err(|source| {
-                ProbeError::Map {
-                    name: map_names::EVENTS,
-                    source,
-                }
-            })?;
-        let lost =
-            PerCpuArray::try_from(take_map(&mut ebpf, map_names::LOST)?).map_err(|source| {
-                ProbeError::Map {
-                    name: map_names::LOST,
-                    source,
-                }
-            })?;
-        let launches =
-            PerCpuArray::try_from(take_map(&mut ebpf, map_names::LAUNCHES)?).map_err(|source| {
-                ProbeError::Map {
-                    name: map_names::LAUNCHES,
-                    source,
-                }
-            })?;
-        Ok((
-            Self {
-                ebpf,
-                pid,
-                probed: HashSet::new(),
-                lost,
-                launches,
-            },
-            ring,
-        ))
+        let ring = RingBuf::try_from(take_map(&mut ebpf, map_names::EVENTS)?)
+            .map_err(|source| ProbeError::Map { name: map_names::EVENTS, source })?;
+        let lost = PerCpuArray::try_from(take_map(&mut ebpf, map_names::LOST)?)
+            .map_err(|source| ProbeError::Map { name: map_names::LOST, source })?;
+        let launches = PerCpuArray::try_from(take_map(&mut ebpf, map_names::LAUNCHES)?)
+            .map_err(|source| ProbeError::Map { name: map_names::LAUNCHES, source })?;
+        Ok((Self { ebpf, pid, probed: HashSet::new(), lost, launches }, ring))
     }
 
-    fn attach(
-        &mut self,
-        program: &'static str,
-        path: &Path,
-        offset: u64,
-        cookie: u64,
-    ) -> Result<(), ProbeError> {
+    fn attach(&mut self, program: &'static str, path: &Path, offset: u64, cookie: u64) -> Result<(), ProbeError> {
         let prog: &mut UProbe = self
             .ebpf
             .program_mut(program)
             .ok_or(ProbeError::Missing(program))?
             .try_into()
-            .map_err(|source| ProbeError::Program {
-                name: program,
-                source,
-            })?;
-        let point = UProbeAttachPoint {
-            location: UProbeAttachLocation::AbsoluteOffset(offset),
-            cookie: Some(cookie),
-        };
+            .map_err(|source| ProbeError::Program { name: program, source })?;
+        let point = UProbeAttachPoint { location: UProbeAttachLocation::AbsoluteOffset(offset), cookie: Some(cookie) };
         // OneProcess: the kernel installs the breakpoints only in the target's
         // address space (all its threads), so other processes using the same
         // library pay nothing.
         prog.attach(point, path, UProbeScope::OneProcess(self.pid))
-            .map_err(|source| ProbeError::Program {
-                name: program,
-                source,
-            })?;
+            .map_err(|source| ProbeError::Program { name: program, source })?;
         Ok(())
     }
 
@@ -187,26 +126,14 @@ impl Probes {
 
     /// Probes every launch entry point `path` exports. Returns how many
     /// probes were attached (0 when the file exports none, or was already probed).
-    pub fn attach_cuda_library(
-        &mut self,
-        kind: LibraryKind,
-        path: &Path,
-    ) -> Result<u32, ProbeError> {
-        let meta = std::fs::metadata(path).map_err(|source| ProbeError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
+    pub fn attach_cuda_library(&mut self, kind: LibraryKind, path: &Path) -> Result<u32, ProbeError> {
+        let meta = std::fs::metadata(path).map_err(|source| ProbeError::Read { path: path.to_owned(), source })?;
         if !self.probed.insert((meta.dev(), meta.ino())) {
             return Ok(0);
         }
-        let data = std::fs::read(path).map_err(|source| ProbeError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        let symbols = elf::function_symbols(&data).map_err(|source| ProbeError::Elf {
-            path: path.to_owned(),
-            source,
-        })?;
+        let data = std::fs::read(path).map_err(|source| ProbeError::Read { path: path.to_owned(), source })?;
+        let symbols =
+            elf::function_symbols(&data).map_err(|source| ProbeError::Elf { path: path.to_owned(), source })?;
         let layer = match kind {
             LibraryKind::Driver => ApiLayer::Driver,
             LibraryKind::Runtime => ApiLayer::Runtime,
@@ -227,12 +154,7 @@ impl Probes {
     }
 
     /// Entry and return probes on the step function.
-    pub fn attach_step(
-        &mut self,
-        path: &Path,
-        file_offset: u64,
-        probe_id: u32,
-    ) -> Result<(), ProbeError> {
+    pub fn attach_step(&mut self, path: &Path, file_offset: u64, probe_id: u32) -> Result<(), ProbeError> {
         self.attach(programs::STEP_ENTER, path, file_offset, probe_id.into())?;
         self.attach(programs::STEP_EXIT, path, file_offset, probe_id.into())
     }
@@ -270,16 +192,9 @@ impl Probes {
     }
 }
 
-fn read_counters(
-    lost: &PerCpuArray<MapData, u64>,
-    launches: &PerCpuArray<MapData, u64>,
-) -> KernelCounters {
-    let sum =
-        |m: &PerCpuArray<MapData, u64>| m.get(&0, 0).map(|v| v.iter().sum::<u64>()).unwrap_or(0);
-    KernelCounters {
-        lost: sum(lost),
-        launches: sum(launches),
-    }
+fn read_counters(lost: &PerCpuArray<MapData, u64>, launches: &PerCpuArray<MapData, u64>) -> KernelCounters {
+    let sum = |m: &PerCpuArray<MapData, u64>| m.get(&0, 0).map(|v| v.iter().sum::<u64>()).unwrap_or(0);
+    KernelCounters { lost: sum(lost), launches: sum(launches) }
 }
 
 /// `path` as seen from inside `pid`'s mount namespace, reachable from ours.

@@ -23,22 +23,13 @@ impl StepSymbolSpec {
             if bytes[i] == b':' {
                 let lone = bytes.get(i + 1) != Some(&b':') && (i == 0 || bytes[i - 1] != b':');
                 let file = &s[..i];
-                if lone
-                    && (file.contains('/') || file.ends_with(".so") || file.contains(".so."))
-                    && i + 1 < s.len()
-                {
-                    return Self {
-                        file: Some(file.to_owned()),
-                        symbol: s[i + 1..].to_owned(),
-                    };
+                if lone && (file.contains('/') || file.ends_with(".so") || file.contains(".so.")) && i + 1 < s.len() {
+                    return Self { file: Some(file.to_owned()), symbol: s[i + 1..].to_owned() };
                 }
             }
             i += 1;
         }
-        Self {
-            file: None,
-            symbol: s.to_owned(),
-        }
+        Self { file: None, symbol: s.to_owned() }
     }
 }
 
@@ -63,20 +54,10 @@ pub struct ResolvedStep {
 
 #[derive(Debug, thiserror::Error)]
 pub enum StepSymbolError {
-    #[error(
-        "step symbol '{symbol}' not found in {searched}{near}; name the file with --step-symbol FILE:SYMBOL"
-    )]
-    NotFound {
-        symbol: String,
-        searched: String,
-        near: String,
-    },
+    #[error("step symbol '{symbol}' not found in {searched}{near}; name the file with --step-symbol FILE:SYMBOL")]
+    NotFound { symbol: String, searched: String, near: String },
     #[error("step symbol '{symbol}' is ambiguous in {path}: {candidates}; pass the mangled name")]
-    Ambiguous {
-        symbol: String,
-        path: PathBuf,
-        candidates: String,
-    },
+    Ambiguous { symbol: String, path: PathBuf, candidates: String },
     #[error("--step-symbol file '{0}' is neither a readable file nor mapped by the target")]
     NoSuchFile(String),
 }
@@ -94,17 +75,13 @@ pub fn resolve<B: AsRef<[u8]>>(
         Some(f) => candidates
             .iter()
             .filter(|c| {
-                c.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n == f || n.starts_with(&format!("{f}.")))
+                c.file_name().and_then(|n| n.to_str()).is_some_and(|n| n == f || n.starts_with(&format!("{f}.")))
             })
             .cloned()
             .collect(),
     };
     if files.is_empty() {
-        return Err(StepSymbolError::NoSuchFile(
-            spec.file.clone().unwrap_or_default(),
-        ));
+        return Err(StepSymbolError::NoSuchFile(spec.file.clone().unwrap_or_default()));
     }
     let mut near: Vec<(String, PathBuf)> = Vec::new();
     let mut readable = 0;
@@ -115,24 +92,16 @@ pub fn resolve<B: AsRef<[u8]>>(
         };
         readable += 1;
         // An exact symbol name wins over demangled matches (`main` is not `app::main`).
-        let mut found: Vec<&FunctionSymbol> =
-            symbols.iter().filter(|s| s.name == spec.symbol).collect();
+        let mut found: Vec<&FunctionSymbol> = symbols.iter().filter(|s| s.name == spec.symbol).collect();
         if found.is_empty() {
-            found = symbols
-                .iter()
-                .filter(|s| elf::matches(&s.name, &spec.symbol))
-                .collect();
+            found = symbols.iter().filter(|s| elf::matches(&s.name, &spec.symbol)).collect();
         }
         let mut addrs: Vec<u64> = found.iter().map(|s| s.address).collect();
         addrs.sort_unstable();
         addrs.dedup();
         match (found.first(), addrs.len()) {
             (Some(s), 1) => {
-                return Ok(ResolvedStep {
-                    path: path.clone(),
-                    symbol: s.name.clone(),
-                    file_offset: s.file_offset,
-                });
+                return Ok(ResolvedStep { path: path.clone(), symbol: s.name.clone(), file_offset: s.file_offset });
             }
             (Some(_), _) => {
                 let mut names: Vec<String> = found.iter().map(|s| s.name.clone()).collect();
@@ -144,8 +113,7 @@ pub fn resolve<B: AsRef<[u8]>>(
                 });
             }
             (None, _) => {
-                for n in elf::near_matches(&spec.symbol, symbols.iter().map(|s| s.name.as_str()), 3)
-                {
+                for n in elf::near_matches(&spec.symbol, symbols.iter().map(|s| s.name.as_str()), 3) {
                     near.push((n, path.clone()));
                 }
             }
@@ -153,28 +121,17 @@ pub fn resolve<B: AsRef<[u8]>>(
     }
     let searched = match (files.first(), files.len()) {
         (Some(f), 1) => f.display().to_string(),
-        (Some(f), n) => format!(
-            "{} and the {} libraries it maps ({readable} readable)",
-            f.display(),
-            n - 1
-        ),
+        (Some(f), n) => format!("{} and the {} libraries it maps ({readable} readable)", f.display(), n - 1),
         (None, _) => "nothing".into(),
     };
     near.truncate(5);
     let near = if near.is_empty() {
         String::new()
     } else {
-        let list: Vec<String> = near
-            .iter()
-            .map(|(n, p)| format!("{n} ({})", p.display()))
-            .collect();
+        let list: Vec<String> = near.iter().map(|(n, p)| format!("{n} ({})", p.display())).collect();
         format!("; near matches: {}", list.join(", "))
     };
-    Err(StepSymbolError::NotFound {
-        symbol: spec.symbol.clone(),
-        searched,
-        near,
-    })
+    Err(StepSymbolError::NotFound { symbol: spec.symbol.clone(), searched, near })
 }
 
 #[cfg(test)]
@@ -183,40 +140,22 @@ mod tests {
 
     #[test]
     fn parses_file_and_symbol_forms() {
-        assert_eq!(
-            StepSymbolSpec::parse("train_step"),
-            StepSymbolSpec {
-                file: None,
-                symbol: "train_step".into()
-            }
-        );
+        assert_eq!(StepSymbolSpec::parse("train_step"), StepSymbolSpec { file: None, symbol: "train_step".into() });
         assert_eq!(
             StepSymbolSpec::parse("/opt/bin/trainer:train_step"),
-            StepSymbolSpec {
-                file: Some("/opt/bin/trainer".into()),
-                symbol: "train_step".into()
-            }
+            StepSymbolSpec { file: Some("/opt/bin/trainer".into()), symbol: "train_step".into() }
         );
         assert_eq!(
             StepSymbolSpec::parse("libtrainer.so:step"),
-            StepSymbolSpec {
-                file: Some("libtrainer.so".into()),
-                symbol: "step".into()
-            }
+            StepSymbolSpec { file: Some("libtrainer.so".into()), symbol: "step".into() }
         );
         assert_eq!(
             StepSymbolSpec::parse("Trainer::step"),
-            StepSymbolSpec {
-                file: None,
-                symbol: "Trainer::step".into()
-            }
+            StepSymbolSpec { file: None, symbol: "Trainer::step".into() }
         );
         assert_eq!(
             StepSymbolSpec::parse("./a.out:ns::Trainer::step"),
-            StepSymbolSpec {
-                file: Some("./a.out".into()),
-                symbol: "ns::Trainer::step".into()
-            }
+            StepSymbolSpec { file: Some("./a.out".into()), symbol: "ns::Trainer::step".into() }
         );
     }
 
@@ -225,30 +164,18 @@ mod tests {
         let exe = std::env::current_exe().expect("exe");
         let bytes = std::fs::read(&exe).expect("read");
         let cands = vec![exe.clone()];
-        let ok = resolve(&StepSymbolSpec::parse("main"), &cands, |_| {
-            Some(bytes.as_slice())
-        })
-        .expect("main exists");
+        let ok = resolve(&StepSymbolSpec::parse("main"), &cands, |_| Some(bytes.as_slice())).expect("main exists");
         assert_eq!(ok.symbol, "main");
         assert_eq!(ok.path, exe);
-        let err = resolve(&StepSymbolSpec::parse("mainn"), &cands, |_| {
-            Some(bytes.as_slice())
-        })
-        .expect_err("typo");
+        let err = resolve(&StepSymbolSpec::parse("mainn"), &cands, |_| Some(bytes.as_slice())).expect_err("typo");
         let msg = err.to_string();
-        assert!(
-            msg.contains("not found") && msg.contains("near matches: main"),
-            "{msg}"
-        );
+        assert!(msg.contains("not found") && msg.contains("near matches: main"), "{msg}");
     }
 
     #[test]
     fn file_name_filter_with_no_match_is_an_error() {
         let cands = vec![PathBuf::from("/usr/bin/trainer")];
-        let err = resolve(&StepSymbolSpec::parse("libx.so:step"), &cands, |_| {
-            None::<Vec<u8>>
-        })
-        .expect_err("no file");
+        let err = resolve(&StepSymbolSpec::parse("libx.so:step"), &cands, |_| None::<Vec<u8>>).expect_err("no file");
         assert!(matches!(err, StepSymbolError::NoSuchFile(_)));
     }
 }
