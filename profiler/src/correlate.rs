@@ -88,11 +88,11 @@ impl CounterSeries {
         Some(v0 + (v1 - v0) * ((t - t0) as f64 / (t1 - t0) as f64))
     }
 
-    /// Error bound of [`Self::at`] at `t`: the points are the true curve seen
-    /// up to one sampling interval late (or one update period, if sampling is
-    /// slower), which costs at most P·min(T_s, T_u); a power change across the
-    /// segment costs at most ΔP·T_seg/4; plus the counter's resolution.
-    pub fn error_at(&self, t: u64) -> Option<f64> {
+    /// The two parts of [`Self::at`]'s error at `t`: the local power (the
+    /// points are the true curve seen up to one sampling interval late, or
+    /// one update period if sampling is slower), and the shape error (a power
+    /// change across the segment costs at most ΔP·T_seg/4) plus resolution.
+    fn error_parts(&self, t: u64) -> Option<(f64, f64)> {
         let i = self.segment(t)?;
         let p = self.slope(i);
         let neighbours: Vec<f64> = [i.checked_sub(1), (i + 2 < self.points.len()).then_some(i + 1)]
@@ -103,8 +103,12 @@ impl CounterSeries {
         let p_max = neighbours.iter().copied().fold(p, f64::max);
         let dp = neighbours.iter().map(|q| (q - p).abs()).fold(0.0, f64::max);
         let seg_s = (self.points[i + 1].0 - self.points[i].0) as f64 / 1e9;
-        let lag_s = self.sample_period_ns.min(self.update_period_ns.max(1)) as f64 / 1e9;
-        Some(p_max * lag_s + dp * seg_s / 4.0 + self.resolution)
+        Some((p_max, dp * seg_s / 4.0 + self.resolution))
+    }
+
+    /// How late a point may be seen: min(T_s, T_u), in seconds.
+    fn lag_s(&self) -> f64 {
+        self.sample_period_ns.min(self.update_period_ns.max(1)) as f64 / 1e9
     }
 }
 
@@ -127,7 +131,11 @@ pub fn interval_energy(series: &CounterSeries, start: u64, end: u64) -> Option<I
     }
     let e0 = series.at(start)?;
     let e1 = series.at(end)?;
-    let error = series.error_at(start)? + series.error_at(end)?;
+    // Both boundaries are read through points seen late by λ0, λ1 ∈ [0, lag]:
+    // the difference is off by P·(λ0 − λ1), at most P·lag once, not twice.
+    let (p0, shape0) = series.error_parts(start)?;
+    let (p1, shape1) = series.error_parts(end)?;
+    let error = p0.max(p1) * series.lag_s() + shape0 + shape1;
     let energy = (e1 - e0).max(0.0);
     let secs = (end - start) as f64 / 1e9;
     Some(IntervalEnergy {

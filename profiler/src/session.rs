@@ -26,8 +26,14 @@ use crate::{
         maps::{self, LibraryKind},
         step_symbol::{self, StepSymbolSpec},
     },
+    samplers::{
+        SamplerThread,
+        gpu::{GpuConfig, GpuSampler},
+    },
     steps::StepTracker,
-    store::{LaunchRow, LibraryRow, SessionEnd, SessionStart, StepRow, Store, StoreMsg, StoreWriter},
+    store::{
+        Capability, FinishHook, LaunchRow, LibraryRow, SessionEnd, SessionStart, StepRow, Store, StoreMsg, StoreWriter,
+    },
 };
 
 /// Whether every launch gets a row, or only per-step counts are kept.
@@ -57,6 +63,10 @@ pub struct SessionConfig {
     pub duration: Option<Duration>,
     pub maps_interval: Duration,
     pub quiet: bool,
+    /// NVML sampling; None with `--no-gpu`.
+    pub gpu: Option<GpuConfig>,
+    /// `--require-gpu`: no NVML is an error, not NULLs.
+    pub require_gpu: bool,
 }
 
 /// A process started by `profiler run`, held before `exec` until the probes are in.
@@ -139,16 +149,22 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         Target::Attach(pid) => {
             let process = procfs::process::Process::new(pid as i32)
                 .map_err(|_| anyhow::anyhow!("no process with PID {pid}: check the PID (ps -p {pid})"))?;
+            if process.stat().is_ok_and(|st| st.state == 'Z' || st.state == 'X') {
+                bail!("process {pid} has already exited");
+            }
             privileges::check().map_err(anyhow::Error::msg)?;
-            let exe = process.exe().with_context(|| format!("cannot read /proc/{pid}/exe"))?;
+            let exe =
+                process.exe().with_context(|| format!("cannot read /proc/{pid}/exe (has the process exited?)"))?;
             (pid, None, exe, command_line(pid), "attach")
         }
         Target::Run(c) => {
+            let c = *c;
             let pid = c.child.id().context("the command exited before it could be profiled")?;
             (pid, Some((c.child, c.release)), c.exe, c.command, "run")
         }
     };
     let nz_pid = NonZeroU32::new(pid).context("PID 0 cannot be profiled")?;
+    let target_var = |key: &str| if mode == "attach" { target_env(pid, key) } else { std::env::var(key).ok() };
 
     let store = Store::open(&cfg.output)?;
 
@@ -174,17 +190,139 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         }
     };
 
+    // NVML before anything is attached: with --require-gpu its absence is an error.
+    let gpu = match &cfg.gpu {
+        None => Err("disabled with --no-gpu".to_string()),
+        Some(g) => GpuSampler::open(g, pid, target_var("CUDA_VISIBLE_DEVICES").as_deref()).map_err(|e| e.to_string()),
+    };
+    if let Err(e) = &gpu
+        && cfg.gpu.is_some()
+    {
+        if cfg.require_gpu {
+            bail!("{e} (--require-gpu)");
+        }
+        eprintln!("profiler: {e}; GPU metrics will be NULL (--no-gpu skips NVML, --require-gpu makes this an error)");
+    }
+
     let (mut probes, ring) = Probes::load(nz_pid, cfg.launch_mode == LaunchMode::All)?;
-    let mut libraries: Vec<LibraryRow> = Vec::new();
+
+    let started_ns = clock::monotonic_ns();
+    let session_id = store.begin_session(&SessionStart {
+        pid,
+        command,
+        exe: Some(exe.display().to_string()),
+        mode,
+        launch_mode: cfg.launch_mode.as_str(),
+        step_symbol: cfg.step.as_ref().map(|s| s.to_string()),
+        started_ns,
+        unix_offset_ns: clock::unix_offset_ns(),
+        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|s| s.trim().to_owned()),
+        kernel_release: std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().map(|s| s.trim().to_owned()),
+    })?;
+    let output = store.path().to_owned();
+    let writer = store.spawn_writer(session_id);
+
+    // Samplers start before the step probes, so their series cover every step.
+    let mut samplers: Vec<SamplerThread> = Vec::new();
+    match gpu {
+        Ok(mut g) => {
+            g.start(writer.sender());
+            let interval = cfg.gpu.as_ref().map_or(Duration::from_millis(100), |c| c.interval);
+            samplers.push(SamplerThread::spawn("gpu", interval, g)?);
+        }
+        Err(reason) => writer.send(StoreMsg::Capability(Capability {
+            source: "nvml".into(),
+            metric: "*".into(),
+            available: false,
+            reason: Some(reason),
+        })),
+    }
+
+    // From here on, whatever happens, the session is finished and flushed.
+    let mut consumer = Consumer::new(writer, cfg.launch_mode == LaunchMode::All);
     let mut watcher = LibraryWatcher { pid, seen: HashSet::new() };
+    let attached = attach_all(&cfg, pid, mode, &mut probes, &mut watcher, resolved_step.as_ref(), &target_var);
+    let outcome = match attached {
+        Ok(libraries) => {
+            for l in libraries {
+                consumer.writer.send(StoreMsg::Library(l));
+            }
+            say!(cfg.quiet, "session {session_id}: tracing PID {pid} into {} (Ctrl-C to stop)", output.display());
+            event_loop(&cfg, pid, &mut child, &mut probes, ring, &mut consumer, &mut watcher).await
+        }
+        Err(e) => Err((ring, e)),
+    };
+    let (ring, end_reason, exit_code) = match outcome {
+        Ok(v) => v,
+        Err((ring, e)) => {
+            eprintln!("profiler: error: {e:#}");
+            (ring, format!("error: {e:#}"), None)
+        }
+    };
+    // The session ends when we decide to stop; detaching (which waits for the
+    // kernel to retire each uprobe) can take a while and is not part of it.
+    let ended_ns = clock::monotonic_ns();
+    let kc = probes.counters();
+    // Records from before the stop are still queued; those written while the
+    // probes are being detached (neither instantaneous nor ordered between
+    // probes) are not part of the session.
+    consumer.cutoff_ns = Some(ended_ns);
+    probes.detach();
+    let mut ring = ring;
+    consumer.drain(&mut ring);
+    let hooks = samplers.into_iter().filter_map(SamplerThread::stop).collect();
+    let report = consumer.finish(
+        SessionEnd {
+            ended_ns,
+            end_reason: end_reason.clone(),
+            lost_events: kc.lost,
+            total_launches: kc.launches,
+            unmatched_returns: 0,
+        },
+        hooks,
+    )?;
+    let secs = (ended_ns - started_ns) as f64 / 1e9;
+    say!(cfg.quiet, "session {session_id} ended ({end_reason}) after {secs:.1} s: {} → {}", report, output.display());
+    if kc.lost > 0 {
+        eprintln!(
+            "profiler: warning: {} events were lost (ring buffer full); counts in steps.launches are still exact, launch rows are missing",
+            kc.lost
+        );
+    }
+    if end_reason.starts_with("error") {
+        bail!("the session ended with an error; what was collected is in {}", output.display());
+    }
+
+    // `run`: the command outlives the profiling window; wait for it and pass on its status.
+    let exit_code = match (exit_code, child) {
+        (Some(c), _) => Some(c),
+        (None, Some((mut c, _))) => {
+            say!(cfg.quiet, "waiting for the command to exit (profiling has stopped)");
+            c.wait().await.ok().and_then(|s| s.code())
+        }
+        (None, None) => None,
+    };
+    Ok(Summary { exit_code })
+}
+
+/// Probes the CUDA libraries the target maps or will load, then the step
+/// function. Returns the `libraries` rows.
+fn attach_all(
+    cfg: &SessionConfig,
+    pid: u32,
+    mode: &str,
+    probes: &mut Probes,
+    watcher: &mut LibraryWatcher,
+    step: Option<&step_symbol::ResolvedStep>,
+    target_var: &dyn Fn(&str) -> Option<String>,
+) -> anyhow::Result<Vec<LibraryRow>> {
+    let mut libraries: Vec<LibraryRow> = Vec::new();
     if mode == "attach" {
-        watcher.scan(&mut probes, &mut libraries, cfg.quiet);
+        watcher.scan(probes, &mut libraries, cfg.quiet);
     }
     // Probe the driver library where the target would find it, before it loads
     // it: PyTorch initialises CUDA lazily, and the first launches follow at once.
-    let ld_path =
-        if mode == "attach" { target_env(pid, "LD_LIBRARY_PATH") } else { std::env::var("LD_LIBRARY_PATH").ok() };
-    for cand in maps::driver_candidates(ld_path.as_deref(), &ldconfig_cache()) {
+    for cand in maps::driver_candidates(target_var("LD_LIBRARY_PATH").as_deref(), &ldconfig_cache()) {
         let visible = probes::in_target_root(pid, &cand);
         if !visible.is_file() || probes.is_probed(&visible) {
             continue;
@@ -206,7 +344,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     }
     // The step probes go in last, so that every step they see has the launch
     // probes of the libraries known now in place for its whole span.
-    if let Some(step) = &resolved_step {
+    if let Some(step) = step {
         let visible = if step.path.is_relative() { step.path.clone() } else { probes::in_target_root(pid, &step.path) };
         let visible = if visible.exists() { visible } else { step.path.clone() };
         probes.attach_step(&visible, step.file_offset, 0)?;
@@ -219,78 +357,13 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         });
         say!(cfg.quiet, "step function {} in {}", step.symbol, step.path.display());
     }
-
     if !libraries.iter().any(|l| l.kind == "driver" || l.kind == "runtime") {
         say!(
             cfg.quiet,
             "PID {pid} has no CUDA library mapped yet; launches will appear once it loads libcuda or libcudart"
         );
     }
-
-    let started_ns = clock::monotonic_ns();
-    let session_id = store.begin_session(&SessionStart {
-        pid,
-        command,
-        exe: Some(exe.display().to_string()),
-        mode,
-        launch_mode: cfg.launch_mode.as_str(),
-        step_symbol: cfg.step.as_ref().map(|s| s.to_string()),
-        started_ns,
-        unix_offset_ns: clock::unix_offset_ns(),
-        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|s| s.trim().to_owned()),
-        kernel_release: std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().map(|s| s.trim().to_owned()),
-    })?;
-    let output = store.path().to_owned();
-    let writer = store.spawn_writer(session_id);
-    for l in libraries.drain(..) {
-        writer.send(StoreMsg::Library(l));
-    }
-    say!(cfg.quiet, "session {session_id}: tracing PID {pid} into {} (Ctrl-C to stop)", output.display());
-
-    // From here on, whatever happens, the session is finished and flushed.
-    let mut consumer = Consumer::new(writer, cfg.launch_mode == LaunchMode::All);
-    let outcome = event_loop(&cfg, pid, &mut child, &mut probes, ring, &mut consumer, &mut watcher).await;
-    let (ring, end_reason, exit_code) = match outcome {
-        Ok(v) => v,
-        Err((ring, e)) => (ring, format!("error: {e:#}"), None),
-    };
-    // The session ends when we decide to stop; detaching (which waits for the
-    // kernel to retire each uprobe) can take a while and is not part of it.
-    let ended_ns = clock::monotonic_ns();
-    let kc = probes.counters();
-    // Records from before the stop are still queued; those written while the
-    // probes are being detached (neither instantaneous nor ordered between
-    // probes) are not part of the session.
-    consumer.cutoff_ns = Some(ended_ns);
-    probes.detach();
-    let mut ring = ring;
-    consumer.drain(&mut ring);
-    let report = consumer.finish(SessionEnd {
-        ended_ns,
-        end_reason: end_reason.clone(),
-        lost_events: kc.lost,
-        total_launches: kc.launches,
-        unmatched_returns: 0,
-    })?;
-    let secs = (ended_ns - started_ns) as f64 / 1e9;
-    say!(cfg.quiet, "session {session_id} ended ({end_reason}) after {secs:.1} s: {} → {}", report, output.display());
-    if kc.lost > 0 {
-        eprintln!(
-            "profiler: warning: {} events were lost (ring buffer full); counts in steps.launches are still exact, launch rows are missing",
-            kc.lost
-        );
-    }
-
-    // `run`: the command outlives the profiling window; wait for it and pass on its status.
-    let exit_code = match (exit_code, child) {
-        (Some(c), _) => Some(c),
-        (None, Some((mut c, _))) => {
-            say!(cfg.quiet, "waiting for the command to exit (profiling has stopped)");
-            c.wait().await.ok().and_then(|s| s.code())
-        }
-        (None, None) => None,
-    };
-    Ok(Summary { exit_code })
+    Ok(libraries)
 }
 
 type LoopOutcome = Result<(RingBuf<MapData>, String, Option<i32>), (RingBuf<MapData>, anyhow::Error)>;
@@ -545,7 +618,7 @@ impl Consumer {
 
     /// Stores steps still open (end NULL), finishes the session, and returns a
     /// one-line description of what was stored.
-    fn finish(mut self, mut end: SessionEnd) -> anyhow::Result<String> {
+    fn finish(mut self, mut end: SessionEnd, hooks: Vec<FinishHook>) -> anyhow::Result<String> {
         for s in self.tracker.open_steps() {
             self.steps.push(StepRow {
                 step: s.step,
@@ -558,7 +631,7 @@ impl Consumer {
         }
         self.flush();
         end.unmatched_returns = self.tracker.unmatched_returns;
-        let stats = self.writer.finish(end.clone(), Vec::new())?;
+        let stats = self.writer.finish(end.clone(), hooks)?;
         if let Some(e) = &stats.first_error {
             eprintln!("profiler: error: {} rows could not be written: {e}", stats.failed_rows);
         }

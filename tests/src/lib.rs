@@ -137,8 +137,14 @@ pub struct Agent {
 impl Agent {
     /// Starts `profiler ARGS` and, when `ready` is set, waits until it says it is tracing.
     pub fn start(args: &[String], ready: bool) -> Agent {
+        Self::start_with_env(args, &[], ready)
+    }
+
+    /// As [`Agent::start`], with extra environment variables for the profiler.
+    pub fn start_with_env(args: &[String], env: &[(&str, &str)], ready: bool) -> Agent {
         let mut child = Command::new(profiler_bin())
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

@@ -115,13 +115,14 @@ fn fixtures() -> Result<()> {
     };
     so("libcuda.so.1", "fake_cuda.c", &[])?;
     so("libcudart.so.12", "fake_cudart.c", &["-ldl"])?;
+    so("libnvidia-ml.so.1", "fake_nvml.c", &[])?;
     gcc(&[&common[..], &["-rdynamic", "-o", &out("trainer"), "trainer.c", "-ldl", "-lpthread"]].concat())?;
     gcc(&[&common[..], &["-o", &out("genuine_launch"), "genuine_launch.c", "-ldl"]].concat())?;
     // A copy of the stand-in driver in a directory nobody's search path names:
     // found only by watching the target's maps.
     std::fs::create_dir_all(dir.join("hidden"))?;
     std::fs::copy(dir.join("libcuda.so.1"), dir.join("hidden/libcuda.so.1"))?;
-    toolchain::fetch_genuine_libcuda(&dir.join("nvidia"))?;
+    toolchain::fetch_genuine_nvidia(&dir.join("nvidia"))?;
     Ok(())
 }
 

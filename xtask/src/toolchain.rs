@@ -106,30 +106,34 @@ pub fn ensure_nonfree() -> Result<()> {
     Ok(())
 }
 
-/// Unpacks Debian's libcuda1 (NVIDIA 535) into `dir`; the library ends up in
-/// `dir/lib/libcuda.so.1`.
-pub fn fetch_genuine_libcuda(dir: &Path) -> Result<()> {
-    let lib = dir.join("lib/libcuda.so.1");
-    if lib.exists() {
-        return Ok(());
+/// Unpacks Debian's libcuda1 and libnvidia-ml1 (NVIDIA 535) into `dir`: the
+/// libraries end up as `dir/lib/libcuda.so.1` and `dir/lib/libnvidia-ml.so.1`.
+pub fn fetch_genuine_nvidia(dir: &Path) -> Result<()> {
+    for (package, prefix, name) in
+        [("libcuda1", "libcuda.so.5", "libcuda.so.1"), ("libnvidia-ml1", "libnvidia-ml.so.5", "libnvidia-ml.so.1")]
+    {
+        let lib = dir.join("lib").join(name);
+        if lib.exists() {
+            continue;
+        }
+        ensure_nonfree()?;
+        let dl = dir.join("download").join(package);
+        std::fs::create_dir_all(&dl)?;
+        say(format!("downloading Debian's {package} (genuine NVIDIA 535 library, a test fixture)"));
+        run(Command::new("apt-get").current_dir(&dl).args(["download", "-q", package]))?;
+        let deb = std::fs::read_dir(&dl)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| p.extension().is_some_and(|e| e == "deb"))
+            .context("apt-get download left no .deb")?;
+        let unpacked = dir.join("root").join(package);
+        run(Command::new("dpkg").arg("-x").arg(&deb).arg(&unpacked))?;
+        let found = walk(&unpacked)
+            .into_iter()
+            .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(prefix)))
+            .with_context(|| format!("no {prefix}* in {package}"))?;
+        std::fs::create_dir_all(dir.join("lib"))?;
+        std::fs::copy(&found, &lib)?;
     }
-    ensure_nonfree()?;
-    let dl = dir.join("download");
-    std::fs::create_dir_all(&dl)?;
-    say("downloading Debian's libcuda1 (the genuine NVIDIA 535 driver library)");
-    run(Command::new("apt-get").current_dir(&dl).args(["download", "-q", "libcuda1"]))?;
-    let deb = std::fs::read_dir(&dl)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|e| e == "deb"))
-        .context("apt-get download left no .deb")?;
-    let unpacked = dir.join("root");
-    run(Command::new("dpkg").arg("-x").arg(&deb).arg(&unpacked))?;
-    let found = walk(&unpacked)
-        .into_iter()
-        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("libcuda.so.5")))
-        .context("no libcuda.so.5xx in the package")?;
-    std::fs::create_dir_all(dir.join("lib"))?;
-    std::fs::copy(&found, &lib)?;
     Ok(())
 }
 

@@ -12,6 +12,7 @@ pub use run::{EXEC_GATE, exec_gate};
 
 use crate::{
     probes::step_symbol::StepSymbolSpec,
+    samplers::gpu::GpuConfig,
     session::{LaunchMode, SessionConfig},
 };
 
@@ -55,6 +56,22 @@ pub struct TraceArgs {
     /// Print only errors and warnings.
     #[arg(short, long)]
     quiet: bool,
+    /// GPU sampling period, in ms.
+    #[arg(long, value_name = "MS", default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    gpu_interval: u64,
+    /// Load NVML from this file instead of the system's libnvidia-ml.so.1.
+    #[arg(long, value_name = "PATH")]
+    nvml_lib: Option<PathBuf>,
+    /// GPUs to sample (NVML indices or UUIDs, comma-separated), instead of the
+    /// target's CUDA_VISIBLE_DEVICES or all.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    gpus: Option<Vec<String>>,
+    /// Do not sample GPUs.
+    #[arg(long, conflicts_with = "require_gpu")]
+    no_gpu: bool,
+    /// Fail if NVML cannot be used, instead of storing NULLs.
+    #[arg(long)]
+    require_gpu: bool,
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
@@ -74,6 +91,12 @@ impl TraceArgs {
             duration: self.duration,
             maps_interval: Duration::from_millis(self.maps_interval),
             quiet: self.quiet,
+            gpu: (!self.no_gpu).then(|| GpuConfig {
+                nvml_lib: self.nvml_lib,
+                interval: Duration::from_millis(self.gpu_interval),
+                gpus: self.gpus,
+            }),
+            require_gpu: self.require_gpu,
         }
     }
 }

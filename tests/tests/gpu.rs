@@ -1,0 +1,215 @@
+//! GPU telemetry: the real profiler with the stand-in NVML (readings that are
+//! known functions of time; see tests/fixtures/fake_nvml.c) and with the
+//! genuine NVIDIA library (no GPU on this machine).
+use std::path::PathBuf;
+
+use integration_tests::*;
+
+fn stand_in_nvml() -> String {
+    fixtures().join("libnvidia-ml.so.1").display().to_string()
+}
+
+/// The stand-in's constant power of NVML device `g`, W.
+fn power_w(nvml_index: i64) -> f64 {
+    100.0 + 50.0 * nvml_index as f64
+}
+
+/// Runs the trainer under `profiler attach` with the stand-in NVML exposing 3
+/// GPUs and the target seeing physical GPUs 2 and 1 (its logical 0 and 1).
+fn profiled(name: &str, trainer: &[&str], extra: &[&str]) -> (PathBuf, Session, String) {
+    let dir = workdir(name);
+    let db = dir.join("p.db");
+    let truth = dir.join("truth.txt");
+    let go = dir.join("go");
+    let mut child = std::process::Command::new(fixtures().join("trainer"))
+        .args(trainer)
+        .arg("--truth")
+        .arg(&truth)
+        .arg("--wait-file")
+        .arg(&go)
+        .env("LD_LIBRARY_PATH", fixtures())
+        .env("CUDA_VISIBLE_DEVICES", "2,1")
+        .spawn()
+        .expect("trainer");
+    let mut args: Vec<String> =
+        ["attach", &child.id().to_string(), "-o", &db.display().to_string()].iter().map(|s| s.to_string()).collect();
+    args.extend(["--step-symbol", "train_step", "--nvml-lib", &stand_in_nvml()].iter().map(|s| s.to_string()));
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let agent = Agent::start_with_env(&args, &[("STANDIN_NVML_GPUS", "3")], true);
+    std::fs::write(&go, b"").expect("go");
+    assert!(child.wait().expect("wait").success());
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "{stderr}");
+    let s = last_session(&db);
+    (db, s, stderr)
+}
+
+#[test]
+fn per_step_gpu_energy_is_within_its_bound_and_gpus_follow_cuda_visible_devices() {
+    let (db, s, _) = profiled(
+        "gpu-energy",
+        &["--steps", "30", "--launches", "10", "--step-sleep-us", "40000", "--gap-us", "5000"],
+        &["--gpu-interval", "10"],
+    );
+    let conn = open(&db);
+    let gpus: Vec<(i64, i64, String)> = conn
+        .prepare("SELECT gpu, nvml_index, uuid FROM gpus WHERE session_id = ?1 ORDER BY gpu")
+        .expect("prepare")
+        .query_map([s.id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .expect("query")
+        .collect::<Result<_, _>>()
+        .expect("rows");
+    assert_eq!(gpus.iter().map(|g| (g.0, g.1)).collect::<Vec<_>>(), vec![(0, 2), (1, 1)], "logical → NVML index");
+    assert!(gpus[0].2.ends_with("000000000002"));
+
+    let rows: Vec<(i64, i64, f64, f64, f64, i64, i64)> = conn
+        .prepare(
+            "SELECT g.gpu, n.nvml_index, g.energy_j, g.energy_error_j, s.duration_ns / 1e9, g.below_resolution, s.step
+             FROM step_gpu g JOIN steps s USING (session_id, step) JOIN gpus n USING (session_id, gpu)
+             WHERE g.session_id = ?1 ORDER BY s.step, g.gpu",
+        )
+        .expect("prepare")
+        .query_map([s.id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?, r.get(6)?)))
+        .expect("query")
+        .collect::<Result<_, _>>()
+        .expect("rows");
+    assert_eq!(rows.len(), 60, "30 steps × 2 GPUs");
+    let (mut worst, mut bound_sum, mut err_sum) = (0.0f64, 0.0, 0.0);
+    for &(gpu, nvml, energy, bound, secs, below, step) in &rows {
+        let truth = power_w(nvml) * secs;
+        let err = (energy - truth).abs();
+        assert!(err <= bound, "step {step} GPU {gpu}: {energy:.3} J vs true {truth:.3} J, bound {bound:.3} J");
+        assert_eq!(below, 0, "40 ms steps are longer than the 20 ms counter period");
+        worst = worst.max(err / truth);
+        bound_sum += bound;
+        err_sum += err;
+    }
+    println!(
+        "GPU energy per step: worst relative error {:.2}%, mean error {:.3} J, mean bound {:.3} J",
+        100.0 * worst,
+        err_sum / rows.len() as f64,
+        bound_sum / rows.len() as f64
+    );
+    let period: f64 = conn
+        .query_row("SELECT energy_update_period_ms FROM gpus WHERE session_id = ?1 AND gpu = 0", [s.id], |r| r.get(0))
+        .expect("period");
+    assert!((15.0..=30.0).contains(&period), "counter period seen: {period} ms (stand-in: 20 ms)");
+}
+
+#[test]
+fn missing_readings_are_null_with_a_reason_and_the_view_uses_gpustatsmonitor_names() {
+    let (db, s, _) = profiled("gpu-null", &["--steps", "10", "--launches", "5", "--step-sleep-us", "20000"], &[]);
+    // Logical GPU 1 is NVML device 1, which has no fan, no memory temperature and no instant power.
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM step_gpu WHERE session_id = ?1 AND gpu = 1 AND fan_speed_end_pct IS NOT NULL",
+            s.id
+        ),
+        0
+    );
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM step_gpu WHERE session_id = ?1 AND gpu = 0 AND fan_speed_end_pct = 32", s.id),
+        10
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM gpu_samples WHERE session_id = ?1 AND gpu = 1 AND temperature_memory_c IS NOT NULL",
+            s.id
+        ),
+        0
+    );
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM gpus WHERE session_id = ?1 AND gpu = 1 AND power_source = 'average'", s.id),
+        1
+    );
+    let reason: String = open(&db)
+        .query_row(
+            "SELECT reason FROM capabilities WHERE session_id = ?1 AND metric = 'GPU_1/fan.speed' AND available = 0",
+            [s.id],
+            |r| r.get(0),
+        )
+        .expect("a recorded reason for the missing fan speed");
+    assert!(!reason.is_empty());
+    // GPUStatsMonitor's names, exactly.
+    let conn = open(&db);
+    let names: Vec<String> = conn
+        .prepare("SELECT DISTINCT metric FROM gpu_stats_monitor WHERE session_id = ?1 ORDER BY metric")
+        .expect("prepare")
+        .query_map([s.id], |r| r.get(0))
+        .expect("query")
+        .collect::<Result<_, _>>()
+        .expect("rows");
+    let mut expected: Vec<String> = [
+        "utilization.gpu - percent",
+        "memory.used - MB",
+        "memory.free - MB",
+        "utilization.memory - percent",
+        "fan.speed - percent",
+        "temperature.gpu - °C",
+        "temperature.memory - °C",
+    ]
+    .iter()
+    .flat_map(|m| (0..2).map(move |g| format!("GPU_{g}/{m}")))
+    .chain(["batch_time/intra_step (ms)".to_string(), "batch_time/inter_step (ms)".to_string()])
+    .collect();
+    expected.sort();
+    assert_eq!(names, expected);
+    // Values at step start and end of a known function: memory.used is 1000 + 100 g MiB.
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM gpu_stats_monitor WHERE session_id = ?1 AND metric = 'GPU_0/memory.used - MB' AND value = 1200",
+            s.id
+        ),
+        20
+    );
+}
+
+#[test]
+fn steps_shorter_than_the_counter_period_are_flagged_not_zero() {
+    let (db, s, _) = profiled(
+        "gpu-short",
+        &["--steps", "40", "--launches", "5", "--step-sleep-us", "2000", "--gap-us", "3000"],
+        &["--gpu-interval", "10"],
+    );
+    assert_eq!(count(&db, "SELECT count(*) FROM step_gpu WHERE session_id = ?1", s.id), 80);
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM step_gpu WHERE session_id = ?1 AND below_resolution = 1 AND energy_j > 0",
+            s.id
+        ),
+        80
+    );
+}
+
+#[test]
+fn genuine_nvml_without_a_driver_is_one_clear_line() {
+    let dir = workdir("gpu-genuine");
+    let db = dir.join("p.db");
+    let lib = fixtures().join("nvidia/lib/libnvidia-ml.so.1");
+    assert!(lib.exists(), "genuine libnvidia-ml missing: run `cargo xtask fixtures`");
+    let lib = lib.display().to_string();
+    let db_s = db.display().to_string();
+    // Tracing goes on without NVML, and the session says why.
+    let (code, stderr) = profiler_output(&["run", "-o", &db_s, "--nvml-lib", &lib, "--", "/bin/true"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("NVIDIA driver not loaded"), "{stderr}");
+    let s = last_session(&db);
+    let reason: String = open(&db)
+        .query_row(
+            "SELECT reason FROM capabilities WHERE session_id = ?1 AND source = 'nvml' AND metric = '*'",
+            [s.id],
+            |r| r.get(0),
+        )
+        .expect("capability row");
+    assert!(reason.contains("NVIDIA driver not loaded"), "{reason}");
+    // --require-gpu makes it an error.
+    let (code, stderr) = profiler_output(&["run", "-o", &db_s, "--require-gpu", "--nvml-lib", &lib, "--", "/bin/true"]);
+    assert_ne!(code, Some(0));
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.contains("error")).collect();
+    assert_eq!(errors.len(), 1, "{stderr}");
+    assert!(errors[0].contains("NVIDIA driver not loaded"), "{stderr}");
+}
