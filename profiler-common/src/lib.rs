@@ -187,6 +187,96 @@ const _: () = assert!(core::mem::size_of::<RecordHeader>() == 16);
 const _: () = assert!(core::mem::size_of::<LaunchRecord>() == 64);
 const _: () = assert!(core::mem::size_of::<StepRecord>() == 32);
 
+/// What a [`UsdtArgSpec`] reads. Stored as `u32` in [`UsdtArgSpec::kind`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UsdtArgKind {
+    /// No argument in this slot.
+    None = 0,
+    /// `N@$CONST`: the value is [`UsdtArgSpec::displacement`].
+    Constant = 1,
+    /// `N@%reg`: the value is the register (`pt_regs` at [`UsdtArgSpec::reg_offset`]).
+    Register = 2,
+    /// `N@DISP(%base,%index,scale)`: the value is read from user memory at
+    /// `base + index * scale + displacement` (either register may be absent).
+    Memory = 3,
+}
+
+/// [`UsdtArgSpec::reg_offset`] / [`UsdtArgSpec::index_offset`] when there is no register.
+pub const USDT_NO_REG: u32 = u32::MAX;
+/// Arguments kept per USDT probe (CPython's probes have at most 3; libbpf keeps 12).
+pub const USDT_MAX_ARGS: usize = 6;
+/// Entries of the `USDT_ARGS` map: one per attached USDT probe site, indexed by
+/// the attach cookie.
+pub const USDT_MAX_SPECS: u32 = 16;
+
+/// Where one USDT argument lives at the probe site, decoded by user space from
+/// the note's argument string (e.g. `-4@%eax`, `8@-16(%rbp)`, `4@$5`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UsdtArgSpec {
+    /// A [`UsdtArgKind`] as `u32`.
+    pub kind: u32,
+    /// Width of the value in bytes: 1, 2, 4 or 8.
+    pub size: u32,
+    /// 1 when the value is sign-extended from `size` bytes, 0 when zero-extended.
+    pub signed: u32,
+    /// Byte offset in the x86-64 `struct pt_regs` of the register (or the base
+    /// register), or [`USDT_NO_REG`]. The high-byte registers (`%ah`…) point one
+    /// byte into their full register.
+    pub reg_offset: u32,
+    /// Byte offset in `pt_regs` of the index register, or [`USDT_NO_REG`].
+    pub index_offset: u32,
+    /// Multiplier of the index register: 1, 2, 4 or 8.
+    pub scale: u32,
+    /// The constant, or the memory operand's displacement.
+    pub displacement: i64,
+}
+
+/// The decoded arguments of one USDT probe site: a value of the `USDT_ARGS` map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UsdtProbeSpec {
+    pub args: [UsdtArgSpec; USDT_MAX_ARGS],
+    /// How many of `args` are set.
+    pub arg_count: u32,
+    pub _pad: u32,
+}
+
+/// Bytes of a function name or file suffix in a [`PyTarget`].
+pub const PY_NAME_CAP: usize = 64;
+/// Entries of the `PY_TARGETS` map.
+pub const PY_MAX_TARGETS: u32 = 8;
+
+/// A Python function whose calls are steps: a value of the `PY_TARGETS` map.
+/// The kernel compares the names eight bytes at a time, so the struct is
+/// 8-aligned and the unused tail of each name must be zero.
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PyTarget {
+    /// The function's `co_name`, zero-padded; `name_len == 0` marks an unused slot.
+    pub name: [u8; PY_NAME_CAP],
+    /// What the code object's file name must end with (at a `/` boundary), zero-padded.
+    pub file_suffix: [u8; PY_NAME_CAP],
+    pub name_len: u32,
+    /// 0: any file.
+    pub suffix_len: u32,
+    /// Written to [`StepRecord::probe`] when this target matches.
+    pub label_id: u32,
+    pub _pad: u32,
+}
+
+impl Default for PyTarget {
+    fn default() -> Self {
+        Self { name: [0; PY_NAME_CAP], file_suffix: [0; PY_NAME_CAP], name_len: 0, suffix_len: 0, label_id: 0, _pad: 0 }
+    }
+}
+
+// The eBPF side reads these layouts; keep them in step with user space.
+const _: () = assert!(core::mem::size_of::<UsdtArgSpec>() == 32);
+const _: () = assert!(core::mem::size_of::<UsdtProbeSpec>() == 32 * USDT_MAX_ARGS + 8);
+const _: () = assert!(core::mem::size_of::<PyTarget>() == 2 * PY_NAME_CAP + 16);
+
 /// Names of the read-only globals the agent sets at load time.
 pub mod globals {
     /// `u32`: the target's tgid (process id); every other process is ignored.
@@ -203,6 +293,11 @@ pub mod maps {
     pub const LOST: &str = "LOST";
     /// `PerCpuArray<u64>[1]`: launches seen (counted once), kept or not.
     pub const LAUNCHES: &str = "LAUNCHES";
+    /// `Array<UsdtProbeSpec>[USDT_MAX_SPECS]`: argument specs of the attached
+    /// USDT probe sites, indexed by the attach cookie.
+    pub const USDT_ARGS: &str = "USDT_ARGS";
+    /// `Array<PyTarget>[PY_MAX_TARGETS]`: the Python step functions.
+    pub const PY_TARGETS: &str = "PY_TARGETS";
 }
 
 /// Names of the programs that are not per launch layout.
@@ -213,6 +308,10 @@ pub mod programs {
     pub const STEP_EXIT: &str = "step_exit";
     /// An empty uprobe: the benchmark's floor.
     pub const BARE: &str = "bare_probe";
+    /// USDT `python:function__entry` (cookie: the `USDT_ARGS` slot).
+    pub const PYTHON_ENTRY: &str = "python_entry";
+    /// USDT `python:function__return` (cookie: the `USDT_ARGS` slot).
+    pub const PYTHON_RETURN: &str = "python_return";
 }
 
 #[cfg(feature = "user")]
@@ -221,4 +320,8 @@ mod user {
     unsafe impl aya::Pod for super::LaunchRecord {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::StepRecord {}
+    // SAFETY: as above (USDT_ARGS values).
+    unsafe impl aya::Pod for super::UsdtProbeSpec {}
+    // SAFETY: as above (PY_TARGETS values; the trailing u32 makes the size a multiple of 8).
+    unsafe impl aya::Pod for super::PyTarget {}
 }

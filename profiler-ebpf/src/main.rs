@@ -11,6 +11,7 @@
 #![no_std]
 #![no_main]
 
+
 use aya_ebpf::{
     EbpfContext,
     helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, generated::bpf_get_attach_cookie},
@@ -84,20 +85,25 @@ fn bump(counter: &PerCpuArray<u64>) {
     }
 }
 
+/// The attach cookie: for launch probes, the `LaunchApi` id in the low 32
+/// bits and, in the high 32, how many bytes the function pushed before the
+/// probe point (the agent may move a probe past `push`es to an instruction
+/// the kernel emulates; see `probes::placement`).
 #[inline(always)]
-fn cookie(ctx: &ProbeContext) -> u32 {
+fn cookie(ctx: &ProbeContext) -> u64 {
     // SAFETY: the helper only reads the attach cookie of the running program.
-    unsafe { bpf_get_attach_cookie(ctx.as_ptr()) as u32 }
+    unsafe { bpf_get_attach_cookie(ctx.as_ptr()) }
 }
 
 /// Reads the `n`th 8-byte stack slot above the return address (the 7th, 8th, …
-/// integer argument under the System V x86-64 ABI, at function entry).
+/// integer argument under the System V x86-64 ABI), `adjust` bytes further up
+/// when the function pushed that much before the probe point.
 #[inline(always)]
-fn stack_arg(ctx: &ProbeContext, n: u64) -> u64 {
+fn stack_arg(ctx: &ProbeContext, n: u64, adjust: u64) -> u64 {
     // SAFETY: `regs` is the kernel-provided pt_regs of this probe.
     let sp = unsafe { (*ctx.regs).rsp };
     // SAFETY: bpf_probe_read_user tolerates any address.
-    unsafe { bpf_probe_read_user((sp + 8 * (n + 1)) as *const u64) }.unwrap_or(0)
+    unsafe { bpf_probe_read_user((sp + adjust + 8 * (n + 1)) as *const u64) }.unwrap_or(0)
 }
 
 /// Counts the launch for its thread; returns the updated per-thread count.
@@ -164,17 +170,19 @@ fn reg(ctx: &ProbeContext, n: usize) -> u64 {
 #[uprobe]
 pub fn launch_driver_classic(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
+    let cookie = cookie(&ctx);
+    let (api, adjust) = (cookie as u32, cookie >> 32);
     if in_runtime_launch(tid) {
         return 0;
     }
     let l = Launch {
         function: reg(&ctx, 0),
         grid: [reg(&ctx, 1) as u32, reg(&ctx, 2) as u32, reg(&ctx, 3) as u32],
-        block: [reg(&ctx, 4) as u32, reg(&ctx, 5) as u32, stack_arg(&ctx, 0) as u32],
-        shared_mem_bytes: stack_arg(&ctx, 1) as u32,
-        stream: stack_arg(&ctx, 2),
+        block: [reg(&ctx, 4) as u32, reg(&ctx, 5) as u32, stack_arg(&ctx, 0, adjust) as u32],
+        shared_mem_bytes: stack_arg(&ctx, 1, adjust) as u32,
+        stream: stack_arg(&ctx, 2, adjust),
     };
-    emit_launch(tid, cookie(&ctx), l);
+    emit_launch(tid, api, l);
     0
 }
 
@@ -194,6 +202,9 @@ struct CuLaunchConfig {
 #[uprobe]
 pub fn launch_driver_ex(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
+    let cookie = cookie(&ctx);
+    // Only the stack-argument layouts need the push adjustment.
+    let api = cookie as u32;
     if in_runtime_launch(tid) {
         return 0;
     }
@@ -209,7 +220,7 @@ pub fn launch_driver_ex(ctx: ProbeContext) -> u32 {
         },
         None => Launch { function: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0, stream: 0 },
     };
-    emit_launch(tid, cookie(&ctx), l);
+    emit_launch(tid, api, l);
     0
 }
 
@@ -217,11 +228,14 @@ pub fn launch_driver_ex(ctx: ProbeContext) -> u32 {
 #[uprobe]
 pub fn launch_driver_graph(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
+    let cookie = cookie(&ctx);
+    // Only the stack-argument layouts need the push adjustment.
+    let api = cookie as u32;
     if in_runtime_launch(tid) {
         return 0;
     }
     let l = Launch { function: reg(&ctx, 0), stream: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0 };
-    emit_launch(tid, cookie(&ctx), l);
+    emit_launch(tid, api, l);
     0
 }
 
@@ -237,16 +251,18 @@ fn enter_runtime_launch(tid: u32) {
 #[uprobe]
 pub fn launch_runtime_classic(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
+    let cookie = cookie(&ctx);
+    let (api, adjust) = (cookie as u32, cookie >> 32);
     enter_runtime_launch(tid);
     let (g, gz, b, bz) = (reg(&ctx, 1), reg(&ctx, 2), reg(&ctx, 3), reg(&ctx, 4));
     let l = Launch {
         function: reg(&ctx, 0),
         grid: [g as u32, (g >> 32) as u32, gz as u32],
         block: [b as u32, (b >> 32) as u32, bz as u32],
-        shared_mem_bytes: stack_arg(&ctx, 0) as u32,
-        stream: stack_arg(&ctx, 1),
+        shared_mem_bytes: stack_arg(&ctx, 0, adjust) as u32,
+        stream: stack_arg(&ctx, 1, adjust),
     };
-    emit_launch(tid, cookie(&ctx), l);
+    emit_launch(tid, api, l);
     0
 }
 
@@ -265,6 +281,9 @@ struct CudaLaunchConfig {
 #[uprobe]
 pub fn launch_runtime_ex(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
+    let cookie = cookie(&ctx);
+    // Only the stack-argument layouts need the push adjustment.
+    let api = cookie as u32;
     enter_runtime_launch(tid);
     // SAFETY: bpf_probe_read_user tolerates any address.
     let cfg = unsafe { bpf_probe_read_user(reg(&ctx, 0) as *const CudaLaunchConfig) }.ok();
@@ -278,7 +297,7 @@ pub fn launch_runtime_ex(ctx: ProbeContext) -> u32 {
         },
         None => Launch { function: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0, stream: 0 },
     };
-    emit_launch(tid, cookie(&ctx), l);
+    emit_launch(tid, api, l);
     0
 }
 
@@ -286,9 +305,12 @@ pub fn launch_runtime_ex(ctx: ProbeContext) -> u32 {
 #[uprobe]
 pub fn launch_runtime_graph(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
+    let cookie = cookie(&ctx);
+    // Only the stack-argument layouts need the push adjustment.
+    let api = cookie as u32;
     enter_runtime_launch(tid);
     let l = Launch { function: reg(&ctx, 0), stream: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0 };
-    emit_launch(tid, cookie(&ctx), l);
+    emit_launch(tid, api, l);
     0
 }
 
@@ -325,7 +347,7 @@ fn emit_step(tid: u32, kind: RecordKind, probe: u32) {
 #[uprobe]
 pub fn step_enter(ctx: ProbeContext) -> u32 {
     if let Some(tid) = target_tid() {
-        emit_step(tid, RecordKind::StepEnter, cookie(&ctx));
+        emit_step(tid, RecordKind::StepEnter, cookie(&ctx) as u32);
     }
     0
 }

@@ -27,7 +27,7 @@ use crate::{
         step_symbol::{self, StepSymbolSpec},
     },
     samplers::{
-        SamplerThread,
+        self, SamplerThread,
         gpu::{GpuConfig, GpuSampler},
     },
     steps::StepTracker,
@@ -58,7 +58,8 @@ impl LaunchMode {
 #[derive(Clone, Debug)]
 pub struct SessionConfig {
     pub output: PathBuf,
-    pub step: Option<StepSymbolSpec>,
+    /// `--step-symbol`s, in order: the index is the probe id the kernel reports.
+    pub steps: Vec<StepSymbolSpec>,
     pub launch_mode: LaunchMode,
     pub duration: Option<Duration>,
     pub maps_interval: Duration,
@@ -67,6 +68,13 @@ pub struct SessionConfig {
     pub gpu: Option<GpuConfig>,
     /// `--require-gpu`: no NVML is an error, not NULLs.
     pub require_gpu: bool,
+    /// Move launch probes to instructions the kernel emulates (off with `--probe-at-entry`).
+    pub place_probes: bool,
+    /// `--powercap-root`: a powercap tree to read instead of the system's RAPL.
+    pub powercap_root: Option<PathBuf>,
+    pub system_interval: Duration,
+    /// `--disk`: the filesystem to report (default: the target's cwd).
+    pub disk: Option<PathBuf>,
 }
 
 /// A process started by `profiler run`, held before `exec` until the probes are in.
@@ -168,27 +176,28 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
 
     let store = Store::open(&cfg.output)?;
 
-    // The step function, before anything is attached: a typo costs nothing.
-    let resolved_step = match &cfg.step {
-        None => None,
-        Some(spec) => {
-            let mut candidates = vec![exe.clone()];
-            if mode == "attach" {
-                let maps = procfs::process::Process::new(pid as i32)
-                    .and_then(|p| p.maps())
-                    .with_context(|| format!("cannot read /proc/{pid}/maps"))?;
-                candidates.extend(maps::mapped_files(&maps).into_iter().map(|f| f.path).filter(|p| *p != exe));
-            }
-            let r = step_symbol::resolve(spec, &candidates, |p| {
+    // The step functions, before anything is attached: a typo costs nothing.
+    let mut resolved_steps = Vec::new();
+    if !cfg.steps.is_empty() {
+        let mut candidates = vec![exe.clone()];
+        if mode == "attach" {
+            let maps = procfs::process::Process::new(pid as i32)
+                .and_then(|p| p.maps())
+                .with_context(|| format!("cannot read /proc/{pid}/maps"))?;
+            candidates.extend(maps::mapped_files(&maps).into_iter().map(|f| f.path).filter(|p| *p != exe));
+        }
+        for spec in &cfg.steps {
+            resolved_steps.push(step_symbol::resolve(spec, &candidates, |p| {
                 if p.is_relative() {
                     open_file(p)
                 } else {
                     open_file(&probes::in_target_root(pid, p)).or_else(|| open_file(p))
                 }
-            })?;
-            Some(r)
+            })?);
         }
-    };
+    }
+    // Labels live as long as the session's rows refer to them: one small leak per session.
+    let labels: Vec<&'static str> = cfg.steps.iter().map(|s| &*Box::leak(s.label.clone().into_boxed_str())).collect();
 
     // NVML before anything is attached: with --require-gpu its absence is an error.
     let gpu = match &cfg.gpu {
@@ -204,7 +213,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         eprintln!("profiler: {e}; GPU metrics will be NULL (--no-gpu skips NVML, --require-gpu makes this an error)");
     }
 
-    let (mut probes, ring) = Probes::load(nz_pid, cfg.launch_mode == LaunchMode::All)?;
+    let (mut probes, ring) = Probes::load(nz_pid, cfg.launch_mode == LaunchMode::All, cfg.place_probes)?;
 
     let started_ns = clock::monotonic_ns();
     let session_id = store.begin_session(&SessionStart {
@@ -213,7 +222,8 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         exe: Some(exe.display().to_string()),
         mode,
         launch_mode: cfg.launch_mode.as_str(),
-        step_symbol: cfg.step.as_ref().map(|s| s.to_string()),
+        step_symbol: (!cfg.steps.is_empty())
+            .then(|| cfg.steps.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(" ")),
         started_ns,
         unix_offset_ns: clock::unix_offset_ns(),
         hostname: std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|s| s.trim().to_owned()),
@@ -237,11 +247,25 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
             reason: Some(reason),
         })),
     }
+    let rapl = samplers::rapl::open(cfg.powercap_root.as_deref());
+    if let Err(e) = &rapl {
+        say!(cfg.quiet, "{e}");
+    }
+    samplers.push(SamplerThread::spawn(
+        "rapl",
+        samplers::rapl::DEFAULT_INTERVAL,
+        samplers::rapl::RaplSampler::new(rapl, writer.sender()),
+    )?);
+    samplers.push(SamplerThread::spawn(
+        "system",
+        cfg.system_interval,
+        samplers::system::SystemSampler::new(pid, cfg.disk.clone(), writer.sender()),
+    )?);
 
     // From here on, whatever happens, the session is finished and flushed.
-    let mut consumer = Consumer::new(writer, cfg.launch_mode == LaunchMode::All);
+    let mut consumer = Consumer::new(writer, cfg.launch_mode == LaunchMode::All, labels);
     let mut watcher = LibraryWatcher { pid, seen: HashSet::new() };
-    let attached = attach_all(&cfg, pid, mode, &mut probes, &mut watcher, resolved_step.as_ref(), &target_var);
+    let attached = attach_all(&cfg, pid, mode, &mut probes, &mut watcher, &resolved_steps, &target_var);
     let outcome = match attached {
         Ok(libraries) => {
             for l in libraries {
@@ -313,7 +337,7 @@ fn attach_all(
     mode: &str,
     probes: &mut Probes,
     watcher: &mut LibraryWatcher,
-    step: Option<&step_symbol::ResolvedStep>,
+    steps: &[step_symbol::ResolvedStep],
     target_var: &dyn Fn(&str) -> Option<String>,
 ) -> anyhow::Result<Vec<LibraryRow>> {
     let mut libraries: Vec<LibraryRow> = Vec::new();
@@ -328,28 +352,23 @@ fn attach_all(
             continue;
         }
         match probes.attach_cuda_library(LibraryKind::Driver, &visible) {
-            Ok(0) => {}
-            Ok(n) => {
+            Ok(placed) if placed.is_empty() => {}
+            Ok(placed) => {
                 watcher.seen.insert(cand.clone());
-                libraries.push(LibraryRow {
-                    path: cand.display().to_string(),
-                    kind: LibraryKind::Driver.as_str().into(),
-                    attached_ns: clock::monotonic_ns(),
-                    probes: n,
-                    how: "predicted".into(),
-                });
+                libraries.push(library_row(&cand, LibraryKind::Driver, placed, "predicted"));
             }
             Err(e) => log::warn!("could not probe {}: {e}", cand.display()),
         }
     }
     // The step probes go in last, so that every step they see has the launch
     // probes of the libraries known now in place for its whole span.
-    if let Some(step) = step {
+    for (probe_id, step) in steps.iter().enumerate() {
         let visible = if step.path.is_relative() { step.path.clone() } else { probes::in_target_root(pid, &step.path) };
         let visible = if visible.exists() { visible } else { step.path.clone() };
-        probes.attach_step(&visible, step.file_offset, 0)?;
+        probes.attach_step(&visible, step.file_offset, probe_id as u32)?;
         libraries.push(LibraryRow {
             path: step.path.display().to_string(),
+            placed: Vec::new(),
             kind: "step".into(),
             attached_ns: clock::monotonic_ns(),
             probes: 2,
@@ -473,6 +492,17 @@ fn forward(pid: u32, sig: libc::c_int) {
     unsafe { libc::kill(pid as libc::pid_t, sig) };
 }
 
+fn library_row(path: &Path, kind: LibraryKind, placed: Vec<probes::PlacedProbe>, how: &str) -> LibraryRow {
+    LibraryRow {
+        path: path.display().to_string(),
+        kind: kind.as_str().into(),
+        attached_ns: clock::monotonic_ns(),
+        probes: placed.len() as u32,
+        how: how.into(),
+        placed: placed.into_iter().map(|p| (p.symbol.to_string(), p.offset, p.reason)).collect(),
+    }
+}
+
 /// Finds CUDA libraries in the target's maps and probes the new ones.
 struct LibraryWatcher {
     pid: u32,
@@ -494,19 +524,13 @@ impl LibraryWatcher {
                 continue;
             }
             match probes.attach_cuda_library(kind, &visible) {
-                Ok(n) => {
-                    if n == 0 {
+                Ok(placed) => {
+                    if placed.is_empty() {
                         log::warn!("{} exports no launch entry point", file.path.display());
                     } else {
-                        say!(quiet, "probing {} ({} probes)", file.path.display(), n);
+                        say!(quiet, "probing {} ({} probes)", file.path.display(), placed.len());
                     }
-                    rows.push(LibraryRow {
-                        path: file.path.display().to_string(),
-                        kind: kind.as_str().into(),
-                        attached_ns: clock::monotonic_ns(),
-                        probes: n,
-                        how: "maps".into(),
-                    });
+                    rows.push(library_row(&file.path, kind, placed, "maps"));
                 }
                 Err(e) => log::warn!("could not probe {}: {e}", file.path.display()),
             }
@@ -532,11 +556,11 @@ struct Consumer {
 const BATCH: usize = 16 * 1024;
 
 impl Consumer {
-    fn new(writer: StoreWriter, keep_launches: bool) -> Self {
+    fn new(writer: StoreWriter, keep_launches: bool, labels: Vec<&'static str>) -> Self {
         Self {
             writer,
             keep_launches,
-            tracker: StepTracker::new(),
+            tracker: StepTracker::new(labels),
             launches: Vec::with_capacity(BATCH),
             steps: Vec::new(),
             decode_errors: 0,
@@ -575,13 +599,14 @@ impl Consumer {
                     }
                 }
                 Ok(Event::StepEnter(e)) => {
-                    self.tracker.enter(e.tid, e.ts_ns, e.thread_launches);
+                    self.tracker.enter(e.tid, e.probe, e.ts_ns, e.thread_launches);
                 }
                 Ok(Event::StepExit(e)) => {
-                    if let Some(s) = self.tracker.exit(e.tid, e.ts_ns, e.thread_launches) {
+                    if let Some(s) = self.tracker.exit(e.tid, e.probe, e.ts_ns, e.thread_launches) {
                         self.completed_steps += 1;
                         self.step_ns_total += u128::from(s.end_ns - s.start_ns);
                         self.steps.push(StepRow {
+                            label: s.label,
                             step: s.step,
                             tid: s.tid,
                             start_ns: s.start_ns,
@@ -621,6 +646,7 @@ impl Consumer {
     fn finish(mut self, mut end: SessionEnd, hooks: Vec<FinishHook>) -> anyhow::Result<String> {
         for s in self.tracker.open_steps() {
             self.steps.push(StepRow {
+                label: s.label,
                 step: s.step,
                 tid: s.tid,
                 start_ns: s.start_ns,

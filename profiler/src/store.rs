@@ -16,7 +16,8 @@ use rusqlite::{Connection, DatabaseName, ErrorCode, params, params_from_iter, ty
 
 /// Schema changes in order; `PRAGMA user_version` is how many are applied.
 /// Append, never edit: a database written by an older profiler gets the rest.
-const MIGRATIONS: &[&str] = &[CORE_SCHEMA, crate::samplers::gpu::SCHEMA];
+const MIGRATIONS: &[&str] =
+    &[CORE_SCHEMA, crate::samplers::gpu::SCHEMA, crate::samplers::rapl::SCHEMA, crate::samplers::system::SCHEMA];
 
 /// Version of the schema, kept in `PRAGMA user_version`.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
@@ -50,6 +51,13 @@ CREATE TABLE libraries (
     probes      INTEGER NOT NULL,
     how         TEXT    NOT NULL
 );
+CREATE TABLE probes (
+    session_id INTEGER NOT NULL REFERENCES sessions(id),
+    library    TEXT    NOT NULL,
+    symbol     TEXT    NOT NULL,
+    offset     INTEGER NOT NULL,
+    reason     TEXT    NOT NULL
+);
 CREATE TABLE apis (
     id    INTEGER PRIMARY KEY,
     name  TEXT NOT NULL UNIQUE,
@@ -57,6 +65,7 @@ CREATE TABLE apis (
 );
 CREATE TABLE steps (
     session_id    INTEGER NOT NULL REFERENCES sessions(id),
+    label         TEXT    NOT NULL DEFAULT 'train',
     step          INTEGER NOT NULL,
     tid           INTEGER NOT NULL,
     start_ns      INTEGER NOT NULL,
@@ -64,7 +73,7 @@ CREATE TABLE steps (
     duration_ns   INTEGER,
     inter_step_ns INTEGER,
     launches      INTEGER,
-    PRIMARY KEY (session_id, step)
+    PRIMARY KEY (session_id, label, step)
 );
 CREATE TABLE launches (
     session_id       INTEGER NOT NULL,
@@ -80,6 +89,7 @@ CREATE TABLE launches (
     block_z          INTEGER NOT NULL,
     shared_mem_bytes INTEGER NOT NULL,
     stream           INTEGER NOT NULL,
+    label            TEXT,
     step             INTEGER
 );
 CREATE TABLE capabilities (
@@ -157,11 +167,13 @@ pub struct LaunchRow {
     pub block: [u32; 3],
     pub shared_mem_bytes: u32,
     pub stream: u64,
-    pub step: Option<u64>,
+    /// The step the launching thread was in: (label, step).
+    pub step: Option<(&'static str, u64)>,
 }
 
 #[derive(Clone, Debug)]
 pub struct StepRow {
+    pub label: String,
     pub step: u64,
     pub tid: u32,
     pub start_ns: u64,
@@ -173,6 +185,8 @@ pub struct StepRow {
 #[derive(Clone, Debug)]
 pub struct LibraryRow {
     pub path: String,
+    /// (symbol, offset from its start, why there) of each probe.
+    pub placed: Vec<(String, u64, String)>,
     pub kind: String,
     pub attached_ns: u64,
     pub probes: u32,
@@ -375,12 +389,12 @@ fn write_batch(
     {
         let mut launch = tx.prepare_cached(
             "INSERT INTO launches(session_id, ts_ns, tid, api, function, grid_x, grid_y, grid_z,
-                                  block_x, block_y, block_z, shared_mem_bytes, stream, step)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+                                  block_x, block_y, block_z, shared_mem_bytes, stream, label, step)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
         )?;
         let mut step = tx.prepare_cached(
-            "INSERT OR REPLACE INTO steps(session_id, step, tid, start_ns, end_ns, duration_ns, inter_step_ns, launches)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            "INSERT OR REPLACE INTO steps(session_id, label, step, tid, start_ns, end_ns, duration_ns, inter_step_ns, launches)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
         )?;
         for msg in msgs.iter() {
             match msg {
@@ -413,7 +427,8 @@ fn write_batch(
                             r.block[2],
                             r.shared_mem_bytes,
                             i(r.stream),
-                            r.step.map(i)
+                            r.step.map(|s| s.0),
+                            r.step.map(|s| i(s.1))
                         ])?;
                     }
                     stats.launches += rows.len() as u64;
@@ -422,6 +437,7 @@ fn write_batch(
                     for r in rows {
                         step.execute(params![
                             session_id,
+                            r.label,
                             i(r.step),
                             r.tid,
                             i(r.start_ns),
@@ -438,6 +454,12 @@ fn write_batch(
                         "INSERT INTO libraries(session_id, path, kind, attached_ns, probes, how) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
                         params![session_id, l.path, l.kind, i(l.attached_ns), l.probes, l.how],
                     )?;
+                    for (symbol, offset, reason) in &l.placed {
+                        tx.execute(
+                            "INSERT INTO probes(session_id, library, symbol, offset, reason) VALUES (?1, ?2, ?3, ?4, ?5)",
+                            params![session_id, l.path, symbol, i(*offset), reason],
+                        )?;
+                    }
                 }
                 StoreMsg::Finish(..) => {}
             }
@@ -474,10 +496,10 @@ fn write_loop(mut conn: Connection, session_id: i64, rx: Receiver<StoreMsg>) -> 
                 Err(_) => break,
             }
         }
-        if let Some(pos) = batch.iter().position(|m| matches!(m, StoreMsg::Finish(..))) {
-            if let StoreMsg::Finish(e, hooks) = batch.remove(pos) {
-                end = Some((e, hooks));
-            }
+        if let Some(pos) = batch.iter().position(|m| matches!(m, StoreMsg::Finish(..)))
+            && let StoreMsg::Finish(e, hooks) = batch.remove(pos)
+        {
+            end = Some((e, hooks));
         }
         if let Err(e) = write_batch(&mut conn, session_id, &batch, &mut stats) {
             stats.failed_rows += rows_in(&batch);
@@ -522,7 +544,7 @@ fn write_loop(mut conn: Connection, session_id: i64, rx: Receiver<StoreMsg>) -> 
     tx.commit()?;
     // Built once at the end: an index maintained during capture would slow every insert.
     conn.execute_batch(
-        "CREATE INDEX IF NOT EXISTS launches_by_step ON launches(session_id, step);
+        "CREATE INDEX IF NOT EXISTS launches_by_step ON launches(session_id, label, step);
          PRAGMA wal_checkpoint(TRUNCATE);",
     )?;
     Ok(stats)
@@ -562,6 +584,7 @@ mod tests {
             assert_eq!(id, round + 1);
             let w = store.spawn_writer(id);
             w.send(StoreMsg::Steps(vec![StepRow {
+                label: "train".into(),
                 step: 0,
                 tid: 7,
                 start_ns: 100,
@@ -578,7 +601,7 @@ mod tests {
                 block: [4, 5, 6],
                 shared_mem_bytes: 0,
                 stream: 0,
-                step: Some(0),
+                step: Some(("train", 0)),
             }]));
             let stats = w
                 .finish(
@@ -601,7 +624,7 @@ mod tests {
         assert_eq!(n, 2);
         let (dur, name): (i64, String) = conn
             .query_row(
-                "SELECT s.duration_ns, l.api_name FROM steps s JOIN launches_named l USING (session_id, step) WHERE session_id = 2",
+                "SELECT s.duration_ns, l.api_name FROM steps s JOIN launches_named l USING (session_id, label, step) WHERE session_id = 2",
                 [],
                 |r| Ok((r.get(0)?, r.get(1)?)),
             )

@@ -116,11 +116,22 @@ fn runtime_launches_are_counted_once() {
 
 #[test]
 fn no_loss_above_100k_launches_per_second() {
-    let (db, truth, s) = attach_and_run(
-        "rate",
+    // The stand-in with the genuine driver's entry shape, so that probes sit
+    // on emulated instructions as they do on the real libcuda.
+    let dir = workdir("rate");
+    let db = dir.join("p.db");
+    let mut trainer = Trainer::spawn_with(
+        &dir,
         &["--threads", "2", "--steps", "200", "--launches", "1000"],
-        &["--step-symbol", "train_step"],
+        Some(fixtures().join("shaped")),
     );
+    let agent = Agent::attach(trainer.pid(), &db, &["--step-symbol", "train_step"]);
+    trainer.go();
+    assert!(trainer.wait().success());
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "{stderr}");
+    let truth = trainer.truth();
+    let s = last_session(&db);
     let rate = truth.launch_rate();
     println!("sustained {rate:.0} launches/s into SQLite, lost {:?}", s.lost_events);
     assert!(
@@ -130,6 +141,60 @@ fn no_loss_above_100k_launches_per_second() {
     assert_eq!(s.lost_events, Some(0));
     assert_eq!(count(&db, "SELECT count(*) FROM launches WHERE session_id = ?1", s.id), truth.total as i64);
     assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
+}
+
+/// Probes moved past a RIP-relative compare or `push`es (see the `probes`
+/// table) must read exactly what a probe on the entry reads.
+fn placed_probes(name: &str, extra: &[&str]) -> (std::path::PathBuf, Session) {
+    let dir = workdir(name);
+    let db = dir.join("p.db");
+    let mut trainer = Trainer::spawn_with(
+        &dir,
+        &["--steps", "20", "--launches", "64", "--api", "driver-all", "--threads", "2"],
+        Some(fixtures().join("shaped")),
+    );
+    let mut args = vec!["--step-symbol", "train_step"];
+    args.extend_from_slice(extra);
+    let agent = Agent::attach(trainer.pid(), &db, &args);
+    trainer.go();
+    assert!(trainer.wait().success());
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "{stderr}");
+    let s = last_session(&db);
+    let truth = trainer.truth();
+    assert_eq!(api_counts(&db, s.id), truth.apis);
+    assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
+    // The trainer's formula, per thread k: function = 0x100000 + (k << 16) + i,
+    // grid = {s+1, i+1, k+1}, block = {32, 2, 1}, shared = 16 (i % 64), stream = 0x7000 + k.
+    let bad = count(
+        &db,
+        "SELECT count(*) FROM launches_named l JOIN steps s USING (session_id, label, step)
+         WHERE l.session_id = ?1 AND l.api_name NOT LIKE 'cuGraph%' AND NOT (
+             l.grid_x BETWEEN 1 AND 20
+             AND (l.function - 1048576) % 65536 = l.grid_y - 1
+             AND l.stream = 28672 + l.grid_z - 1
+             AND l.block_x = 32 AND l.block_y = 2 AND l.block_z = 1
+             AND l.shared_mem_bytes = 16 * ((l.grid_y - 1) % 64))",
+        s.id,
+    );
+    assert_eq!(bad, 0, "launch arguments read at moved probes");
+    (db, s)
+}
+
+#[test]
+fn placed_probes_read_the_same_arguments_as_entry_probes() {
+    let (db, s) = placed_probes("placed", &[]);
+    let moved = count(&db, "SELECT count(*) FROM probes WHERE session_id = ?1 AND offset > 0", s.id);
+    assert!(moved >= 4, "the shaped library's probes were moved: {moved}");
+    let pushed = count(&db, "SELECT count(*) FROM probes WHERE session_id = ?1 AND reason LIKE '%stack +16%'", s.id);
+    assert_eq!(pushed, 1, "cuLaunchCooperativeKernel_ptsz pushes two registers before its probe point");
+}
+
+#[test]
+fn probe_at_entry_keeps_every_probe_on_the_first_instruction() {
+    let (db, s) = placed_probes("at-entry", &["--probe-at-entry"]);
+    assert_eq!(count(&db, "SELECT count(*) FROM probes WHERE session_id = ?1 AND offset != 0", s.id), 0);
+    assert_eq!(count(&db, "SELECT count(*) FROM probes WHERE session_id = ?1", s.id), 8);
 }
 
 #[test]
@@ -322,6 +387,8 @@ fn genuine_nvidia_driver_library() {
     let s = last_session(&db);
     assert_eq!(api_counts(&db, s.id), expected);
     assert_eq!(s.total_launches, Some(8000));
+    // Every entry point begins `cmpl $imm, rip-relative; je`: the probes sit on the je.
+    assert_eq!(count(&db, "SELECT count(*) FROM probes WHERE session_id = ?1 AND offset = 10", s.id), 8);
     // The probe read the real arguments the caller passed.
     let bad = count(
         &db,

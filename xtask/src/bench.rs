@@ -228,6 +228,60 @@ pub fn main() -> Result<()> {
     println!(
         "agent CPU % is the agent's CPU time over that span plus its drain-and-flush time after the target exits."
     );
+    sampler_table(&work)
+}
+
+/// The agent's CPU time over a fixed window on an idle target, with the
+/// stand-in NVML exposing `gpus` GPUs sampled every `interval_ms` (None: --no-gpu).
+fn sampler_cost(work: &Path, gpus: u32, interval_ms: Option<u32>) -> Result<(f64, f64, u64)> {
+    const WINDOW_S: f64 = 3.0;
+    let db = work.join("sampler.db");
+    let _ = std::fs::remove_file(&db);
+    let mut idle = Command::new("sleep").arg("60").spawn()?;
+    let mut c = Command::new(profiler_bin());
+    c.args(["attach", &idle.id().to_string(), "-q", "--duration", &WINDOW_S.to_string(), "-o"]).arg(&db);
+    match interval_ms {
+        Some(ms) => {
+            c.arg("--nvml-lib").arg(fixtures_dir().join("libnvidia-ml.so.1"));
+            c.args(["--gpu-interval", &ms.to_string()]).env("STANDIN_NVML_GPUS", gpus.to_string());
+        }
+        None => {
+            c.arg("--no-gpu");
+        }
+    }
+    let t0 = Instant::now();
+    let agent = c.spawn()?;
+    let (cpu, _) = wait_rusage(&agent)?;
+    let wall = t0.elapsed().as_secs_f64();
+    let _ = idle.kill();
+    let _ = idle.wait();
+    let conn = rusqlite::Connection::open(&db)?;
+    let samples: i64 = conn.query_row("SELECT count(*) FROM gpu_samples", [], |r| r.get(0)).unwrap_or(0);
+    Ok((cpu, wall, samples as u64 / u64::from(gpus.max(1))))
+}
+
+fn sampler_table(work: &Path) -> Result<()> {
+    say("bench: GPU sampler cost (stand-in NVML, idle target, 3 s windows)");
+    let (base_cpu, base_wall, _) = sampler_cost(work, 1, None)?;
+    println!();
+    println!("GPU sampler (stand-in NVML): agent CPU over a 3 s window, minus the same window with --no-gpu");
+    println!("| {:<6} | {:>8} | {:>6} | {:>12} | {:>14} |", "GPUs", "rate", "ticks", "µs per tick", "agent CPU %");
+    println!("|{:-<8}|{:->10}|{:->8}|{:->14}|{:->16}|", "", "", "", "", "");
+    for gpus in [1u32, 8] {
+        for (hz, ms) in [(10u32, 100u32), (100, 10)] {
+            let (cpu, wall, ticks) = sampler_cost(work, gpus, Some(ms))?;
+            let extra = (cpu - base_cpu * wall / base_wall).max(0.0);
+            println!(
+                "| {:<6} | {:>5} Hz | {:>6} | {:>12.0} | {:>14.2} |",
+                gpus,
+                hz,
+                ticks,
+                1e6 * extra / ticks.max(1) as f64,
+                100.0 * cpu / wall
+            );
+        }
+    }
+    println!("(µs per tick includes writing the rows to SQLite; the agent CPU % is the whole agent's.)");
     Ok(())
 }
 

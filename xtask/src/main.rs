@@ -116,6 +116,11 @@ fn fixtures() -> Result<()> {
     so("libcuda.so.1", "fake_cuda.c", &[])?;
     so("libcudart.so.12", "fake_cudart.c", &["-ldl"])?;
     so("libnvidia-ml.so.1", "fake_nvml.c", &[])?;
+    // A stand-in driver whose entry points have the genuine library's shapes
+    // (RIP-relative compare, conditional jump, indirect jump; push prologues):
+    // probe placement moves its probes.
+    std::fs::create_dir_all(dir.join("shaped"))?;
+    gcc(&["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", &out("shaped/libcuda.so.1"), "shaped_cuda.S"])?;
     gcc(&[&common[..], &["-rdynamic", "-o", &out("trainer"), "trainer.c", "-ldl", "-lpthread"]].concat())?;
     gcc(&[&common[..], &["-o", &out("genuine_launch"), "genuine_launch.c", "-ldl"]].concat())?;
     // A copy of the stand-in driver in a directory nobody's search path names:

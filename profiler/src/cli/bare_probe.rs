@@ -6,13 +6,16 @@ use anyhow::Context;
 use clap::Args;
 use tokio::signal::unix::{SignalKind, signal};
 
-use crate::probes::{Probes, elf};
+use crate::probes::{Probes, elf, placement};
 
 #[derive(Args, Debug)]
 pub struct BareProbeArgs {
     pub pid: u32,
     pub library: PathBuf,
     pub symbol: String,
+    /// Where the launch probes would go (see `probes::placement`) instead of the entry.
+    #[arg(long)]
+    pub placed: bool,
 }
 
 pub async fn main(args: BareProbeArgs) -> anyhow::Result<ExitCode> {
@@ -22,9 +25,19 @@ pub async fn main(args: BareProbeArgs) -> anyhow::Result<ExitCode> {
         .into_iter()
         .find(|s| s.name == args.symbol)
         .with_context(|| format!("{} not in {}", args.symbol, args.library.display()))?;
-    let (mut probes, _ring) = Probes::load(pid, false)?;
-    probes.attach_bare(&args.library, sym.file_offset)?;
-    println!("attached");
+    let (mut probes, _ring) = Probes::load(pid, false, false)?;
+    let offset = if args.placed {
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .ok()
+            .and_then(|r| placement::kernel_version(r.trim()))
+            .context("cannot read the kernel version")?;
+        let code = &data[sym.file_offset as usize..][..placement::WINDOW.min(data.len() - sym.file_offset as usize)];
+        placement::choose(code, sym.address, kernel).offset
+    } else {
+        0
+    };
+    probes.attach_bare(&args.library, sym.file_offset + offset)?;
+    println!("attached at +{offset:#x}");
     let mut int = signal(SignalKind::interrupt())?;
     let mut term = signal(SignalKind::terminate())?;
     tokio::select! { _ = int.recv() => {}, _ = term.recv() => {} }

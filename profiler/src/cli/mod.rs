@@ -2,6 +2,9 @@
 //! options they share and turns them into the engine's own config.
 mod attach;
 mod bare_probe;
+mod doctor;
+mod export;
+mod report;
 mod run;
 
 use std::{path::PathBuf, process::ExitCode, time::Duration};
@@ -29,6 +32,12 @@ enum Command {
     Attach(attach::AttachArgs),
     /// Start a command and trace it from its first instruction.
     Run(run::RunArgs),
+    /// Summarise a session: step time, inter-step time, launches, energy per step, top kernels.
+    Report(report::ReportArgs),
+    /// Export a session as a Perfetto/Chrome trace (--format perfetto) or a table as CSV (--format csv --table T).
+    Export(export::ExportArgs),
+    /// Check what will and will not work on this machine (and for PID) before tracing.
+    Doctor(doctor::DoctorArgs),
     /// Benchmark helper: attach an empty uprobe to LIBRARY:SYMBOL in PID until SIGINT/SIGTERM.
     #[command(hide = true)]
     BareProbe(bare_probe::BareProbeArgs),
@@ -40,10 +49,11 @@ pub struct TraceArgs {
     /// SQLite file to write; an existing profile gets a new session.
     #[arg(short, long, default_value = "profile.db")]
     output: PathBuf,
-    /// The training step function: SYMBOL (searched in the executable, then in
-    /// its mapped libraries; C++/Rust names may be given demangled) or FILE:SYMBOL.
-    #[arg(long, value_name = "[FILE:]SYMBOL")]
-    step_symbol: Option<String>,
+    /// A step function: SYMBOL (searched in the executable, then in its mapped
+    /// libraries; C++/Rust names may be given demangled) or FILE:SYMBOL, with an
+    /// optional LABEL= (default `train`). Repeatable.
+    #[arg(long, value_name = "[LABEL=][FILE:]SYMBOL")]
+    step_symbol: Vec<String>,
     /// Keep a row per launch (`all`), or only per-step counts (`count`).
     #[arg(long, value_enum, default_value_t = LaunchMode::All)]
     launches: LaunchMode,
@@ -72,6 +82,20 @@ pub struct TraceArgs {
     /// Fail if NVML cannot be used, instead of storing NULLs.
     #[arg(long)]
     require_gpu: bool,
+    /// Put every launch probe on its function's first instruction, instead of
+    /// the first one the kernel emulates (see the `probes` table).
+    #[arg(long)]
+    probe_at_entry: bool,
+    /// Read RAPL from this powercap tree only (default: the perf `power` PMU,
+    /// else /sys/class/powercap).
+    #[arg(long, value_name = "PATH")]
+    powercap_root: Option<PathBuf>,
+    /// System (CPU, RAM, disk) sampling period, in ms.
+    #[arg(long, value_name = "MS", default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    system_interval: u64,
+    /// Report disk usage of the filesystem holding PATH (default: the target's working directory).
+    #[arg(long, value_name = "PATH")]
+    disk: Option<PathBuf>,
 }
 
 fn parse_secs(s: &str) -> Result<Duration, String> {
@@ -86,7 +110,7 @@ impl TraceArgs {
     fn into_config(self) -> SessionConfig {
         SessionConfig {
             output: self.output,
-            step: self.step_symbol.as_deref().map(StepSymbolSpec::parse),
+            steps: self.step_symbol.iter().map(|s| StepSymbolSpec::parse(s)).collect(),
             launch_mode: self.launches,
             duration: self.duration,
             maps_interval: Duration::from_millis(self.maps_interval),
@@ -97,6 +121,10 @@ impl TraceArgs {
                 gpus: self.gpus,
             }),
             require_gpu: self.require_gpu,
+            place_probes: !self.probe_at_entry,
+            powercap_root: self.powercap_root,
+            system_interval: Duration::from_millis(self.system_interval),
+            disk: self.disk,
         }
     }
 }
@@ -105,6 +133,9 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Attach(a) => attach::main(a).await,
         Command::Run(a) => run::main(a).await,
+        Command::Report(a) => report::main(a).await,
+        Command::Export(a) => export::main(a).await,
+        Command::Doctor(a) => doctor::main(a).await,
         Command::BareProbe(a) => bare_probe::main(a).await,
     }
 }
@@ -135,7 +166,10 @@ mod tests {
         assert_eq!(c.output, PathBuf::from("x.db"));
         assert_eq!(c.launch_mode, LaunchMode::Count);
         assert_eq!(c.duration, Some(Duration::from_millis(1500)));
-        assert_eq!(c.step, Some(StepSymbolSpec { file: Some("lib.so".into()), symbol: "step".into() }));
+        assert_eq!(
+            c.steps,
+            vec![StepSymbolSpec { label: "train".into(), file: Some("lib.so".into()), symbol: "step".into() }]
+        );
     }
 
     #[test]

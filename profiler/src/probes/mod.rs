@@ -3,6 +3,7 @@
 //! the step function.
 pub mod elf;
 pub mod maps;
+pub mod placement;
 pub mod step_symbol;
 
 use std::{
@@ -45,6 +46,15 @@ pub enum ProbeError {
     Elf { path: PathBuf, source: elf::ElfError },
 }
 
+/// Where one probe went in a library, and why.
+#[derive(Clone, Debug)]
+pub struct PlacedProbe {
+    pub symbol: &'static str,
+    /// Bytes from the symbol's start.
+    pub offset: u64,
+    pub reason: String,
+}
+
 /// Kernel-side counters, summed over CPUs.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct KernelCounters {
@@ -58,6 +68,9 @@ pub struct KernelCounters {
 pub struct Probes {
     ebpf: Ebpf,
     pid: NonZeroU32,
+    /// The running kernel, for probe placement; None places every probe at
+    /// its function's entry (`--probe-at-entry`).
+    kernel: Option<placement::KernelVersion>,
     /// (st_dev, st_ino) of files already probed.
     probed: HashSet<(u64, u64)>,
     lost: PerCpuArray<MapData, u64>,
@@ -72,7 +85,11 @@ impl Probes {
     /// Loads all programs, filtering on `pid`'s tgid. Returns the probes and
     /// the ring buffer, which the caller owns so that it outlives the probes
     /// (it is drained once more after they are detached).
-    pub fn load(pid: NonZeroU32, emit_launches: bool) -> Result<(Self, RingBuf<MapData>), ProbeError> {
+    pub fn load(
+        pid: NonZeroU32,
+        emit_launches: bool,
+        place_probes: bool,
+    ) -> Result<(Self, RingBuf<MapData>), ProbeError> {
         if EBPF_OBJECT.is_empty() {
             return Err(ProbeError::NoObject);
         }
@@ -100,7 +117,12 @@ impl Probes {
             .map_err(|source| ProbeError::Map { name: map_names::LOST, source })?;
         let launches = PerCpuArray::try_from(take_map(&mut ebpf, map_names::LAUNCHES)?)
             .map_err(|source| ProbeError::Map { name: map_names::LAUNCHES, source })?;
-        Ok((Self { ebpf, pid, probed: HashSet::new(), lost, launches }, ring))
+        let kernel = if place_probes {
+            std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().and_then(|r| placement::kernel_version(r.trim()))
+        } else {
+            None
+        };
+        Ok((Self { ebpf, pid, kernel, probed: HashSet::new(), lost, launches }, ring))
     }
 
     fn attach(&mut self, program: &'static str, path: &Path, offset: u64, cookie: u64) -> Result<(), ProbeError> {
@@ -126,10 +148,10 @@ impl Probes {
 
     /// Probes every launch entry point `path` exports. Returns how many
     /// probes were attached (0 when the file exports none, or was already probed).
-    pub fn attach_cuda_library(&mut self, kind: LibraryKind, path: &Path) -> Result<u32, ProbeError> {
+    pub fn attach_cuda_library(&mut self, kind: LibraryKind, path: &Path) -> Result<Vec<PlacedProbe>, ProbeError> {
         let meta = std::fs::metadata(path).map_err(|source| ProbeError::Read { path: path.to_owned(), source })?;
         if !self.probed.insert((meta.dev(), meta.ino())) {
-            return Ok(0);
+            return Ok(Vec::new());
         }
         let data = std::fs::read(path).map_err(|source| ProbeError::Read { path: path.to_owned(), source })?;
         let symbols =
@@ -138,19 +160,34 @@ impl Probes {
             LibraryKind::Driver => ApiLayer::Driver,
             LibraryKind::Runtime => ApiLayer::Runtime,
         };
-        let mut attached = 0;
+        let mut placed = Vec::new();
         for api in LaunchApi::ALL.into_iter().filter(|a| a.layer() == layer) {
             let Some(sym) = symbols.iter().find(|s| s.name == api.symbol()) else {
                 continue;
             };
-            self.attach(api.program(), path, sym.file_offset, api as u64)?;
-            attached += 1;
+            let start = sym.file_offset as usize;
+            let code = data.get(start..).map(|c| &c[..c.len().min(placement::WINDOW)]).unwrap_or(&[]);
+            let (offset, stack_adjust, keeps_return, reason) = match self.kernel {
+                Some(k) => {
+                    let p = placement::choose(code, sym.address, k);
+                    (p.offset, p.stack_adjust, p.keeps_return_address(), p.to_string())
+                }
+                None => (0, 0, true, "at the entry (--probe-at-entry)".to_string()),
+            };
+            // The program reads stack arguments `stack_adjust` bytes further
+            // up when pushes ran before the probe; it travels in the cookie.
+            let cookie = api as u64 | (stack_adjust << 32);
+            self.attach(api.program(), path, sym.file_offset + offset, cookie)?;
+            placed.push(PlacedProbe { symbol: api.symbol(), offset, reason });
             if layer == ApiLayer::Runtime {
-                self.attach(programs::RUNTIME_RETURN, path, sym.file_offset, api as u64)?;
-                attached += 1;
+                // A return probe takes the return address from [rsp]: it can
+                // share the moved point only when nothing was pushed before it.
+                let ret_at = if keeps_return { offset } else { 0 };
+                self.attach(programs::RUNTIME_RETURN, path, sym.file_offset + ret_at, api as u64)?;
+                placed.push(PlacedProbe { symbol: api.symbol(), offset: ret_at, reason: "return probe".into() });
             }
         }
-        Ok(attached)
+        Ok(placed)
     }
 
     /// Entry and return probes on the step function.

@@ -7,6 +7,8 @@ use super::elf::{self, FunctionSymbol};
 /// What the user asked for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StepSymbolSpec {
+    /// The steps' label (`LABEL=` prefix; `train` by default).
+    pub label: String,
     /// A path (has a `/`) or a file name (`libtrainer.so`) to search alone.
     pub file: Option<String>,
     pub symbol: String,
@@ -17,6 +19,17 @@ impl StepSymbolSpec {
     /// `/`, or a `.so` name); otherwise the whole text is a symbol, so that C++
     /// names like `Trainer::step` need no quoting.
     pub fn parse(s: &str) -> Self {
+        // `LABEL=`: a plain word before the first `=`.
+        let (label, s) = match s.split_once('=') {
+            Some((l, rest))
+                if !l.is_empty()
+                    && !rest.is_empty()
+                    && l.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) =>
+            {
+                (l.to_owned(), rest)
+            }
+            _ => ("train".to_owned(), s),
+        };
         let bytes = s.as_bytes();
         let mut i = 0;
         while i < bytes.len() {
@@ -24,17 +37,20 @@ impl StepSymbolSpec {
                 let lone = bytes.get(i + 1) != Some(&b':') && (i == 0 || bytes[i - 1] != b':');
                 let file = &s[..i];
                 if lone && (file.contains('/') || file.ends_with(".so") || file.contains(".so.")) && i + 1 < s.len() {
-                    return Self { file: Some(file.to_owned()), symbol: s[i + 1..].to_owned() };
+                    return Self { label, file: Some(file.to_owned()), symbol: s[i + 1..].to_owned() };
                 }
             }
             i += 1;
         }
-        Self { file: None, symbol: s.to_owned() }
+        Self { label, file: None, symbol: s.to_owned() }
     }
 }
 
 impl std::fmt::Display for StepSymbolSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.label != "train" {
+            write!(f, "{}=", self.label)?;
+        }
         match &self.file {
             Some(file) => write!(f, "{file}:{}", self.symbol),
             None => f.write_str(&self.symbol),
@@ -140,23 +156,22 @@ mod tests {
 
     #[test]
     fn parses_file_and_symbol_forms() {
-        assert_eq!(StepSymbolSpec::parse("train_step"), StepSymbolSpec { file: None, symbol: "train_step".into() });
+        let t = |file: Option<&str>, symbol: &str| StepSymbolSpec {
+            label: "train".into(),
+            file: file.map(String::from),
+            symbol: symbol.into(),
+        };
+        assert_eq!(StepSymbolSpec::parse("train_step"), t(None, "train_step"));
         assert_eq!(
-            StepSymbolSpec::parse("/opt/bin/trainer:train_step"),
-            StepSymbolSpec { file: Some("/opt/bin/trainer".into()), symbol: "train_step".into() }
+            StepSymbolSpec::parse("eval=/opt/lib.so:validate"),
+            StepSymbolSpec { label: "eval".into(), file: Some("/opt/lib.so".into()), symbol: "validate".into() }
         );
-        assert_eq!(
-            StepSymbolSpec::parse("libtrainer.so:step"),
-            StepSymbolSpec { file: Some("libtrainer.so".into()), symbol: "step".into() }
-        );
-        assert_eq!(
-            StepSymbolSpec::parse("Trainer::step"),
-            StepSymbolSpec { file: None, symbol: "Trainer::step".into() }
-        );
-        assert_eq!(
-            StepSymbolSpec::parse("./a.out:ns::Trainer::step"),
-            StepSymbolSpec { file: Some("./a.out".into()), symbol: "ns::Trainer::step".into() }
-        );
+        assert_eq!(StepSymbolSpec::parse("eval=/opt/lib.so:validate").to_string(), "eval=/opt/lib.so:validate");
+        assert_eq!(StepSymbolSpec::parse("operator=").symbol, "operator=", "not a label: nothing after =");
+        assert_eq!(StepSymbolSpec::parse("/opt/bin/trainer:train_step"), t(Some("/opt/bin/trainer"), "train_step"));
+        assert_eq!(StepSymbolSpec::parse("libtrainer.so:step"), t(Some("libtrainer.so"), "step"));
+        assert_eq!(StepSymbolSpec::parse("Trainer::step"), t(None, "Trainer::step"));
+        assert_eq!(StepSymbolSpec::parse("./a.out:ns::Trainer::step"), t(Some("./a.out"), "ns::Trainer::step"));
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //! value it cannot read is stored as NULL with the reason recorded once in
 //! `capabilities`.
 pub mod gpu;
+pub mod rapl;
+pub mod system;
 
 use std::{
     sync::{
