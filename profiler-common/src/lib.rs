@@ -293,6 +293,8 @@ pub mod maps {
     pub const LOST: &str = "LOST";
     /// `PerCpuArray<u64>[1]`: launches seen (counted once), kept or not.
     pub const LAUNCHES: &str = "LAUNCHES";
+    /// `Array<u32>[1]`: 1 once a runtime library is probed.
+    pub const RUNTIME_PROBED: &str = "RUNTIME_PROBED";
     /// `Array<UsdtProbeSpec>[USDT_MAX_SPECS]`: argument specs of the attached
     /// USDT probe sites, indexed by the attach cookie.
     pub const USDT_ARGS: &str = "USDT_ARGS";

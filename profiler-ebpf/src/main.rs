@@ -16,7 +16,7 @@ use aya_ebpf::{
     EbpfContext,
     helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, generated::bpf_get_attach_cookie},
     macros::{map, uprobe, uretprobe},
-    maps::{HashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
     programs::{ProbeContext, RetProbeContext},
 };
 use profiler_common::{LaunchRecord, RecordHeader, RecordKind, StepRecord};
@@ -50,6 +50,10 @@ static LAUNCHES: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 /// writes its entry, so a plain read-modify-write is race free.
 #[map]
 static THREAD_LAUNCHES: HashMap<u32, u64> = HashMap::with_max_entries(65536, 0);
+
+/// `[0]` is 1 once the agent has probed a runtime library (see `in_runtime_launch`).
+#[map]
+static RUNTIME_PROBED: Array<u32> = Array::with_max_entries(1, 0);
 
 /// Threads currently inside a runtime-API launch. The runtime reaches the
 /// driver's exported entry points, whose probes must not count that launch twice.
@@ -95,17 +99,6 @@ fn cookie(ctx: &ProbeContext) -> u64 {
     unsafe { bpf_get_attach_cookie(ctx.as_ptr()) }
 }
 
-/// Reads the `n`th 8-byte stack slot above the return address (the 7th, 8th, …
-/// integer argument under the System V x86-64 ABI), `adjust` bytes further up
-/// when the function pushed that much before the probe point.
-#[inline(always)]
-fn stack_arg(ctx: &ProbeContext, n: u64, adjust: u64) -> u64 {
-    // SAFETY: `regs` is the kernel-provided pt_regs of this probe.
-    let sp = unsafe { (*ctx.regs).rsp };
-    // SAFETY: bpf_probe_read_user tolerates any address.
-    unsafe { bpf_probe_read_user((sp + adjust + 8 * (n + 1)) as *const u64) }.unwrap_or(0)
-}
-
 /// Counts the launch for its thread; returns the updated per-thread count.
 #[inline(always)]
 fn count_launch(tid: u32) {
@@ -128,12 +121,14 @@ struct Launch {
 }
 
 #[inline(always)]
-fn emit_launch(tid: u32, api: u32, l: Launch) {
+fn emit_launch(tid: u32, api: u32, read_args: impl FnOnce() -> Launch) {
     count_launch(tid);
     // SAFETY: plain read of a loader-set global.
     if unsafe { core::ptr::read_volatile(&EMIT_LAUNCHES) } == 0 {
+        // `--launches count`: the arguments are never read.
         return;
     }
+    let l = read_args();
     match EVENTS.reserve::<LaunchRecord>(0) {
         Some(mut entry) => {
             entry.write(LaunchRecord {
@@ -153,8 +148,24 @@ fn emit_launch(tid: u32, api: u32, l: Launch) {
 
 #[inline(always)]
 fn in_runtime_launch(tid: u32) -> bool {
+    // An array lookup (inlined by the verifier) spares the hash lookup on
+    // every driver launch of a process that has no probed runtime.
+    if RUNTIME_PROBED.get(0).is_none_or(|v| *v == 0) {
+        return false;
+    }
     // SAFETY: the value is not used, only its presence.
     unsafe { IN_RUNTIME_LAUNCH.get(tid) }.is_some()
+}
+
+/// The `count` stack slots above the return address in one read (they are
+/// contiguous), `adjust` bytes further up when the function pushed that much
+/// before the probe point.
+#[inline(always)]
+fn stack_args<const N: usize>(ctx: &ProbeContext, adjust: u64) -> [u64; N] {
+    // SAFETY: `regs` is the kernel-provided pt_regs of this probe.
+    let sp = unsafe { (*ctx.regs).rsp };
+    // SAFETY: bpf_probe_read_user tolerates any address.
+    unsafe { bpf_probe_read_user((sp + adjust + 8) as *const [u64; N]) }.unwrap_or([0; N])
 }
 
 #[inline(always)]
@@ -175,14 +186,16 @@ pub fn launch_driver_classic(ctx: ProbeContext) -> u32 {
     if in_runtime_launch(tid) {
         return 0;
     }
-    let l = Launch {
-        function: reg(&ctx, 0),
-        grid: [reg(&ctx, 1) as u32, reg(&ctx, 2) as u32, reg(&ctx, 3) as u32],
-        block: [reg(&ctx, 4) as u32, reg(&ctx, 5) as u32, stack_arg(&ctx, 0, adjust) as u32],
-        shared_mem_bytes: stack_arg(&ctx, 1, adjust) as u32,
-        stream: stack_arg(&ctx, 2, adjust),
-    };
-    emit_launch(tid, api, l);
+    emit_launch(tid, api, || {
+        let [block_z, shared, stream] = stack_args::<3>(&ctx, adjust);
+        Launch {
+            function: reg(&ctx, 0),
+            grid: [reg(&ctx, 1) as u32, reg(&ctx, 2) as u32, reg(&ctx, 3) as u32],
+            block: [reg(&ctx, 4) as u32, reg(&ctx, 5) as u32, block_z as u32],
+            shared_mem_bytes: shared as u32,
+            stream,
+        }
+    });
     0
 }
 
@@ -208,19 +221,20 @@ pub fn launch_driver_ex(ctx: ProbeContext) -> u32 {
     if in_runtime_launch(tid) {
         return 0;
     }
-    // SAFETY: bpf_probe_read_user tolerates any address.
-    let cfg = unsafe { bpf_probe_read_user(reg(&ctx, 0) as *const CuLaunchConfig) }.ok();
-    let l = match cfg {
-        Some(c) => Launch {
-            function: reg(&ctx, 1),
-            grid: [c.dims[0], c.dims[1], c.dims[2]],
-            block: [c.dims[3], c.dims[4], c.dims[5]],
-            shared_mem_bytes: c.shared_mem_bytes,
-            stream: c.stream,
-        },
-        None => Launch { function: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0, stream: 0 },
-    };
-    emit_launch(tid, api, l);
+    emit_launch(tid, api, || {
+        // SAFETY: bpf_probe_read_user tolerates any address.
+        let cfg = unsafe { bpf_probe_read_user(reg(&ctx, 0) as *const CuLaunchConfig) }.ok();
+        match cfg {
+            Some(c) => Launch {
+                function: reg(&ctx, 1),
+                grid: [c.dims[0], c.dims[1], c.dims[2]],
+                block: [c.dims[3], c.dims[4], c.dims[5]],
+                shared_mem_bytes: c.shared_mem_bytes,
+                stream: c.stream,
+            },
+            None => Launch { function: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0, stream: 0 },
+        }
+    });
     0
 }
 
@@ -234,8 +248,13 @@ pub fn launch_driver_graph(ctx: ProbeContext) -> u32 {
     if in_runtime_launch(tid) {
         return 0;
     }
-    let l = Launch { function: reg(&ctx, 0), stream: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0 };
-    emit_launch(tid, api, l);
+    emit_launch(tid, api, || Launch {
+        function: reg(&ctx, 0),
+        stream: reg(&ctx, 1),
+        grid: [0; 3],
+        block: [0; 3],
+        shared_mem_bytes: 0,
+    });
     0
 }
 
@@ -254,15 +273,17 @@ pub fn launch_runtime_classic(ctx: ProbeContext) -> u32 {
     let cookie = cookie(&ctx);
     let (api, adjust) = (cookie as u32, cookie >> 32);
     enter_runtime_launch(tid);
-    let (g, gz, b, bz) = (reg(&ctx, 1), reg(&ctx, 2), reg(&ctx, 3), reg(&ctx, 4));
-    let l = Launch {
-        function: reg(&ctx, 0),
-        grid: [g as u32, (g >> 32) as u32, gz as u32],
-        block: [b as u32, (b >> 32) as u32, bz as u32],
-        shared_mem_bytes: stack_arg(&ctx, 0, adjust) as u32,
-        stream: stack_arg(&ctx, 1, adjust),
-    };
-    emit_launch(tid, api, l);
+    emit_launch(tid, api, || {
+        let (g, gz, b, bz) = (reg(&ctx, 1), reg(&ctx, 2), reg(&ctx, 3), reg(&ctx, 4));
+        let [shared, stream] = stack_args::<2>(&ctx, adjust);
+        Launch {
+            function: reg(&ctx, 0),
+            grid: [g as u32, (g >> 32) as u32, gz as u32],
+            block: [b as u32, (b >> 32) as u32, bz as u32],
+            shared_mem_bytes: shared as u32,
+            stream,
+        }
+    });
     0
 }
 
@@ -285,19 +306,20 @@ pub fn launch_runtime_ex(ctx: ProbeContext) -> u32 {
     // Only the stack-argument layouts need the push adjustment.
     let api = cookie as u32;
     enter_runtime_launch(tid);
-    // SAFETY: bpf_probe_read_user tolerates any address.
-    let cfg = unsafe { bpf_probe_read_user(reg(&ctx, 0) as *const CudaLaunchConfig) }.ok();
-    let l = match cfg {
-        Some(c) => Launch {
-            function: reg(&ctx, 1),
-            grid: [c.dims[0], c.dims[1], c.dims[2]],
-            block: [c.dims[3], c.dims[4], c.dims[5]],
-            shared_mem_bytes: c.dynamic_smem_bytes as u32,
-            stream: c.stream,
-        },
-        None => Launch { function: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0, stream: 0 },
-    };
-    emit_launch(tid, api, l);
+    emit_launch(tid, api, || {
+        // SAFETY: bpf_probe_read_user tolerates any address.
+        let cfg = unsafe { bpf_probe_read_user(reg(&ctx, 0) as *const CudaLaunchConfig) }.ok();
+        match cfg {
+            Some(c) => Launch {
+                function: reg(&ctx, 1),
+                grid: [c.dims[0], c.dims[1], c.dims[2]],
+                block: [c.dims[3], c.dims[4], c.dims[5]],
+                shared_mem_bytes: c.dynamic_smem_bytes as u32,
+                stream: c.stream,
+            },
+            None => Launch { function: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0, stream: 0 },
+        }
+    });
     0
 }
 
@@ -309,8 +331,13 @@ pub fn launch_runtime_graph(ctx: ProbeContext) -> u32 {
     // Only the stack-argument layouts need the push adjustment.
     let api = cookie as u32;
     enter_runtime_launch(tid);
-    let l = Launch { function: reg(&ctx, 0), stream: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0 };
-    emit_launch(tid, api, l);
+    emit_launch(tid, api, || Launch {
+        function: reg(&ctx, 0),
+        stream: reg(&ctx, 1),
+        grid: [0; 3],
+        block: [0; 3],
+        shared_mem_bytes: 0,
+    });
     0
 }
 

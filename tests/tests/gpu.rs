@@ -65,7 +65,7 @@ fn per_step_gpu_energy_is_within_its_bound_and_gpus_follow_cuda_visible_devices(
     let rows: Vec<(i64, i64, f64, f64, f64, i64, i64)> = conn
         .prepare(
             "SELECT g.gpu, n.nvml_index, g.energy_j, g.energy_error_j, s.duration_ns / 1e9, g.below_resolution, s.step
-             FROM step_gpu g JOIN steps s USING (session_id, step) JOIN gpus n USING (session_id, gpu)
+             FROM step_gpu g JOIN steps s USING (session_id, label, step) JOIN gpus n USING (session_id, gpu)
              WHERE g.session_id = ?1 ORDER BY s.step, g.gpu",
         )
         .expect("prepare")

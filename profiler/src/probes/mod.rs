@@ -5,6 +5,7 @@ pub mod elf;
 pub mod maps;
 pub mod placement;
 pub mod step_symbol;
+pub mod usdt;
 
 use std::{
     collections::HashSet,
@@ -15,7 +16,7 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Map, MapData, PerCpuArray, RingBuf},
+    maps::{Array, Map, MapData, PerCpuArray, RingBuf},
     programs::{
         UProbe,
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
@@ -160,6 +161,15 @@ impl Probes {
             LibraryKind::Driver => ApiLayer::Driver,
             LibraryKind::Runtime => ApiLayer::Runtime,
         };
+        if layer == ApiLayer::Runtime && symbols.iter().any(|s| s.name.starts_with("cuda")) {
+            // Before the runtime probes exist: from now on the driver probes
+            // look for a runtime launch in progress on their thread.
+            let map =
+                self.ebpf.map_mut(map_names::RUNTIME_PROBED).ok_or(ProbeError::Missing(map_names::RUNTIME_PROBED))?;
+            let mut flag: Array<&mut MapData, u32> =
+                Array::try_from(map).map_err(|source| ProbeError::Map { name: map_names::RUNTIME_PROBED, source })?;
+            flag.set(0, 1, 0).map_err(|source| ProbeError::Map { name: map_names::RUNTIME_PROBED, source })?;
+        }
         let mut placed = Vec::new();
         for api in LaunchApi::ALL.into_iter().filter(|a| a.layer() == layer) {
             let Some(sym) = symbols.iter().find(|s| s.name == api.symbol()) else {

@@ -61,6 +61,7 @@ CREATE TABLE gpu_samples (
 );
 CREATE TABLE step_gpu (
     session_id                   INTEGER NOT NULL,
+    label                        TEXT    NOT NULL,
     step                         INTEGER NOT NULL,
     gpu                          INTEGER NOT NULL,
     energy_j                     REAL,
@@ -78,22 +79,22 @@ CREATE TABLE step_gpu (
     fan_speed_end_pct            REAL,
     temperature_gpu_end_c        REAL,
     temperature_memory_end_c     REAL,
-    PRIMARY KEY (session_id, step, gpu)
+    PRIMARY KEY (session_id, label, step, gpu)
 );
 CREATE VIEW gpu_stats_monitor AS
-    SELECT session_id, step, 'GPU_' || gpu || '/utilization.gpu - percent' AS metric, utilization_gpu_start_pct AS value, 'batch_start' AS phase FROM step_gpu
-    UNION ALL SELECT session_id, step, 'GPU_' || gpu || '/memory.used - MB', memory_used_start_mib, 'batch_start' FROM step_gpu
-    UNION ALL SELECT session_id, step, 'GPU_' || gpu || '/memory.free - MB', memory_free_start_mib, 'batch_start' FROM step_gpu
-    UNION ALL SELECT session_id, step, 'GPU_' || gpu || '/utilization.memory - percent', utilization_memory_start_pct, 'batch_start' FROM step_gpu
-    UNION ALL SELECT session_id, step, 'GPU_' || gpu || '/utilization.gpu - percent', utilization_gpu_end_pct, 'batch_end' FROM step_gpu
-    UNION ALL SELECT session_id, step, 'GPU_' || gpu || '/memory.used - MB', memory_used_end_mib, 'batch_end' FROM step_gpu
-    UNION ALL SELECT session_id, step, 'GPU_' || gpu || '/memory.free - MB', memory_free_end_mib, 'batch_end' FROM step_gpu
-    UNION ALL SELECT session_id, step, 'GPU_' || gpu || '/utilization.memory - percent', utilization_memory_end_pct, 'batch_end' FROM step_gpu
-    UNION ALL SELECT session_id, step, 'GPU_' || gpu || '/fan.speed - percent', fan_speed_end_pct, 'batch_end' FROM step_gpu
-    UNION ALL SELECT session_id, step, 'GPU_' || gpu || '/temperature.gpu - °C', temperature_gpu_end_c, 'batch_end' FROM step_gpu
-    UNION ALL SELECT session_id, step, 'GPU_' || gpu || '/temperature.memory - °C', temperature_memory_end_c, 'batch_end' FROM step_gpu
-    UNION ALL SELECT session_id, step, 'batch_time/intra_step (ms)', duration_ns / 1e6, 'batch_end' FROM steps WHERE end_ns IS NOT NULL
-    UNION ALL SELECT session_id, step, 'batch_time/inter_step (ms)', inter_step_ns / 1e6, 'batch_start' FROM steps WHERE inter_step_ns IS NOT NULL;
+    SELECT session_id, label, step, 'GPU_' || gpu || '/utilization.gpu - percent' AS metric, utilization_gpu_start_pct AS value, 'batch_start' AS phase FROM step_gpu
+    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/memory.used - MB', memory_used_start_mib, 'batch_start' FROM step_gpu
+    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/memory.free - MB', memory_free_start_mib, 'batch_start' FROM step_gpu
+    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/utilization.memory - percent', utilization_memory_start_pct, 'batch_start' FROM step_gpu
+    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/utilization.gpu - percent', utilization_gpu_end_pct, 'batch_end' FROM step_gpu
+    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/memory.used - MB', memory_used_end_mib, 'batch_end' FROM step_gpu
+    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/memory.free - MB', memory_free_end_mib, 'batch_end' FROM step_gpu
+    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/utilization.memory - percent', utilization_memory_end_pct, 'batch_end' FROM step_gpu
+    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/fan.speed - percent', fan_speed_end_pct, 'batch_end' FROM step_gpu
+    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/temperature.gpu - °C', temperature_gpu_end_c, 'batch_end' FROM step_gpu
+    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/temperature.memory - °C', temperature_memory_end_c, 'batch_end' FROM step_gpu
+    UNION ALL SELECT session_id, label, step, 'batch_time/intra_step (ms)', duration_ns / 1e6, 'batch_end' FROM steps WHERE end_ns IS NOT NULL
+    UNION ALL SELECT session_id, label, step, 'batch_time/inter_step (ms)', inter_step_ns / 1e6, 'batch_start' FROM steps WHERE inter_step_ns IS NOT NULL;
 "#;
 
 /// NVML field ids (nvml.h).
@@ -441,16 +442,19 @@ impl GpuSampler {
 
 /// Per-step, per-GPU figures from `gpu_samples` and `steps` (the finish hook).
 fn step_gpu(conn: &Connection, session: i64, gpus: &[u32], max_gap_ns: u64) -> rusqlite::Result<()> {
-    let steps: Vec<(i64, u64, u64)> = conn
-        .prepare("SELECT step, start_ns, end_ns FROM steps WHERE session_id = ?1 AND end_ns IS NOT NULL ORDER BY step")?
-        .query_map([session], |r| Ok((r.get(0)?, r.get::<_, i64>(1)? as u64, r.get::<_, i64>(2)? as u64)))?
+    let steps: Vec<(String, i64, u64, u64)> = conn
+        .prepare(
+            "SELECT label, step, start_ns, end_ns FROM steps WHERE session_id = ?1 AND end_ns IS NOT NULL
+             ORDER BY label, step",
+        )?
+        .query_map([session], |r| Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? as u64, r.get::<_, i64>(3)? as u64)))?
         .collect::<Result<_, _>>()?;
     let mut insert = conn.prepare(
-        "INSERT INTO step_gpu(session_id, step, gpu, energy_j, energy_error_j, avg_power_w, below_resolution,
+        "INSERT INTO step_gpu(session_id, label, step, gpu, energy_j, energy_error_j, avg_power_w, below_resolution,
              utilization_gpu_start_pct, utilization_gpu_end_pct, memory_used_start_mib, memory_used_end_mib,
              memory_free_start_mib, memory_free_end_mib, utilization_memory_start_pct, utilization_memory_end_pct,
              fan_speed_end_pct, temperature_gpu_end_c, temperature_memory_end_c)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)",
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)",
     )?;
     for &gpu in gpus {
         const COLS: [&str; 8] = [
@@ -482,10 +486,12 @@ fn step_gpu(conn: &Connection, session: i64, gpus: &[u32], max_gap_ns: u64) -> r
         let gauge = |k: usize| GaugeSeries { points: series[k].clone() };
         let (util, used, free, umem, fan, temp, tmem) =
             (gauge(1), gauge(2), gauge(3), gauge(4), gauge(5), gauge(6), gauge(7));
-        for &(step, start, end) in &steps {
+        for (label, step, start, end) in &steps {
+            let (start, end) = (*start, *end);
             let e = interval_energy(&energy, start, end);
             insert.execute(params![
                 session,
+                label,
                 step,
                 gpu,
                 e.map(|e| e.energy),
