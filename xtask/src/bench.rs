@@ -36,6 +36,9 @@ enum Probe {
     },
 }
 
+/// A table row: its name, what probes the target, and what the target runs.
+type Scenario = (&'static str, Probe, Workload);
+
 /// What runs the launches.
 #[derive(Clone, Copy, PartialEq)]
 enum Workload {
@@ -238,7 +241,7 @@ pub fn main() -> Result<()> {
     let shaped = |threads, steps, launches| Workload::Trainer { lib: "shaped", threads, steps, launches };
     let all = Probe::Profiler { count_only: false, at_entry: false };
     let count = Probe::Profiler { count_only: true, at_entry: false };
-    let sections: Vec<(&str, Vec<(&str, Probe, Workload)>)> = vec![
+    let sections: Vec<(&str, Vec<Scenario>)> = vec![
         (
             "stand-in driver, entry `addq $1, counter(%rip)` (RIP-relative: single-stepped, not movable)",
             vec![
