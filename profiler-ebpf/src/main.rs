@@ -11,6 +11,7 @@
 #![no_std]
 #![no_main]
 
+mod python;
 
 use aya_ebpf::{
     EbpfContext,

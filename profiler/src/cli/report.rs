@@ -1,0 +1,1138 @@
+//! `profiler report`: one session's figures per step label (step and inter-step
+//! time, launches, sync wait, energy per step) and its top kernels, as a table
+//! for an 80-column terminal, JSON for scripts, or CSV; and the read-only view
+//! of a profile that `export` shares.
+//!
+//! Profiles written by different versions hold different tables and columns
+//! (labels, sync wait, kernel names, CPU/DRAM energy came later), so every
+//! query is built from what the file has, and whatever it lacks is reported as
+//! absent (`–`, `null`, an empty CSV field), never as zero.
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    fmt::Write as _,
+    io::Write,
+    path::{Path, PathBuf},
+    process::ExitCode,
+};
+
+use anyhow::{Context, anyhow, bail};
+use clap::{Args, ValueEnum};
+use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, params};
+use serde::Serialize;
+
+/// Version of the JSON shape below; bumped only when a field changes meaning
+/// or goes away (new fields may be added without a bump).
+const REPORT_VERSION: u32 = 1;
+/// Kernels listed under "top kernels".
+const TOP_KERNELS: usize = 10;
+/// Unavailable metrics listed in the table before "… N more".
+const CAPABILITY_LINES: usize = 8;
+/// The table's width.
+const WIDTH: usize = 80;
+
+#[derive(Args, Debug)]
+pub struct ReportArgs {
+    /// The profile to read.
+    #[arg(default_value = "profile.db")]
+    db: PathBuf,
+    /// Session id (default: the latest).
+    #[arg(long, value_name = "N")]
+    session: Option<i64>,
+    /// Only steps with this label (default: every label).
+    #[arg(long, value_name = "L")]
+    label: Option<String>,
+    /// Leave out the first K steps of each label (warm-up).
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    skip: u64,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = ReportFormat::Table)]
+    format: ReportFormat,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ReportFormat {
+    Table,
+    Json,
+    Csv,
+}
+
+pub async fn main(args: ReportArgs) -> anyhow::Result<ExitCode> {
+    let db = ProfileDb::open(&args.db)?;
+    let session = db.session(args.session)?;
+    let report = build(&db, session, args.label.as_deref(), args.skip)
+        .with_context(|| format!("reading session {session} of {}", args.db.display()))?;
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    let written = (|| -> anyhow::Result<()> {
+        match args.format {
+            ReportFormat::Table => out.write_all(render_table(&report).as_bytes())?,
+            ReportFormat::Json => {
+                serde_json::to_writer_pretty(&mut out, &report)?;
+                out.write_all(b"\n")?;
+            }
+            ReportFormat::Csv => write_csv(&report, &mut out)?,
+        }
+        out.flush()?;
+        Ok(())
+    })();
+    match written {
+        Err(e) if reader_went_away(&e) => Ok(ExitCode::SUCCESS),
+        r => r.context("writing the report").map(|()| ExitCode::SUCCESS),
+    }
+}
+
+/// Whether writing failed because the reader closed the pipe (`| head`):
+/// the reader has what it wanted, so that is not an error to report.
+pub(super) fn reader_went_away(e: &anyhow::Error) -> bool {
+    let pipe = |k: std::io::ErrorKind| k == std::io::ErrorKind::BrokenPipe;
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>().is_some_and(|io| pipe(io.kind()))
+            || c.downcast_ref::<serde_json::Error>().and_then(serde_json::Error::io_error_kind).is_some_and(pipe)
+            || c.downcast_ref::<csv::Error>()
+                .is_some_and(|e| matches!(e.kind(), csv::ErrorKind::Io(io) if pipe(io.kind())))
+    })
+}
+
+/// A profile opened read-only, with the names of its tables and views.
+pub(super) struct ProfileDb {
+    pub conn: Connection,
+    pub path: PathBuf,
+    tables: BTreeSet<String>,
+}
+
+impl ProfileDb {
+    /// Opens `path` read-only; a missing file, a file that is not SQLite, and
+    /// a database without the profiler's tables each get one clear error.
+    pub fn open(path: &Path) -> anyhow::Result<Self> {
+        if !path.exists() {
+            bail!("{} does not exist; pass the file written by `profiler attach/run -o FILE`", path.display());
+        }
+        // Read-only: a report must never create, migrate or lock a profile
+        // that a running profiler may still be writing.
+        let conn =
+            Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
+                .map_err(|e| anyhow!("cannot open {} ({e})", path.display()))?;
+        let names: rusqlite::Result<BTreeSet<String>> = conn
+            .prepare("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")
+            .and_then(|mut q| q.query_map([], |r| r.get(0))?.collect());
+        let tables = match names {
+            Ok(t) => t,
+            Err(e) if e.sqlite_error_code() == Some(ErrorCode::NotADatabase) => {
+                bail!("{} is not a SQLite database; pass a profile written by `profiler attach/run -o`", path.display())
+            }
+            Err(e) => bail!("cannot read {} ({e})", path.display()),
+        };
+        if !tables.contains("sessions") || !tables.contains("steps") {
+            bail!("{} is a SQLite database but not a profile (it has no sessions and steps tables)", path.display());
+        }
+        Ok(Self { conn, path: path.to_owned(), tables })
+    }
+
+    pub fn has_table(&self, name: &str) -> bool {
+        self.tables.contains(name)
+    }
+
+    /// Tables and views, sorted.
+    pub fn tables(&self) -> impl Iterator<Item = &str> {
+        self.tables.iter().map(String::as_str)
+    }
+
+    /// Column names of a table or view (none if it does not exist).
+    pub fn columns(&self, table: &str) -> rusqlite::Result<Vec<String>> {
+        let mut q = self.conn.prepare("SELECT name FROM pragma_table_info(?1)")?;
+        q.query_map([table], |r| r.get(0))?.collect()
+    }
+
+    pub fn has_column(&self, table: &str, column: &str) -> rusqlite::Result<bool> {
+        Ok(self.columns(table)?.iter().any(|c| c == column))
+    }
+
+    /// The session asked for, or the latest.
+    pub fn session(&self, requested: Option<i64>) -> anyhow::Result<i64> {
+        let ids: Vec<i64> = self
+            .conn
+            .prepare("SELECT id FROM sessions ORDER BY id")
+            .and_then(|mut q| q.query_map([], |r| r.get(0))?.collect())
+            .with_context(|| format!("reading the sessions of {}", self.path.display()))?;
+        let Some(&latest) = ids.last() else {
+            bail!("{} has no sessions yet", self.path.display());
+        };
+        match requested {
+            None => Ok(latest),
+            Some(n) if ids.contains(&n) => Ok(n),
+            Some(n) => bail!("{} has no session {n}; its sessions are {}", self.path.display(), id_list(&ids)),
+        }
+    }
+
+    /// The expression for a step's label in `table`: profiles written before
+    /// labels existed only had training steps.
+    pub fn label_expr(&self, table: &str) -> rusqlite::Result<&'static str> {
+        Ok(if self.has_column(table, "label")? { "label" } else { "'train'" })
+    }
+}
+
+/// "1, 2, 3" or "1–40 (40 sessions)".
+fn id_list(ids: &[i64]) -> String {
+    match ids {
+        [] => String::new(),
+        [a] => a.to_string(),
+        _ if ids.len() <= 5 => ids.iter().map(i64::to_string).collect::<Vec<_>>().join(", "),
+        [first, .., last] => format!("{first}–{last} ({} sessions)", ids.len()),
+    }
+}
+
+/// The report. `--format json` prints exactly this, pretty-printed; the shape
+/// is stable (`report_version` changes if a field changes meaning or is
+/// removed). Times are ms, energies J, powers W; a figure the profile does not
+/// have is `null`.
+///
+/// ```text
+/// {
+///   "report_version": 1,
+///   "database": "profile.db",
+///   "skip": 5,                        // --skip: leading steps left out per label
+///   "label_filter": null,             // --label, if given
+///   "session": {
+///     "id": 1, "pid": 4242, "command": "python train.py", "exe": "/usr/bin/python3.11",
+///     "mode": "attach", "launch_mode": "all", "step_symbol": "train_step",
+///     "started_utc": "2025-06-01 12:00:03", "started_unix_s": 1748779203.5,
+///     "duration_s": 61.2,             // null while running or if the profiler was killed
+///     "end_reason": "sigint", "lost_events": 0, "total_launches": 10000,
+///     "stored_launches": 10000, "unmatched_returns": 0,
+///     "hostname": "gpu1", "kernel_release": "6.8.0", "profiler_version": "0.1.0"
+///   },
+///   "capabilities": [ { "source": "nvml", "metric": "GPU_0/fan.speed", "available": false, "reason": "…" } ],
+///   "labels": [ {
+///     "label": "train",
+///     "steps": 100,                   // all steps with this label
+///     "completed": 99,                // steps that ended
+///     "skipped": 5,                   // the first --skip steps, by start time
+///     "measured": 94,                 // completed steps after the skipped ones: the figures below
+///     "steps_per_s": 9.8,             // measured / (last end − first start)
+///     "step_time_ms":  { "p50": …, "p90": …, "p99": …, "max": …, "mean": … },   // null if none measured
+///     "inter_step_ms": { … },         // null if no measured step has a gap (first step of each thread)
+///     "launches_per_step": { … },
+///     "sync_wait_share": 0.12,        // Σ sync wait / Σ step time; null if not recorded
+///     "gpus": [ { "gpu": 0, "name": "H200", "steps": 94, "energy_per_step_j": 61.5,
+///                 "energy_error_per_step_j": 0.4, "avg_power_w": 615.0, "below_resolution": 0 } ],
+///                                     // null if the session has no GPU figures
+///     "cpu":  { "steps": 94, "energy_per_step_j": 8.1, "energy_error_per_step_j": 0.1,
+///               "avg_power_w": 81.0, "below_resolution": 0 },   // RAPL package; null if not recorded
+///     "dram": { … },                  // RAPL DRAM; null if not recorded
+///     "energy_per_step_j": 69.6,      // sum of the per-step energies above that exist; null if none
+///     "energy_components": ["GPU 0", "CPU"]   // which ones that sum includes
+///   } ],
+///   "top_kernels": [ { "function": 1048576, "name": null, "demangled_name": null,
+///                      "api": "cuLaunchKernel", "launches": 500, "share": 0.05 } ]
+///                                     // whole session; null when launch rows were not kept (--launches count)
+/// }
+/// ```
+///
+/// Percentiles are nearest-rank: the smallest value with at least p% of the
+/// measured steps at or below it.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub report_version: u32,
+    pub database: String,
+    pub skip: u64,
+    pub label_filter: Option<String>,
+    pub session: SessionInfo,
+    pub capabilities: Vec<CapabilityRow>,
+    pub labels: Vec<LabelReport>,
+    pub top_kernels: Option<Vec<KernelRow>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct SessionInfo {
+    pub id: i64,
+    pub pid: i64,
+    pub command: String,
+    pub exe: Option<String>,
+    pub mode: String,
+    pub launch_mode: String,
+    pub step_symbol: Option<String>,
+    pub started_utc: Option<String>,
+    pub started_unix_s: f64,
+    pub duration_s: Option<f64>,
+    pub end_reason: Option<String>,
+    pub lost_events: Option<i64>,
+    pub total_launches: Option<i64>,
+    pub stored_launches: Option<i64>,
+    pub unmatched_returns: Option<i64>,
+    pub hostname: Option<String>,
+    pub kernel_release: Option<String>,
+    pub profiler_version: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CapabilityRow {
+    pub source: String,
+    pub metric: String,
+    pub available: bool,
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct LabelReport {
+    pub label: String,
+    pub steps: u64,
+    pub completed: u64,
+    pub skipped: u64,
+    pub measured: u64,
+    pub steps_per_s: Option<f64>,
+    pub step_time_ms: Option<Percentiles>,
+    pub inter_step_ms: Option<Percentiles>,
+    pub launches_per_step: Option<Percentiles>,
+    pub sync_wait_share: Option<f64>,
+    pub gpus: Option<Vec<GpuEnergy>>,
+    pub cpu: Option<EnergyStat>,
+    pub dram: Option<EnergyStat>,
+    pub energy_per_step_j: Option<f64>,
+    pub energy_components: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Percentiles {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub max: f64,
+    pub mean: f64,
+}
+
+impl Percentiles {
+    /// Nearest-rank percentiles of `values` (any order); None when empty.
+    pub fn of(mut values: Vec<f64>) -> Option<Self> {
+        if values.is_empty() {
+            return None;
+        }
+        values.sort_by(f64::total_cmp);
+        let n = values.len();
+        // Rank ⌈p·n/100⌉, 1-based: integer arithmetic, so p99 of 100 values is the 99th.
+        let at = |p: usize| values[((p * n).div_ceil(100)).clamp(1, n) - 1];
+        Some(Self {
+            p50: at(50),
+            p90: at(90),
+            p99: at(99),
+            max: values[n - 1],
+            mean: values.iter().sum::<f64>() / n as f64,
+        })
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct GpuEnergy {
+    pub gpu: i64,
+    pub name: Option<String>,
+    #[serde(flatten)]
+    pub energy: EnergyStat,
+}
+
+/// Energy of the measured steps that have a figure (`steps` of them).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct EnergyStat {
+    pub steps: u64,
+    pub energy_per_step_j: Option<f64>,
+    pub energy_error_per_step_j: Option<f64>,
+    /// Σ energy / Σ duration of those steps.
+    pub avg_power_w: Option<f64>,
+    pub below_resolution: Option<u64>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct KernelRow {
+    pub function: i64,
+    pub name: Option<String>,
+    pub demangled_name: Option<String>,
+    pub api: Option<String>,
+    pub launches: i64,
+    pub share: f64,
+}
+
+/// One row of `steps`, as the report needs it.
+struct StepRow {
+    label: String,
+    step: i64,
+    start_ns: i64,
+    end_ns: Option<i64>,
+    duration_ns: Option<i64>,
+    inter_step_ns: Option<i64>,
+    launches: Option<i64>,
+    sync_wait_ns: Option<i64>,
+}
+
+/// Sums for one energy series over the measured steps.
+#[derive(Default)]
+struct EnergySum {
+    steps: u64,
+    energy: f64,
+    error: Option<f64>,
+    duration_ns: i64,
+    below: Option<u64>,
+}
+
+impl EnergySum {
+    fn add(&mut self, energy: f64, error: Option<f64>, duration_ns: i64, below: Option<i64>) {
+        self.steps += 1;
+        self.energy += energy;
+        if let Some(e) = error {
+            *self.error.get_or_insert(0.0) += e;
+        }
+        self.duration_ns += duration_ns;
+        if let Some(b) = below {
+            *self.below.get_or_insert(0) += u64::from(b != 0);
+        }
+    }
+
+    fn stat(&self) -> Option<EnergyStat> {
+        (self.steps > 0).then(|| EnergyStat {
+            steps: self.steps,
+            energy_per_step_j: Some(self.energy / self.steps as f64),
+            energy_error_per_step_j: self.error.map(|e| e / self.steps as f64),
+            avg_power_w: (self.duration_ns > 0).then(|| self.energy / (self.duration_ns as f64 / 1e9)),
+            below_resolution: self.below,
+        })
+    }
+}
+
+/// Measured steps of each label: (label, step) → duration.
+type Measured = HashMap<(String, i64), i64>;
+
+/// Computes the report for `session`.
+pub fn build(db: &ProfileDb, session: i64, label: Option<&str>, skip: u64) -> anyhow::Result<Report> {
+    let info = session_info(db, session)?;
+    let capabilities = if db.has_table("capabilities") {
+        let mut q = db.conn.prepare(
+            "SELECT source, metric, available, reason FROM capabilities WHERE session_id = ?1 ORDER BY source, metric",
+        )?;
+        q.query_map([session], |r| {
+            Ok(CapabilityRow { source: r.get(0)?, metric: r.get(1)?, available: r.get(2)?, reason: r.get(3)? })
+        })?
+        .collect::<rusqlite::Result<_>>()?
+    } else {
+        Vec::new()
+    };
+
+    let steps = load_steps(db, session)?;
+    let mut by_label: BTreeMap<String, Vec<StepRow>> = BTreeMap::new();
+    for s in steps {
+        by_label.entry(s.label.clone()).or_default().push(s);
+    }
+    let all_labels: Vec<String> = by_label.keys().cloned().collect();
+    if let Some(l) = label {
+        if !by_label.contains_key(l) {
+            let have = if all_labels.is_empty() { "none".to_string() } else { all_labels.join(", ") };
+            bail!("session {session} has no steps labelled '{l}' (labels: {have})");
+        }
+        by_label.retain(|k, _| k == l);
+    }
+
+    // The measured steps of every label, for joining per-step energy rows.
+    let mut measured: Measured = HashMap::new();
+    let mut labels = Vec::new();
+    for (name, rows) in &by_label {
+        let used: Vec<&StepRow> = rows.iter().skip(skip as usize).filter(|s| s.end_ns.is_some()).collect();
+        for s in &used {
+            measured.insert((name.clone(), s.step), s.duration_ns.unwrap_or(0));
+        }
+        labels.push(label_figures(name, rows, &used, skip));
+    }
+
+    let gpu_sums = gpu_energy(db, session, &measured, all_labels.len())?;
+    let (cpu_sums, dram_sums) = cpu_dram_energy(db, session, &measured, all_labels.len())?;
+    let gpu_names = gpu_names(db, session)?;
+    for l in &mut labels {
+        if let Some(per_gpu) = &gpu_sums {
+            let mut gpus: BTreeSet<i64> = gpu_names.keys().copied().collect();
+            gpus.extend(per_gpu.keys().map(|(_, g)| *g));
+            l.gpus = Some(
+                gpus.into_iter()
+                    .map(|g| GpuEnergy {
+                        gpu: g,
+                        name: gpu_names.get(&g).cloned().flatten(),
+                        energy: per_gpu.get(&(l.label.clone(), g)).and_then(EnergySum::stat).unwrap_or_default(),
+                    })
+                    .collect(),
+            );
+        }
+        l.cpu = cpu_sums.as_ref().and_then(|m| m.get(&l.label)).and_then(EnergySum::stat);
+        l.dram = dram_sums.as_ref().and_then(|m| m.get(&l.label)).and_then(EnergySum::stat);
+        let mut total = None;
+        let mut parts = Vec::new();
+        for g in l.gpus.iter().flatten() {
+            if let Some(e) = g.energy.energy_per_step_j {
+                *total.get_or_insert(0.0) += e;
+                parts.push(format!("GPU {}", g.gpu));
+            }
+        }
+        for (part, stat) in [("CPU", &l.cpu), ("DRAM", &l.dram)] {
+            if let Some(e) = stat.as_ref().and_then(|s| s.energy_per_step_j) {
+                *total.get_or_insert(0.0) += e;
+                parts.push(part.to_string());
+            }
+        }
+        l.energy_per_step_j = total;
+        l.energy_components = parts;
+    }
+
+    let top_kernels = top_kernels(db, session, &info.launch_mode)?;
+    Ok(Report {
+        report_version: REPORT_VERSION,
+        database: db.path.display().to_string(),
+        skip,
+        label_filter: label.map(str::to_owned),
+        session: info,
+        capabilities,
+        labels,
+        top_kernels,
+    })
+}
+
+fn session_info(db: &ProfileDb, session: i64) -> anyhow::Result<SessionInfo> {
+    Ok(db.conn.query_row(
+        "SELECT id, pid, command, exe, mode, launch_mode, step_symbol,
+                strftime('%Y-%m-%d %H:%M:%S', (started_ns + unix_offset_ns) / 1e9, 'unixepoch'),
+                (started_ns + unix_offset_ns) / 1e9, (ended_ns - started_ns) / 1e9, end_reason, lost_events,
+                total_launches, stored_launches, unmatched_returns, hostname, kernel_release, profiler_version
+         FROM sessions WHERE id = ?1",
+        [session],
+        |r| {
+            Ok(SessionInfo {
+                id: r.get(0)?,
+                pid: r.get(1)?,
+                command: r.get(2)?,
+                exe: r.get(3)?,
+                mode: r.get(4)?,
+                launch_mode: r.get(5)?,
+                step_symbol: r.get(6)?,
+                started_utc: r.get(7)?,
+                started_unix_s: r.get(8)?,
+                duration_s: r.get(9)?,
+                end_reason: r.get(10)?,
+                lost_events: r.get(11)?,
+                total_launches: r.get(12)?,
+                stored_launches: r.get(13)?,
+                unmatched_returns: r.get(14)?,
+                hostname: r.get(15)?,
+                kernel_release: r.get(16)?,
+                profiler_version: r.get(17)?,
+            })
+        },
+    )?)
+}
+
+/// Every step of the session, each label's in start order (the order
+/// `--skip` counts in).
+fn load_steps(db: &ProfileDb, session: i64) -> anyhow::Result<Vec<StepRow>> {
+    let label = db.label_expr("steps")?;
+    let sync = if db.has_column("steps", "sync_wait_ns")? { "sync_wait_ns" } else { "NULL" };
+    let sql = format!(
+        "SELECT {label}, step, start_ns, end_ns, duration_ns, inter_step_ns, launches, {sync}
+         FROM steps WHERE session_id = ?1 ORDER BY 1, start_ns, step"
+    );
+    let mut q = db.conn.prepare(&sql)?;
+    let rows = q
+        .query_map([session], |r| {
+            Ok(StepRow {
+                label: r.get(0)?,
+                step: r.get(1)?,
+                start_ns: r.get(2)?,
+                end_ns: r.get(3)?,
+                duration_ns: r.get(4)?,
+                inter_step_ns: r.get(5)?,
+                launches: r.get(6)?,
+                sync_wait_ns: r.get(7)?,
+            })
+        })?
+        .collect::<rusqlite::Result<_>>()?;
+    Ok(rows)
+}
+
+fn label_figures(name: &str, rows: &[StepRow], used: &[&StepRow], skip: u64) -> LabelReport {
+    let ms = |ns: i64| ns as f64 / 1e6;
+    let span = used.iter().filter_map(|s| s.end_ns).max().zip(used.iter().map(|s| s.start_ns).min());
+    let steps_per_s =
+        span.and_then(|(end, start)| (end > start).then(|| used.len() as f64 / ((end - start) as f64 / 1e9)));
+    let (mut sync_sum, mut sync_dur, mut sync_seen) = (0i64, 0i64, false);
+    for s in used {
+        if let Some(w) = s.sync_wait_ns {
+            sync_sum += w;
+            sync_dur += s.duration_ns.unwrap_or(0);
+            sync_seen = true;
+        }
+    }
+    LabelReport {
+        label: name.to_owned(),
+        steps: rows.len() as u64,
+        completed: rows.iter().filter(|s| s.end_ns.is_some()).count() as u64,
+        skipped: skip.min(rows.len() as u64),
+        measured: used.len() as u64,
+        steps_per_s,
+        step_time_ms: Percentiles::of(used.iter().filter_map(|s| s.duration_ns.map(ms)).collect()),
+        inter_step_ms: Percentiles::of(used.iter().filter_map(|s| s.inter_step_ns.map(ms)).collect()),
+        launches_per_step: Percentiles::of(used.iter().filter_map(|s| s.launches.map(|n| n as f64)).collect()),
+        sync_wait_share: (sync_seen && sync_dur > 0).then(|| sync_sum as f64 / sync_dur as f64),
+        gpus: None,
+        cpu: None,
+        dram: None,
+        energy_per_step_j: None,
+        energy_components: Vec::new(),
+    }
+}
+
+/// How a per-step table's rows name their step: with a label column, or by
+/// number alone (files from before labels), which is only unambiguous when
+/// the session has a single label. None: the rows cannot be matched.
+fn step_key(db: &ProfileDb, table: &str, labels_in_session: usize) -> rusqlite::Result<Option<&'static str>> {
+    if db.has_column(table, "label")? {
+        Ok(Some("label"))
+    } else if labels_in_session <= 1 {
+        Ok(Some("NULL"))
+    } else {
+        Ok(None)
+    }
+}
+
+/// The label a per-step row belongs to: its own, or the session's only one.
+fn row_label(own: Option<String>, measured: &Measured) -> Option<String> {
+    own.or_else(|| measured.keys().next().map(|(l, _)| l.clone()))
+}
+
+/// GPU energy of the measured steps, per (label, gpu); None when the profile
+/// has no per-step GPU figures for this session.
+fn gpu_energy(
+    db: &ProfileDb,
+    session: i64,
+    measured: &Measured,
+    labels_in_session: usize,
+) -> anyhow::Result<Option<BTreeMap<(String, i64), EnergySum>>> {
+    if !db.has_table("step_gpu") {
+        return Ok(None);
+    }
+    let Some(label) = step_key(db, "step_gpu", labels_in_session)? else {
+        return Ok(None);
+    };
+    let cols = db.columns("step_gpu")?;
+    let col = |c: &str| if cols.iter().any(|x| x == c) { c.to_string() } else { "NULL".into() };
+    let sql = format!(
+        "SELECT {label}, step, gpu, {}, {}, {} FROM step_gpu WHERE session_id = ?1",
+        col("energy_j"),
+        col("energy_error_j"),
+        col("below_resolution")
+    );
+    let mut q = db.conn.prepare(&sql)?;
+    let mut rows = q.query([session])?;
+    let mut out: BTreeMap<(String, i64), EnergySum> = BTreeMap::new();
+    let mut any = false;
+    while let Some(r) = rows.next()? {
+        any = true;
+        let Some(l) = row_label(r.get(0)?, measured) else { continue };
+        let step: i64 = r.get(1)?;
+        let gpu: i64 = r.get(2)?;
+        let sum = out.entry((l.clone(), gpu)).or_default();
+        let (Some(&dur), Some(energy)) = (measured.get(&(l, step)), r.get::<_, Option<f64>>(3)?) else { continue };
+        sum.add(energy, r.get(4)?, dur, r.get(5)?);
+    }
+    Ok(any.then_some(out))
+}
+
+fn gpu_names(db: &ProfileDb, session: i64) -> anyhow::Result<BTreeMap<i64, Option<String>>> {
+    if !db.has_table("gpus") {
+        return Ok(BTreeMap::new());
+    }
+    let mut q = db.conn.prepare("SELECT gpu, name FROM gpus WHERE session_id = ?1")?;
+    let names = q.query_map([session], |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<rusqlite::Result<_>>()?;
+    Ok(names)
+}
+
+type LabelSums = Option<BTreeMap<String, EnergySum>>;
+
+/// CPU package and DRAM energy of the measured steps, per label; each None
+/// when the profile has no such figures for this session.
+fn cpu_dram_energy(
+    db: &ProfileDb,
+    session: i64,
+    measured: &Measured,
+    labels_in_session: usize,
+) -> anyhow::Result<(LabelSums, LabelSums)> {
+    if !db.has_table("step_energy") {
+        return Ok((None, None));
+    }
+    let Some(label) = step_key(db, "step_energy", labels_in_session)? else {
+        return Ok((None, None));
+    };
+    let cols = db.columns("step_energy")?;
+    let col = |c: &str| if cols.iter().any(|x| x == c) { c.to_string() } else { "NULL".into() };
+    let sql = format!(
+        "SELECT {label}, step, {}, {}, {}, {}, {} FROM step_energy WHERE session_id = ?1",
+        col("cpu_energy_j"),
+        col("cpu_energy_error_j"),
+        col("dram_energy_j"),
+        col("dram_energy_error_j"),
+        col("below_resolution")
+    );
+    let mut q = db.conn.prepare(&sql)?;
+    let mut rows = q.query([session])?;
+    let (mut cpu, mut dram): (BTreeMap<String, EnergySum>, BTreeMap<String, EnergySum>) = Default::default();
+    let (mut cpu_any, mut dram_any) = (false, false);
+    while let Some(r) = rows.next()? {
+        let Some(l) = row_label(r.get(0)?, measured) else { continue };
+        let step: i64 = r.get(1)?;
+        let below: Option<i64> = r.get(6)?;
+        let dur = measured.get(&(l.clone(), step)).copied();
+        for (energy_col, map, any) in [(2, &mut cpu, &mut cpu_any), (4, &mut dram, &mut dram_any)] {
+            let energy: Option<f64> = r.get(energy_col)?;
+            // A series with no value in any row of the session (no RAPL, or
+            // no DRAM domain) is absent, not a zero.
+            *any |= energy.is_some();
+            let sum = map.entry(l.clone()).or_default();
+            if let (Some(d), Some(e)) = (dur, energy) {
+                sum.add(e, r.get(energy_col + 1)?, d, below);
+            }
+        }
+    }
+    Ok((cpu_any.then_some(cpu), dram_any.then_some(dram)))
+}
+
+/// The most launched kernels of the whole session; None when launch rows were
+/// not kept.
+fn top_kernels(db: &ProfileDb, session: i64, launch_mode: &str) -> anyhow::Result<Option<Vec<KernelRow>>> {
+    if launch_mode == "count" || !db.has_table("launches") {
+        return Ok(None);
+    }
+    let (api, apis) =
+        if db.has_table("apis") { ("a.name", "LEFT JOIN apis a ON a.id = t.api") } else { ("CAST(t.api AS TEXT)", "") };
+    let sql = format!(
+        "SELECT t.function, t.n, t.total, {api} FROM (
+             SELECT function, count(*) AS n, sum(count(*)) OVER () AS total, min(api) AS api
+             FROM launches WHERE session_id = ?1 GROUP BY function ORDER BY n DESC, function LIMIT {TOP_KERNELS}
+         ) t {apis} ORDER BY t.n DESC, t.function"
+    );
+    let mut q = db.conn.prepare(&sql)?;
+    let mut rows: Vec<KernelRow> = q
+        .query_map([session], |r| {
+            let n: i64 = r.get(1)?;
+            let total: i64 = r.get(2)?;
+            Ok(KernelRow {
+                function: r.get(0)?,
+                name: None,
+                demangled_name: None,
+                api: r.get(3)?,
+                launches: n,
+                share: n as f64 / total.max(1) as f64,
+            })
+        })?
+        .collect::<rusqlite::Result<_>>()?;
+    if db.has_table("kernels") && db.has_column("kernels", "function")? && db.has_column("kernels", "name")? {
+        let demangled = if db.has_column("kernels", "demangled_name")? { "demangled_name" } else { "NULL" };
+        // Without a session column the names hold for every session; `?1` stays bound either way.
+        let by_session =
+            if db.has_column("kernels", "session_id")? { "session_id = ?1 AND" } else { "?1 IS NOT NULL AND" };
+        let mut q = db
+            .conn
+            .prepare(&format!("SELECT name, {demangled} FROM kernels WHERE {by_session} function = ?2 LIMIT 1"))?;
+        for k in &mut rows {
+            if let Some((name, dem)) = q
+                .query_row(params![session, k.function], |r| Ok((r.get::<_, Option<String>>(0)?, r.get(1)?)))
+                .optional()?
+            {
+                k.name = name;
+                k.demangled_name = dem;
+            }
+        }
+    }
+    Ok(Some(rows))
+}
+
+/// How a kernel is shown: its (demangled) name, else its handle and entry point.
+pub(super) fn kernel_display(name: Option<&str>, demangled: Option<&str>, api: Option<&str>, function: i64) -> String {
+    match (demangled, name) {
+        (Some(d), _) => d.to_owned(),
+        (None, Some(n)) => n.to_owned(),
+        (None, None) => match api {
+            Some(a) => format!("{a} {function:#x}"),
+            None => format!("{function:#x}"),
+        },
+    }
+}
+
+/// `s` cut to `width` characters, with an ellipsis if cut.
+fn fit(s: &str, width: usize) -> String {
+    if s.chars().count() <= width {
+        return s.to_owned();
+    }
+    let mut out: String = s.chars().take(width.saturating_sub(1)).collect();
+    out.push('…');
+    out
+}
+
+/// Greedy word wrap to `width` characters (a word longer than that gets its own line).
+fn wrap(text: &str, width: usize) -> Vec<String> {
+    let mut lines: Vec<String> = Vec::new();
+    let mut line = String::new();
+    for word in text.split_whitespace() {
+        if !line.is_empty() && line.chars().count() + 1 + word.chars().count() > width {
+            lines.push(std::mem::take(&mut line));
+        }
+        if !line.is_empty() {
+            line.push(' ');
+        }
+        line.push_str(word);
+    }
+    if !line.is_empty() {
+        lines.push(line);
+    }
+    lines
+}
+
+const ABSENT: &str = "–";
+
+fn num(v: Option<f64>, decimals: usize) -> String {
+    v.map_or_else(|| ABSENT.to_string(), |v| format!("{v:.decimals$}"))
+}
+
+fn int(v: Option<i64>) -> String {
+    v.map_or_else(|| ABSENT.to_string(), |v| v.to_string())
+}
+
+/// The table: readable in 80 columns.
+pub fn render_table(r: &Report) -> String {
+    let mut o = String::new();
+    let s = &r.session;
+    let _ = writeln!(o, "{}", fit(&format!("session {} of {}", s.id, r.database), WIDTH));
+    let _ = writeln!(o, "  target    {}", fit(&format!("pid {}  {}", s.pid, s.command), WIDTH - 12));
+    let duration = s.duration_s.map_or_else(|| "not ended".to_string(), |d| format!("{d:.3} s"));
+    let ended = s.end_reason.as_deref().unwrap_or(ABSENT);
+    let started = s.started_utc.as_deref().map_or(String::new(), |t| format!("from {t} UTC, "));
+    let _ = writeln!(o, "  traced    {}", fit(&format!("{}, {started}{duration}, ended: {ended}", s.mode), WIDTH - 12));
+    if let Some(sym) = &s.step_symbol {
+        let _ = writeln!(o, "  step fn   {}", fit(sym, WIDTH - 12));
+    }
+    let _ = writeln!(
+        o,
+        "  launches  {} seen, {} stored ({}), {} lost events",
+        int(s.total_launches),
+        int(s.stored_launches),
+        s.launch_mode,
+        int(s.lost_events)
+    );
+    render_capabilities(&mut o, &r.capabilities);
+
+    if r.labels.is_empty() {
+        let _ = writeln!(o, "\nno steps recorded (was --step-symbol given?)");
+    }
+    for l in &r.labels {
+        o.push('\n');
+        let rate = l.steps_per_s.map_or(String::new(), |v| format!(", {v:.1} steps/s"));
+        let head = format!(
+            "{}: {} steps, {} completed, {} skipped, {} measured{rate}",
+            l.label, l.steps, l.completed, l.skipped, l.measured
+        );
+        let _ = writeln!(o, "{}", fit(&head, WIDTH));
+        let _ = writeln!(o, "  {:<18}{:>12}{:>12}{:>12}{:>12}{:>12}", "", "p50", "p90", "p99", "max", "mean");
+        for (name, p, decimals) in [
+            ("step time (ms)", &l.step_time_ms, 3),
+            ("inter-step (ms)", &l.inter_step_ms, 3),
+            ("launches/step", &l.launches_per_step, 0),
+        ] {
+            let cell = |f: fn(&Percentiles) -> f64| num(p.as_ref().map(f), decimals);
+            let mean = num(p.as_ref().map(|p| p.mean), decimals.max(1));
+            let _ = writeln!(
+                o,
+                "  {name:<18}{:>12}{:>12}{:>12}{:>12}{mean:>12}",
+                cell(|p| p.p50),
+                cell(|p| p.p90),
+                cell(|p| p.p99),
+                cell(|p| p.max)
+            );
+        }
+        let sync = l
+            .sync_wait_share
+            .map_or_else(|| format!("{ABSENT:>12}  (not recorded)"), |v| format!("{:>11.1}%  of step time", 100.0 * v));
+        let _ = writeln!(o, "  {:<18}{sync}", "sync wait");
+
+        let _ =
+            writeln!(o, "  {:<32}{:>12}{:>12}{:>10}{:>6}", "energy per step", "J/step", "± J/step", "avg W", "steps");
+        let energy_row = |o: &mut String, name: &str, e: Option<&EnergyStat>| {
+            let _ = writeln!(
+                o,
+                "  {:<32}{:>12}{:>12}{:>10}{:>6}",
+                fit(name, 31),
+                num(e.and_then(|e| e.energy_per_step_j), 3),
+                num(e.and_then(|e| e.energy_error_per_step_j), 3),
+                num(e.and_then(|e| e.avg_power_w), 1),
+                e.map_or_else(|| ABSENT.to_string(), |e| e.steps.to_string())
+            );
+        };
+        match &l.gpus {
+            Some(gpus) if !gpus.is_empty() => {
+                for g in gpus {
+                    let name = match &g.name {
+                        Some(n) => format!("GPU {} {n}", g.gpu),
+                        None => format!("GPU {}", g.gpu),
+                    };
+                    energy_row(&mut o, &name, Some(&g.energy));
+                }
+            }
+            _ => energy_row(&mut o, "GPU", None),
+        }
+        energy_row(&mut o, "CPU package", l.cpu.as_ref());
+        energy_row(&mut o, "DRAM", l.dram.as_ref());
+        let parts = if l.energy_components.is_empty() {
+            String::new()
+        } else {
+            format!("  ({})", l.energy_components.join(" + "))
+        };
+        let _ = writeln!(o, "{}", fit(&format!("  {:<32}{:>12}{parts}", "total", num(l.energy_per_step_j, 3)), WIDTH));
+        let below = l
+            .gpus
+            .iter()
+            .flatten()
+            .map(|g| &g.energy)
+            .chain(l.cpu.as_ref())
+            .chain(l.dram.as_ref())
+            .filter_map(|e| e.below_resolution)
+            .max()
+            .unwrap_or(0);
+        if below > 0 {
+            let _ = writeln!(
+                o,
+                "  {below} of {} steps are shorter than an energy counter's update period:\n  \
+                 their energy is an interpolated share (see ± J/step)",
+                l.measured
+            );
+        }
+    }
+
+    o.push('\n');
+    match &r.top_kernels {
+        None => {
+            let _ = writeln!(o, "top kernels: {ABSENT} (launch rows not kept: --launches count)");
+        }
+        Some(k) if k.is_empty() => {
+            let _ = writeln!(o, "top kernels: no launches recorded");
+        }
+        Some(kernels) => {
+            let _ = writeln!(o, "top kernels (whole session)");
+            let _ = writeln!(o, "  {:>10}  {:>6}  kernel", "launches", "share");
+            for k in kernels {
+                let name = kernel_display(k.name.as_deref(), k.demangled_name.as_deref(), k.api.as_deref(), k.function);
+                let _ = writeln!(o, "  {:>10}  {:>5.1}%  {}", k.launches, 100.0 * k.share, fit(&name, WIDTH - 22));
+            }
+        }
+    }
+    o
+}
+
+fn render_capabilities(o: &mut String, caps: &[CapabilityRow]) {
+    if caps.is_empty() {
+        let _ = writeln!(o, "  sources   {ABSENT} (none recorded)");
+        return;
+    }
+    let mut per_source: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
+    // Metrics missing for one reason share a line (a machine without RAPL
+    // loses all of its metrics for the same reason).
+    let mut missing: BTreeMap<(&str, &str), Vec<&str>> = BTreeMap::new();
+    for c in caps {
+        let e = per_source.entry(&c.source).or_default();
+        e.1 += 1;
+        e.0 += usize::from(c.available);
+        if !c.available {
+            let why = c.reason.as_deref().unwrap_or("no reason recorded");
+            missing.entry((&c.source, why)).or_default().push(&c.metric);
+        }
+    }
+    for (i, (source, (ok, n))) in per_source.iter().enumerate() {
+        let head = if i == 0 { "  sources   " } else { "            " };
+        let _ = writeln!(o, "{head}{source}: {ok} of {n} metrics available");
+    }
+    for ((source, why), metrics) in missing.iter().take(CAPABILITY_LINES) {
+        let what = if metrics.len() > 3 { format!("{} metrics", metrics.len()) } else { metrics.join(", ") };
+        // The reason is what the user acts on: up to two lines of it.
+        let lines = wrap(&format!("✗ {source} {what}: {why}"), WIDTH - 14);
+        for (i, line) in lines.iter().take(2).enumerate() {
+            let line = if i == 1 && lines.len() > 2 { format!("{line} …") } else { line.clone() };
+            let indent = if i == 0 { "            " } else { "              " };
+            let _ = writeln!(o, "{indent}{}", fit(&line, WIDTH - indent.len()));
+        }
+    }
+    if missing.len() > CAPABILITY_LINES {
+        let _ = writeln!(o, "            … {} more (see the capabilities table)", missing.len() - CAPABILITY_LINES);
+    }
+}
+
+/// `--format csv`: one figure per row, `section,label,metric,value,unit`;
+/// an absent figure has an empty value.
+fn write_csv(r: &Report, out: &mut impl Write) -> anyhow::Result<()> {
+    let mut w = csv::Writer::from_writer(out);
+    w.write_record(["section", "label", "metric", "value", "unit"])?;
+    let mut row = |section: &str, label: &str, metric: &str, value: Option<String>, unit: &str| {
+        w.write_record([section, label, metric, value.as_deref().unwrap_or(""), unit])
+    };
+    let f = |v: Option<f64>| v.map(|v| v.to_string());
+    let i = |v: Option<i64>| v.map(|v| v.to_string());
+    let s = &r.session;
+    row("session", "", "id", Some(s.id.to_string()), "")?;
+    row("session", "", "pid", Some(s.pid.to_string()), "")?;
+    row("session", "", "command", Some(s.command.clone()), "")?;
+    row("session", "", "mode", Some(s.mode.clone()), "")?;
+    row("session", "", "launch_mode", Some(s.launch_mode.clone()), "")?;
+    row("session", "", "started_utc", s.started_utc.clone(), "")?;
+    row("session", "", "duration", f(s.duration_s), "s")?;
+    row("session", "", "end_reason", s.end_reason.clone(), "")?;
+    row("session", "", "lost_events", i(s.lost_events), "")?;
+    row("session", "", "total_launches", i(s.total_launches), "")?;
+    row("session", "", "stored_launches", i(s.stored_launches), "")?;
+    for c in &r.capabilities {
+        row("capability", &c.source, &c.metric, Some(u8::from(c.available).to_string()), "")?;
+    }
+    for l in &r.labels {
+        let n = |v: u64| Some(v.to_string());
+        row("steps", &l.label, "steps", n(l.steps), "")?;
+        row("steps", &l.label, "completed", n(l.completed), "")?;
+        row("steps", &l.label, "skipped", n(l.skipped), "")?;
+        row("steps", &l.label, "measured", n(l.measured), "")?;
+        row("steps", &l.label, "steps_per_s", f(l.steps_per_s), "1/s")?;
+        for (name, p, unit) in [
+            ("step_time", &l.step_time_ms, "ms"),
+            ("inter_step", &l.inter_step_ms, "ms"),
+            ("launches_per_step", &l.launches_per_step, ""),
+        ] {
+            for (stat, get) in [
+                ("p50", (|p: &Percentiles| p.p50) as fn(&Percentiles) -> f64),
+                ("p90", |p| p.p90),
+                ("p99", |p| p.p99),
+                ("max", |p| p.max),
+                ("mean", |p| p.mean),
+            ] {
+                row("steps", &l.label, &format!("{name}_{stat}"), f(p.as_ref().map(get)), unit)?;
+            }
+        }
+        row("steps", &l.label, "sync_wait_share", f(l.sync_wait_share), "")?;
+        let mut energy = |prefix: &str, e: Option<&EnergyStat>| -> csv::Result<()> {
+            row("energy", &l.label, &format!("{prefix}_energy_per_step"), f(e.and_then(|e| e.energy_per_step_j)), "J")?;
+            row(
+                "energy",
+                &l.label,
+                &format!("{prefix}_energy_error_per_step"),
+                f(e.and_then(|e| e.energy_error_per_step_j)),
+                "J",
+            )?;
+            row("energy", &l.label, &format!("{prefix}_avg_power"), f(e.and_then(|e| e.avg_power_w)), "W")
+        };
+        for g in l.gpus.iter().flatten() {
+            energy(&format!("gpu{}", g.gpu), Some(&g.energy))?;
+        }
+        energy("cpu", l.cpu.as_ref())?;
+        energy("dram", l.dram.as_ref())?;
+        row("energy", &l.label, "total_energy_per_step", f(l.energy_per_step_j), "J")?;
+    }
+    for k in r.top_kernels.iter().flatten() {
+        let name = kernel_display(k.name.as_deref(), k.demangled_name.as_deref(), k.api.as_deref(), k.function);
+        row("kernel", "", &name, Some(k.launches.to_string()), "launches")?;
+    }
+    w.flush()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let p = Percentiles::of((1..=100).map(f64::from).rev().collect()).expect("values");
+        assert_eq!((p.p50, p.p90, p.p99, p.max), (50.0, 90.0, 99.0, 100.0));
+        assert_eq!(p.mean, 50.5);
+        // Rank ⌈0.5·3⌉ = 2, ⌈0.9·3⌉ = 3.
+        let p = Percentiles::of(vec![3.0, 1.0, 2.0]).expect("values");
+        assert_eq!((p.p50, p.p90, p.p99), (2.0, 3.0, 3.0));
+        let p = Percentiles::of(vec![7.0]).expect("one value");
+        assert_eq!((p.p50, p.max), (7.0, 7.0));
+        assert!(Percentiles::of(Vec::new()).is_none());
+    }
+
+    #[test]
+    fn fit_cuts_with_an_ellipsis() {
+        assert_eq!(fit("abcdef", 6), "abcdef");
+        assert_eq!(fit("abcdefg", 6), "abcde…");
+        assert_eq!(fit("µµµµ", 3), "µµ…");
+    }
+
+    #[test]
+    fn wrap_is_greedy_and_keeps_long_words() {
+        assert_eq!(wrap("a bb ccc dddd", 6), vec!["a bb", "ccc", "dddd"]);
+        assert_eq!(wrap("/a/very/long/path x", 5), vec!["/a/very/long/path", "x"]);
+        assert!(wrap("", 5).is_empty());
+    }
+
+    #[test]
+    fn kernel_names_prefer_demangled() {
+        assert_eq!(kernel_display(Some("_Z1fv"), Some("f()"), Some("cuLaunchKernel"), 1), "f()");
+        assert_eq!(kernel_display(Some("_Z1fv"), None, None, 1), "_Z1fv");
+        assert_eq!(kernel_display(None, None, Some("cuLaunchKernel"), 0x100000), "cuLaunchKernel 0x100000");
+    }
+
+    #[test]
+    fn session_lists() {
+        assert_eq!(id_list(&[1, 2, 3]), "1, 2, 3");
+        assert_eq!(id_list(&(1..=40).collect::<Vec<_>>()), "1–40 (40 sessions)");
+    }
+
+    /// A profile written by the first schema (no labels, no GPU tables) reads
+    /// with every later figure absent.
+    #[test]
+    fn old_profile_reports_absent_figures() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("old.db");
+        let conn = Connection::open(&path).expect("create");
+        conn.execute_batch(
+            "CREATE TABLE sessions (id INTEGER PRIMARY KEY, pid INTEGER, command TEXT, exe TEXT, mode TEXT,
+                 launch_mode TEXT, step_symbol TEXT, started_ns INTEGER, ended_ns INTEGER, end_reason TEXT,
+                 lost_events INTEGER, total_launches INTEGER, stored_launches INTEGER, unmatched_returns INTEGER,
+                 unix_offset_ns INTEGER, hostname TEXT, kernel_release TEXT, profiler_version TEXT);
+             CREATE TABLE steps (session_id INTEGER, step INTEGER, tid INTEGER, start_ns INTEGER, end_ns INTEGER,
+                 duration_ns INTEGER, inter_step_ns INTEGER, launches INTEGER);
+             CREATE TABLE launches (session_id INTEGER, ts_ns INTEGER, tid INTEGER, api INTEGER, function INTEGER);
+             INSERT INTO sessions VALUES (1, 9, 'x', NULL, 'run', 'all', 's', 0, 4000000000, 'target-exited',
+                 0, 3, 3, 0, 0, NULL, NULL, '0.1.0');
+             INSERT INTO steps VALUES (1, 0, 9, 0, 1000000000, 1000000000, NULL, 1),
+                                      (1, 1, 9, 2000000000, 4000000000, 2000000000, 1000000000, 2),
+                                      (1, 2, 9, 4000000000, NULL, NULL, NULL, NULL);
+             INSERT INTO launches VALUES (1, 1, 9, 1, 16), (1, 2, 9, 1, 16), (1, 3, 9, 1, 17);",
+        )
+        .expect("schema");
+        drop(conn);
+        let db = ProfileDb::open(&path).expect("a profile");
+        let r = build(&db, 1, None, 1).expect("report");
+        assert_eq!(r.labels.len(), 1);
+        let l = &r.labels[0];
+        assert_eq!((l.label.as_str(), l.steps, l.completed, l.skipped, l.measured), ("train", 3, 2, 1, 1));
+        assert_eq!(l.step_time_ms.as_ref().map(|p| p.p50), Some(2000.0));
+        assert_eq!(l.steps_per_s, Some(0.5));
+        assert!(l.gpus.is_none() && l.cpu.is_none() && l.dram.is_none() && l.sync_wait_share.is_none());
+        assert!(l.energy_per_step_j.is_none());
+        let k = r.top_kernels.as_ref().expect("launch rows kept");
+        assert_eq!((k[0].function, k[0].launches, k[0].api.as_deref()), (16, 2, Some("1")));
+        let json = serde_json::to_value(&r).expect("serialises");
+        assert!(json["labels"][0]["gpus"].is_null());
+        assert!(render_table(&r).lines().all(|line| line.chars().count() <= WIDTH));
+    }
+
+    #[test]
+    fn not_a_profile_is_one_clear_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let missing = dir.path().join("missing.db");
+        let e = ProfileDb::open(&missing).err().expect("missing file fails").to_string();
+        assert!(e.contains("does not exist"), "{e}");
+        let text = dir.path().join("text.db");
+        std::fs::write(&text, "this is not a database, just some text that is long enough to have a header")
+            .expect("write");
+        let e = ProfileDb::open(&text).err().expect("text fails").to_string();
+        assert!(e.contains("not a SQLite database"), "{e}");
+        let other = dir.path().join("other.db");
+        Connection::open(&other).expect("create").execute_batch("CREATE TABLE t (x)").expect("table");
+        let e = ProfileDb::open(&other).err().expect("foreign fails").to_string();
+        assert!(e.contains("not a profile"), "{e}");
+    }
+}

@@ -1,0 +1,452 @@
+//! End-to-end checks of USDT attachment on a live CPython: they need root,
+//! the eBPF object embedded in this binary, Debian's python3.11 and the
+//! stand-in libcuda (`cargo xtask build`). Run with
+//! `cargo test -p profiler usdt -- --ignored --nocapture --test-threads 1`.
+use std::{
+    collections::BTreeMap,
+    num::NonZeroU32,
+    os::fd::AsFd,
+    os::unix::fs::FileExt,
+    path::{Path, PathBuf},
+    process::{Child, Command},
+    time::{Duration, Instant},
+};
+
+use aya::{maps::MapData, programs::UProbe};
+use profiler_common::programs;
+
+use super::{
+    attach::{FileMapping, UsdtLink, attach_usdt, file_offset_to_address, open_uprobe, read_semaphore},
+    python::{PythonProbes, PythonStepSpec, PythonSteps, PythonTarget, find_in_process},
+};
+use crate::{
+    events::{Event, decode},
+    probes::{Probes, in_target_root, maps::LibraryKind},
+    steps::{CompletedStep, StepTracker},
+};
+
+const PYTHON: &str = "/usr/bin/python3.11";
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn fixtures() -> PathBuf {
+    repo().join("target/fixtures")
+}
+
+fn preconditions() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "needs root: it loads eBPF programs");
+    assert!(Path::new(PYTHON).exists(), "needs Debian's {PYTHON}, which has CPython's USDT probes");
+    assert!(fixtures().join("libcuda.so.1").exists(), "needs the stand-in libcuda: run `cargo xtask build`");
+}
+
+/// A child that is killed if the test fails before it exits.
+struct Target(Child);
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Target {
+    fn pid(&self) -> NonZeroU32 {
+        NonZeroU32::new(self.0.id()).expect("a child has a PID")
+    }
+}
+
+/// Starts `python3.11 args…` and waits until the exec has mapped the
+/// interpreter's writable segment (the exe link changes before the segments
+/// are mapped), so that the semaphores can be read.
+fn start_python(args: &[&str]) -> Target {
+    let child = Command::new(PYTHON).args(args).env("LD_LIBRARY_PATH", fixtures()).spawn().expect("start python");
+    let target = Target(child);
+    let t0 = Instant::now();
+    let ready = || {
+        let maps = procfs::process::Process::new(target.0.id() as i32).and_then(|p| p.maps());
+        maps.is_ok_and(|m| {
+            m.iter().any(|m| {
+                m.perms.contains(procfs::process::MMPermissions::WRITE)
+                    && matches!(&m.pathname, procfs::process::MMapPath::Path(p) if p == Path::new(PYTHON))
+            })
+        })
+    };
+    while !ready() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "python never started");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    target
+}
+
+fn start_trainer(args: &[&str], dir: &Path) -> Target {
+    let script = repo().join("tests/fixtures/py_trainer.py");
+    let truth = dir.join("truth.txt");
+    let go = dir.join("go");
+    let mut all: Vec<&str> = vec![script.to_str().expect("utf-8 path")];
+    all.extend_from_slice(args);
+    all.extend(["--truth", truth.to_str().expect("utf-8"), "--wait-file", go.to_str().expect("utf-8")]);
+    start_python(&all)
+}
+
+#[derive(Debug, Default)]
+struct Truth {
+    /// (tid, start, end, launches, label)
+    steps: Vec<(u32, u64, u64, u64, String)>,
+    raised: u64,
+    total: u64,
+    calls: Option<(u64, u64)>,
+}
+
+fn read_truth(dir: &Path) -> Truth {
+    let text = std::fs::read_to_string(dir.join("truth.txt")).expect("the trainer wrote its truth");
+    let mut t = Truth::default();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let n = |i: usize| f[i].parse::<u64>().expect("a number");
+        match f.first().copied() {
+            Some("step") => t.steps.push((n(1) as u32, n(2), n(3), n(4), f[5].to_owned())),
+            Some("raised") => t.raised = n(1),
+            Some("total") => t.total = n(1),
+            Some("calls") => t.calls = Some((n(1), n(2))),
+            _ => {}
+        }
+    }
+    t
+}
+
+/// The entry probe's semaphore and (CPython 3.11) the line probe's.
+fn semaphore_of(pid: NonZeroU32, python: &PythonProbes) -> (u16, Option<u16>) {
+    let path = in_target_root(pid.get(), &python.path);
+    let read = |offset| read_semaphore(pid.get(), &path, offset).expect("read the semaphore");
+    let entry = python.entry[0].semaphore_file_offset.expect("CPython's probes have semaphores");
+    (read(entry), python.tracing_switch.as_ref().map(|t| read(t.line_semaphore_file_offset)))
+}
+
+fn drain(ring: &mut aya::maps::RingBuf<MapData>, events: &mut Vec<Event>) {
+    while let Some(item) = ring.next() {
+        events.push(decode(&item).expect("a valid record"));
+    }
+}
+
+struct Traced {
+    truth: Truth,
+    steps: Vec<CompletedStep>,
+    unmatched_returns: u64,
+}
+
+/// Runs the trainer with `args`, traced with `specs` (label ids in order),
+/// and the launch probes on the stand-in driver; returns what the kernel
+/// reported, paired into steps by the session's own tracker.
+fn run_traced(args: &[&str], specs: &[&str]) -> Traced {
+    preconditions();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let target = start_trainer(args, dir.path());
+    let pid = target.pid();
+    let (mut probes, mut ring) = Probes::load(pid, true, false).expect("load the eBPF object");
+    // The trainer dlopens the driver after --wait-file: probes by inode apply
+    // when it is mapped.
+    let placed = probes.attach_cuda_library(LibraryKind::Driver, &fixtures().join("libcuda.so.1")).expect("cuda");
+    assert!(!placed.is_empty());
+    let python = find_in_process(pid.get()).expect("python3.11 has USDT probes");
+    let targets: Vec<PythonTarget> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| PythonTarget { spec: PythonStepSpec::parse(s).expect("spec"), label_id: i as u32 })
+        .collect();
+    let before = semaphore_of(pid, &python);
+    let steps = probes.attach_python(&python, &targets).expect("attach USDT");
+    assert_eq!(steps.sites(), python.entry.len() + python.ret.len());
+    // Ground truth from the target's memory: the kernel set the semaphore.
+    let line = |n| python.tracing_switch.as_ref().map(|_| n);
+    assert_eq!((before, semaphore_of(pid, &python)), ((0, line(0)), (1, line(1))), "semaphores before/after");
+
+    std::fs::write(dir.path().join("go"), b"").expect("go");
+    let mut events = Vec::new();
+    let mut target = target;
+    let t0 = Instant::now();
+    let status = loop {
+        drain(&mut ring, &mut events);
+        if let Some(s) = target.0.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(120), "trainer never finished");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert!(status.success(), "trainer: {status}");
+    drain(&mut ring, &mut events);
+    steps.detach();
+    probes.detach();
+
+    let labels: Vec<&'static str> =
+        targets.iter().map(|t| &*Box::leak(t.spec.label.clone().into_boxed_str())).collect();
+    let mut tracker = StepTracker::new(labels);
+    let mut completed = Vec::new();
+    for e in events {
+        match e {
+            Event::StepEnter(s) => {
+                tracker.enter(s.tid, s.probe, s.ts_ns, s.thread_launches);
+            }
+            Event::StepExit(s) => completed.extend(tracker.exit(s.tid, s.probe, s.ts_ns, s.thread_launches)),
+            Event::Launch(_) => {}
+        }
+    }
+    assert!(tracker.open_steps().is_empty(), "steps left open: {:?}", tracker.open_steps());
+    Traced { truth: read_truth(dir.path()), steps: completed, unmatched_returns: tracker.unmatched_returns }
+}
+
+/// Per label and thread, the traced steps against the trainer's own: same
+/// count, same launches each, and each traced interval encloses the one the
+/// function measured from inside, by less than `slack`.
+fn compare(t: &Traced, label_map: &[(&str, &str)], slack: Duration) {
+    assert_eq!(t.unmatched_returns, 0);
+    for &(label, truth_label) in label_map {
+        let mut want: BTreeMap<u32, Vec<(u64, u64, u64)>> = BTreeMap::new();
+        for (tid, s, e, l, lab) in &t.truth.steps {
+            if lab == truth_label {
+                want.entry(*tid).or_default().push((*s, *e, *l));
+            }
+        }
+        let mut got: BTreeMap<u32, Vec<(u64, u64, u64)>> = BTreeMap::new();
+        for s in t.steps.iter().filter(|s| s.label == label) {
+            got.entry(s.tid).or_default().push((s.start_ns, s.end_ns, s.launches));
+        }
+        for v in want.values_mut().chain(got.values_mut()) {
+            v.sort_unstable();
+        }
+        let count = |m: &BTreeMap<u32, Vec<_>>| m.values().map(Vec::len).sum::<usize>();
+        assert!(count(&want) > 0, "the run has {truth_label} steps");
+        assert_eq!(
+            want.iter().map(|(k, v)| (*k, v.len())).collect::<Vec<_>>(),
+            got.iter().map(|(k, v)| (*k, v.len())).collect::<Vec<_>>(),
+            "{label}: steps per thread"
+        );
+        let mut worst = 0u64;
+        for (tid, w) in &want {
+            for (&(ws, we, wl), &(gs, ge, gl)) in w.iter().zip(&got[tid]) {
+                assert_eq!(gl, wl, "{label} step of thread {tid} at {ws}: launches");
+                assert!(gs <= ws && we <= ge, "{label}: traced [{gs}, {ge}] encloses measured [{ws}, {we}]");
+                worst = worst.max((ws - gs) + (ge - we));
+            }
+        }
+        assert!(worst < slack.as_nanos() as u64, "{label}: boundaries off by up to {worst} ns");
+        eprintln!("{label}: {} steps match, boundaries within {worst} ns", count(&got));
+    }
+}
+
+#[test]
+#[ignore = "needs root, the eBPF object, /usr/bin/python3.11 and the stand-in libcuda"]
+fn python_steps_by_name_match_the_trainers_truth() {
+    let t = run_traced(
+        &[
+            "--steps",
+            "25",
+            "--launches",
+            "7",
+            "--val-every",
+            "4",
+            "--val-launches",
+            "3",
+            "--threads",
+            "3",
+            "--nest",
+            "3",
+            "--raise-every",
+            "6",
+        ],
+        &["train_step", "val=validate"],
+    );
+    // Exceptions leave the step function too: function__return fires on unwinding.
+    assert_eq!(t.truth.raised, 3 * 4);
+    assert_eq!(t.truth.total, 3 * (25 * 7 + 6 * 3));
+    compare(&t, &[("train", "train"), ("val", "validate")], Duration::from_millis(5));
+}
+
+#[test]
+#[ignore = "needs root, the eBPF object, /usr/bin/python3.11 and the stand-in libcuda"]
+fn file_suffixes_tell_same_named_functions_apart() {
+    let t = run_traced(
+        &["--steps", "12", "--launches", "5", "--threads", "2", "--nest", "2", "--nest-mode", "module"],
+        &["py_trainer.py:train_step", "inner=py_helper.py:train_step"],
+    );
+    compare(&t, &[("train", "train"), ("inner", "helper")], Duration::from_millis(5));
+    // A suffix matches at a path boundary only: `trainer.py` is not `py_trainer.py`.
+    let t = run_traced(&["--steps", "3", "--launches", "2"], &["trainer.py:train_step", "other=train_step"]);
+    assert!(t.steps.iter().all(|s| s.label == "other"), "{:?}", t.steps);
+    assert_eq!(t.steps.len(), 3);
+}
+
+/// The kernel counts uprobes in the semaphore, not tracers: a second
+/// attachment to the same probe leaves it at 1, and it returns to 0 once
+/// the last one is dropped.
+#[test]
+#[ignore = "needs root, the eBPF object and /usr/bin/python3.11"]
+fn the_semaphore_follows_attachments() {
+    preconditions();
+    let target = start_python(&["-c", "import time; time.sleep(60)"]);
+    let pid = target.pid();
+    let python = find_in_process(pid.get()).expect("probes");
+    let targets = [PythonTarget { spec: PythonStepSpec::parse("nothing_calls_this").expect("spec"), label_id: 0 }];
+    let line = |n| python.tracing_switch.as_ref().map(|_| n);
+    assert_eq!(semaphore_of(pid, &python), (0, line(0)));
+    let (mut a, _ring_a) = Probes::load(pid, false, false).expect("load");
+    let steps_a = a.attach_python(&python, &targets).expect("attach a");
+    assert_eq!(semaphore_of(pid, &python), (1, line(1)));
+    let (mut b, _ring_b) = Probes::load(pid, false, false).expect("load");
+    let steps_b = b.attach_python(&python, &targets).expect("attach b");
+    assert_eq!(semaphore_of(pid, &python), (1, line(1)), "one uprobe, one count");
+    drop(steps_a);
+    assert_eq!(semaphore_of(pid, &python), (1, line(1)), "b still attached");
+    let t0 = Instant::now();
+    drop(steps_b);
+    // The kernel releases the uprobe when the perf event's last reference
+    // goes; allow for deferred work rather than assume it is synchronous.
+    while semaphore_of(pid, &python) != (0, line(0)) {
+        assert!(t0.elapsed() < Duration::from_secs(2), "semaphores not released");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    eprintln!("semaphore released {:?} after the drop", t0.elapsed());
+    a.detach();
+    b.detach();
+}
+
+/// Sets semaphores (file offsets in `python.path`) by hand, with no uprobe:
+/// what the interpreter's own work behind them costs.
+fn poke_semaphores(pid: NonZeroU32, python: &PythonProbes, offsets: &[u64]) {
+    let maps = procfs::process::Process::new(pid.get() as i32).and_then(|p| p.maps()).expect("maps");
+    let path = in_target_root(pid.get(), &python.path);
+    let meta = std::fs::metadata(&path).expect("stat");
+    let mappings: Vec<FileMapping> = maps
+        .iter()
+        .filter(|m| std::os::unix::fs::MetadataExt::ino(&meta) == m.inode)
+        .map(|m| FileMapping {
+            start: m.address.0,
+            end: m.address.1,
+            offset: m.offset,
+            writable: m.perms.contains(procfs::process::MMPermissions::WRITE),
+        })
+        .collect();
+    let mem = std::fs::OpenOptions::new().write(true).open(format!("/proc/{pid}/mem")).expect("open mem");
+    for &off in offsets {
+        let addr = file_offset_to_address(&mappings, off).expect("mapped");
+        mem.write_all_at(&1u16.to_ne_bytes(), addr).expect("write semaphore");
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Tracing {
+    None,
+    /// CPython 3.11's tracing dispatch alone: the line semaphore set by hand.
+    LineSemaphore,
+    /// Line, entry and return semaphores set by hand: the interpreter's
+    /// whole share (argument preparation included), no uprobe.
+    AllSemaphores,
+    /// The uprobes (and the line switch) with an empty program.
+    BareProgram,
+    /// The real thing: the name filter matching nothing in the loop.
+    PythonFilter,
+}
+
+/// ns per call of a trivial Python function in py_trainer's --calls loop.
+fn calls_ns(mode: Tracing, calls: u64) -> f64 {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let n = calls.to_string();
+    let mut target = start_trainer(&["--steps", "0", "--calls", &n], dir.path());
+    let pid = target.pid();
+    let python = find_in_process(pid.get()).expect("probes");
+    // What keeps the tracing in place lives until the loop has run.
+    let mut links: Vec<UsdtLink> = Vec::new();
+    let mut switch: Option<std::os::fd::OwnedFd> = None;
+    let mut steps: Option<PythonSteps> = None;
+    let mut probes: Option<Probes> = None;
+    match mode {
+        Tracing::None => {}
+        Tracing::LineSemaphore | Tracing::AllSemaphores => {
+            let mut offsets: Vec<u64> = python.tracing_switch.iter().map(|t| t.line_semaphore_file_offset).collect();
+            if matches!(mode, Tracing::AllSemaphores) {
+                offsets.extend(python.entry.iter().chain(&python.ret).filter_map(|p| p.semaphore_file_offset));
+            }
+            poke_semaphores(pid, &python, &offsets);
+        }
+        Tracing::BareProgram => {
+            let (p, _ring) = Probes::load(pid, false, false).expect("load");
+            let prog: &UProbe = p.ebpf.program(programs::BARE).and_then(|p| p.try_into().ok()).expect("bare");
+            let fd = prog.fd().expect("loaded");
+            let path = in_target_root(pid.get(), &python.path);
+            for site in python.entry.iter().chain(&python.ret) {
+                let link = attach_usdt(fd.as_fd(), &path, site.file_offset, site.semaphore_file_offset, pid.get(), 0);
+                links.push(link.expect("attach the empty program"));
+            }
+            if let Some(t) = &python.tracing_switch {
+                let fd = open_uprobe(&path, t.carrier.file_offset, Some(t.line_semaphore_file_offset), pid.get());
+                switch = Some(fd.expect("line switch"));
+            }
+            probes = Some(p);
+        }
+        Tracing::PythonFilter => {
+            let (mut p, _ring) = Probes::load(pid, false, false).expect("load");
+            let targets: Vec<PythonTarget> = ["train_step", "val=validate"]
+                .iter()
+                .enumerate()
+                .map(|(i, s)| PythonTarget { spec: PythonStepSpec::parse(s).expect("spec"), label_id: i as u32 })
+                .collect();
+            steps = Some(p.attach_python(&python, &targets).expect("attach"));
+            probes = Some(p);
+        }
+    }
+    std::fs::write(dir.path().join("go"), b"").expect("go");
+    let status = target.0.wait().expect("wait");
+    assert!(status.success(), "trainer: {status}");
+    drop(switch);
+    drop(links);
+    drop(steps);
+    if let Some(p) = probes {
+        p.detach();
+    }
+    let (n, ns) = read_truth(dir.path()).calls.expect("calls line");
+    ns as f64 / n as f64
+}
+
+/// Prints what USDT tracing costs a Python-heavy loop. Not an assertion: a
+/// benchmark (see the "overhead, honestly").
+#[test]
+#[ignore = "benchmark; needs root, the eBPF object, /usr/bin/python3.11 and the stand-in libcuda"]
+fn python_call_overhead() {
+    preconditions();
+    const CALLS: u64 = 1_000_000;
+    const REPEATS: usize = 5;
+    let rows = [
+        ("untraced", Tracing::None),
+        ("line semaphore by hand", Tracing::LineSemaphore),
+        ("all 3 semaphores by hand", Tracing::AllSemaphores),
+        ("uprobes, empty program", Tracing::BareProgram),
+        ("uprobes, python name filter", Tracing::PythonFilter),
+    ];
+    let mut results = Vec::new();
+    for (name, mode) in rows {
+        let mut runs: Vec<f64> = (0..REPEATS).map(|_| calls_ns(mode, CALLS)).collect();
+        runs.sort_by(f64::total_cmp);
+        results.push((name, runs[REPEATS / 2], runs[0], runs[REPEATS - 1]));
+    }
+    let base = results[0].1;
+    println!();
+    println!("Cost per Python call ({CALLS} calls of a trivial function, median of {REPEATS}), {PYTHON}");
+    println!(
+        "| {:<28} | {:>9} | {:>13} | {:>12} | {:>15} |",
+        "tracing", "ns / call", "calls / s", "min–max ns", "added ns / call"
+    );
+    println!("|{:-<30}|{:->11}|{:->15}|{:->14}|{:->17}|", "", "", "", "", "");
+    for (name, median, lo, hi) in &results {
+        println!(
+            "| {:<28} | {:>9.0} | {:>13.0} | {:>5.0}–{:<6.0} | {:>15.0} |",
+            name,
+            median,
+            1e9 / median,
+            lo,
+            hi,
+            median - base
+        );
+    }
+}
