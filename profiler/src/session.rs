@@ -75,6 +75,8 @@ pub struct SessionConfig {
     pub system_interval: Duration,
     /// `--disk`: the filesystem to report (default: the target's cwd).
     pub disk: Option<PathBuf>,
+    /// A live status line on stderr (a terminal, and not `--quiet`).
+    pub status_line: bool,
 }
 
 /// A process started by `profiler run`, held before `exec` until the probes are in.
@@ -234,8 +236,10 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
 
     // Samplers start before the step probes, so their series cover every step.
     let mut samplers: Vec<SamplerThread> = Vec::new();
+    let mut gpu_live = None;
     match gpu {
         Ok(mut g) => {
+            gpu_live = Some(g.live());
             g.start(writer.sender());
             let interval = cfg.gpu.as_ref().map_or(Duration::from_millis(100), |c| c.interval);
             samplers.push(SamplerThread::spawn("gpu", interval, g)?);
@@ -272,7 +276,11 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
                 consumer.writer.send(StoreMsg::Library(l));
             }
             say!(cfg.quiet, "session {session_id}: tracing PID {pid} into {} (Ctrl-C to stop)", output.display());
-            event_loop(&cfg, pid, &mut child, &mut probes, ring, &mut consumer, &mut watcher).await
+            let mut status = StatusLine::new(cfg.status_line, gpu_live);
+            let r =
+                event_loop(&cfg, pid, &mut child, &mut probes, ring, &mut consumer, &mut watcher, &mut status).await;
+            status.clear();
+            r
         }
         Err(e) => Err((ring, e)),
     };
@@ -387,6 +395,7 @@ fn attach_all(
 
 type LoopOutcome = Result<(RingBuf<MapData>, String, Option<i32>), (RingBuf<MapData>, anyhow::Error)>;
 
+#[expect(clippy::too_many_arguments, reason = "the session's parts, borrowed separately so each can be finished after")]
 async fn event_loop(
     cfg: &SessionConfig,
     pid: u32,
@@ -395,6 +404,7 @@ async fn event_loop(
     ring: RingBuf<MapData>,
     consumer: &mut Consumer,
     watcher: &mut LibraryWatcher,
+    status: &mut StatusLine,
 ) -> LoopOutcome {
     // SAFETY: the ring buffer's fd stays open and unchanged while the AsyncFd owns it.
     let mut ring = match unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) } {
@@ -404,7 +414,7 @@ async fn event_loop(
             return Err((ring, anyhow::anyhow!("cannot poll the ring buffer: {err}")));
         }
     };
-    let result = run_loop(cfg, pid, child, probes, &mut ring, consumer, watcher).await;
+    let result = run_loop(cfg, pid, child, probes, &mut ring, consumer, watcher, status).await;
     let ring = ring.into_inner();
     match result {
         Ok((reason, code)) => Ok((ring, reason, code)),
@@ -412,6 +422,7 @@ async fn event_loop(
     }
 }
 
+#[expect(clippy::too_many_arguments, reason = "the session's parts, borrowed separately so each can be finished after")]
 async fn run_loop(
     cfg: &SessionConfig,
     pid: u32,
@@ -420,6 +431,7 @@ async fn run_loop(
     ring: &mut AsyncFd<RingBuf<MapData>>,
     consumer: &mut Consumer,
     watcher: &mut LibraryWatcher,
+    status: &mut StatusLine,
 ) -> anyhow::Result<(String, Option<i32>)> {
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
@@ -434,6 +446,8 @@ async fn run_loop(
     flush.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut maps_tick = tokio::time::interval(cfg.maps_interval);
     maps_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut status_tick = tokio::time::interval(Duration::from_secs(1));
+    status_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
     if let Some((_, release)) = child.as_ref() {
         // SAFETY: writing one byte from a valid buffer to an fd we own.
@@ -459,6 +473,9 @@ async fn run_loop(
             _ = flush.tick() => {
                 consumer.drain(ring.get_mut());
                 consumer.flush();
+            }
+            _ = status_tick.tick(), if status.enabled => {
+                status.show(consumer, probes.counters());
             }
             _ = maps_tick.tick() => {
                 let mut rows = Vec::new();
@@ -538,6 +555,65 @@ impl LibraryWatcher {
     }
 }
 
+/// The live status line: rewritten in place on stderr once a second.
+struct StatusLine {
+    enabled: bool,
+    gpu: Option<crate::samplers::gpu::GpuLive>,
+    started: std::time::Instant,
+    last: Option<(std::time::Instant, u64, u64)>,
+    shown: bool,
+}
+
+impl StatusLine {
+    fn new(enabled: bool, gpu: Option<crate::samplers::gpu::GpuLive>) -> Self {
+        Self { enabled, gpu, started: std::time::Instant::now(), last: None, shown: false }
+    }
+
+    fn show(&mut self, consumer: &Consumer, kc: probes::KernelCounters) {
+        let now = std::time::Instant::now();
+        let steps = consumer.completed_steps;
+        let (steps_per_s, launches_per_s) = match self.last {
+            Some((t, s, l)) => {
+                let dt = (now - t).as_secs_f64().max(1e-3);
+                ((steps - s) as f64 / dt, kc.launches.saturating_sub(l) as f64 / dt)
+            }
+            None => (0.0, 0.0),
+        };
+        self.last = Some((now, steps, kc.launches));
+        let mut line = format!(
+            "[{:>6.1} s] steps {steps} ({steps_per_s:.1}/s, last {}) | launches {launches_per_s:.0}/s",
+            self.started.elapsed().as_secs_f64(),
+            consumer.last_step_ns.map_or("–".to_string(), |ns| format!("{:.1} ms", ns as f64 / 1e6)),
+        );
+        if let Some(gpu) = self.gpu.as_ref().and_then(|g| g.lock().ok().map(|v| v.clone())) {
+            for (l, util, power) in gpu {
+                let f = |v: Option<f64>, unit: &str| v.map_or("–".to_string(), |v| format!("{v:.0}{unit}"));
+                line.push_str(&format!(" | GPU{l} {} {}", f(util, "%"), f(power, " W")));
+            }
+        }
+        line.push_str(&format!(" | lost {}", kc.lost));
+        let width = terminal_width().unwrap_or(100);
+        let line: String = line.chars().take(width.saturating_sub(1)).collect();
+        eprint!("\r\x1b[2K{line}");
+        self.shown = true;
+    }
+
+    fn clear(&mut self) {
+        if self.shown {
+            eprint!("\r\x1b[2K");
+            self.shown = false;
+        }
+    }
+}
+
+fn terminal_width() -> Option<usize> {
+    // SAFETY: TIOCGWINSZ fills a winsize we own.
+    let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+    // SAFETY: ioctl on stderr with a valid out-pointer.
+    let ok = unsafe { libc::ioctl(libc::STDERR_FILENO, libc::TIOCGWINSZ, &mut ws) } == 0;
+    (ok && ws.ws_col > 0).then_some(ws.ws_col as usize)
+}
+
 /// Turns records into rows, in batches.
 struct Consumer {
     writer: StoreWriter,
@@ -549,6 +625,7 @@ struct Consumer {
     completed_steps: u64,
     launch_rows: u64,
     step_ns_total: u128,
+    last_step_ns: Option<u64>,
     /// Records stamped after this are dropped (see the end of [`profile`]).
     cutoff_ns: Option<u64>,
 }
@@ -567,6 +644,7 @@ impl Consumer {
             completed_steps: 0,
             launch_rows: 0,
             step_ns_total: 0,
+            last_step_ns: None,
             cutoff_ns: None,
         }
     }
@@ -605,6 +683,7 @@ impl Consumer {
                     if let Some(s) = self.tracker.exit(e.tid, e.probe, e.ts_ns, e.thread_launches) {
                         self.completed_steps += 1;
                         self.step_ns_total += u128::from(s.end_ns - s.start_ns);
+                        self.last_step_ns = Some(s.end_ns - s.start_ns);
                         self.steps.push(StepRow {
                             label: s.label,
                             step: s.step,

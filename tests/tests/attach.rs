@@ -482,3 +482,39 @@ fn error_corrupt_output() {
     one_error_line(code, &stderr, "is not a SQLite database");
     assert_eq!(std::fs::read(&db).expect("read"), vec![0x5au8; 4096], "the file is left as it was");
 }
+
+#[test]
+fn status_line_only_on_a_terminal() {
+    let dir = workdir("status");
+    let db = dir.join("p.db");
+    let trainer = fixtures().join("trainer");
+    let cmd = format!(
+        "{} run -o {} --no-gpu --step-symbol train_step -- {} --steps 50 --launches 20 --step-sleep-us 40000",
+        profiler_bin().display(),
+        db.display(),
+        trainer.display()
+    );
+    // `script` gives the profiler a pseudo-terminal.
+    let out = std::process::Command::new("script")
+        .args(["-qfec", &cmd, "/dev/null"])
+        .env("LD_LIBRARY_PATH", fixtures())
+        .output()
+        .expect("script (util-linux)");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let tty = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = tty.split('\r').filter(|l| l.contains("| launches ")).collect();
+    assert!(lines.len() >= 2, "a status line about once a second: {tty}");
+    assert!(lines.iter().any(|l| l.contains("steps ") && l.contains("/s, last ") && l.contains("| lost 0")), "{tty}");
+    assert!(tty.contains("session 1 ended"), "the end summary follows: {tty}");
+    // Piped: no status line.
+    let out = std::process::Command::new(profiler_bin())
+        .args(["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--"])
+        .arg(&trainer)
+        .args(["--steps", "30", "--launches", "5", "--step-sleep-us", "40000"])
+        .env("LD_LIBRARY_PATH", fixtures())
+        .output()
+        .expect("run profiler");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(!stderr.contains("| launches "), "{stderr}");
+}

@@ -125,6 +125,8 @@ impl TraceArgs {
             powercap_root: self.powercap_root,
             system_interval: Duration::from_millis(self.system_interval),
             disk: self.disk,
+            // SAFETY: isatty has no preconditions.
+            status_line: !self.quiet && unsafe { libc::isatty(libc::STDERR_FILENO) } == 1,
         }
     }
 }

@@ -189,7 +189,11 @@ struct GpuState {
 }
 
 /// Samples the selected GPUs.
+/// The latest (logical GPU, utilization %, power W) of each GPU, for the live status line.
+pub type GpuLive = std::sync::Arc<std::sync::Mutex<Vec<(u32, Option<f64>, Option<f64>)>>>;
+
 pub struct GpuSampler {
+    live: GpuLive,
     nvml: Nvml,
     gpus: Vec<GpuState>,
     /// Set by [`GpuSampler::start`]; rows go nowhere before.
@@ -275,6 +279,7 @@ impl GpuSampler {
             nvml,
             gpus,
             out: None,
+            live: GpuLive::default(),
             info_rows,
             power_sources,
             pid,
@@ -300,6 +305,11 @@ impl GpuSampler {
     }
 
     /// Logical ids of the sampled GPUs.
+    /// A handle on the latest readings (see [`GpuLive`]).
+    pub fn live(&self) -> GpuLive {
+        self.live.clone()
+    }
+
     pub fn logical_gpus(&self) -> Vec<u32> {
         self.gpus.iter().map(|g| g.sel.logical).collect()
     }
@@ -408,6 +418,12 @@ impl Sampler for GpuSampler {
             match self.nvml.device_by_index(g.sel.nvml_index) {
                 Ok(dev) => {
                     let row = Self::sample(&dev, g, caps, now_ns);
+                    let real = |v: &Value| if let Value::Real(x) = v { Some(*x) } else { None };
+                    if let Ok(mut live) = self.live.lock() {
+                        live.retain(|(l, _, _)| *l != g.sel.logical);
+                        live.push((g.sel.logical, real(&row[2]), real(&row[7])));
+                        live.sort_by_key(|(l, _, _)| *l);
+                    }
                     self.rows.push(row);
                 }
                 Err(e) => caps.record(&format!("GPU_{}/device", g.sel.logical), false, Some(format!("NVML: {e}"))),
