@@ -126,6 +126,8 @@ pub fn fetch_genuine_nvidia(dir: &Path) -> Result<()> {
             .find(|p| p.extension().is_some_and(|e| e == "deb"))
             .context("apt-get download left no .deb")?;
         let unpacked = dir.join("root").join(package);
+        // dpkg -x creates only the last path component.
+        std::fs::create_dir_all(&unpacked)?;
         run(Command::new("dpkg").arg("-x").arg(&deb).arg(&unpacked))?;
         let found = walk(&unpacked)
             .into_iter()
