@@ -195,7 +195,9 @@ pub enum UsdtArgKind {
     None = 0,
     /// `N@$CONST`: the value is [`UsdtArgSpec::displacement`].
     Constant = 1,
-    /// `N@%reg`: the value is the register (`pt_regs` at [`UsdtArgSpec::reg_offset`]).
+    /// `N@%reg`: the value is the register (`pt_regs` at [`UsdtArgSpec::reg_offset`])
+    /// plus [`UsdtArgSpec::displacement`] (0, except for a resolved `$symbol`:
+    /// `%rip` plus the symbol's distance from the probe).
     Register = 2,
     /// `N@DISP(%base,%index,scale)`: the value is read from user memory at
     /// `base + index * scale + displacement` (either register may be absent).

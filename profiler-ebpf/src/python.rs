@@ -5,9 +5,15 @@
 //!
 //! With the USDT semaphore set, CPython fires these probes on every Python
 //! call, so the no-match path is the hot one: one map lookup for the argument
-//! specs, one user-string read of the function name, and at most
-//! `PY_MAX_TARGETS` length comparisons. The file name is only read once a
-//! function name matched a target that names a file.
+//! specs, an 8-byte read of the function name's start compared with each
+//! target's, and only on a possible match the whole name. The file name is
+//! only read once a function name matched a target that names a file.
+//!
+//! The programs are attached by user space through the uprobe PMU (perf
+//! event + BPF link with a cookie), not by aya: CPython's probes need the
+//! kernel to raise their semaphores (`ref_ctr_offset`), which aya 0.14 cannot
+//! ask for. Any provider whose probe passes (file name, function name) as its
+//! first two arguments can be served the same way.
 //!
 //! Where the arguments live is not hard-wired (CPython 3.11 on Debian passes
 //! them in %rbp and %r12, another build may not): user space decodes the
@@ -98,7 +104,9 @@ fn usdt_arg(ctx: &ProbeContext, spec: &UsdtArgSpec) -> Option<u64> {
     let raw = if spec.kind == UsdtArgKind::Constant as u32 {
         spec.displacement as u64
     } else if spec.kind == UsdtArgKind::Register as u32 {
-        read_reg(ctx, spec.reg_offset)?
+        // The displacement is 0 for a plain register; a resolved `$symbol`
+        // is %rip plus the symbol's distance from the probe.
+        read_reg(ctx, spec.reg_offset)?.wrapping_add(spec.displacement as u64)
     } else if spec.kind == UsdtArgKind::Memory as u32 {
         let mut addr = spec.displacement as u64;
         if spec.reg_offset != USDT_NO_REG {

@@ -25,6 +25,7 @@ use crate::{
         self, Probes,
         maps::{self, LibraryKind},
         step_symbol::{self, StepSymbolSpec},
+        usdt::{self, python::PythonStepSpec},
     },
     samplers::{
         self, SamplerThread,
@@ -60,6 +61,8 @@ pub struct SessionConfig {
     pub output: PathBuf,
     /// `--step-symbol`s, in order: the index is the probe id the kernel reports.
     pub steps: Vec<StepSymbolSpec>,
+    /// `--step-python`s; their probe ids follow the symbols'.
+    pub python_steps: Vec<PythonStepSpec>,
     pub launch_mode: LaunchMode,
     pub duration: Option<Duration>,
     pub maps_interval: Duration,
@@ -198,8 +201,23 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
             })?);
         }
     }
+    // CPython's USDT probes, before anything is attached: no probes is an error that says what to do.
+    let python = if cfg.python_steps.is_empty() {
+        None
+    } else if mode == "attach" {
+        Some(usdt::python::find_in_process(pid)?)
+    } else {
+        // `run`: the target is still the exec gate; look in what it will exec.
+        Some(usdt::python::resolve(std::slice::from_ref(&exe), |p| std::fs::read(p).ok())?)
+    };
     // Labels live as long as the session's rows refer to them: one small leak per session.
-    let labels: Vec<&'static str> = cfg.steps.iter().map(|s| &*Box::leak(s.label.clone().into_boxed_str())).collect();
+    let labels: Vec<&'static str> = cfg
+        .steps
+        .iter()
+        .map(|s| s.label.as_str())
+        .chain(cfg.python_steps.iter().map(|s| s.label.as_str()))
+        .map(|l| &*Box::leak(l.to_owned().into_boxed_str()))
+        .collect();
 
     // NVML before anything is attached: with --require-gpu its absence is an error.
     let gpu = match &cfg.gpu {
@@ -224,8 +242,14 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         exe: Some(exe.display().to_string()),
         mode,
         launch_mode: cfg.launch_mode.as_str(),
-        step_symbol: (!cfg.steps.is_empty())
-            .then(|| cfg.steps.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(" ")),
+        step_symbol: (!cfg.steps.is_empty() || !cfg.python_steps.is_empty()).then(|| {
+            cfg.steps
+                .iter()
+                .map(|s| s.to_string())
+                .chain(cfg.python_steps.iter().map(|s| format!("python:{s}")))
+                .collect::<Vec<_>>()
+                .join(" ")
+        }),
         started_ns,
         unix_offset_ns: clock::unix_offset_ns(),
         hostname: std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|s| s.trim().to_owned()),
@@ -270,6 +294,40 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     let mut consumer = Consumer::new(writer, cfg.launch_mode == LaunchMode::All, labels);
     let mut watcher = LibraryWatcher { pid, seen: HashSet::new() };
     let attached = attach_all(&cfg, pid, mode, &mut probes, &mut watcher, &resolved_steps, &target_var);
+    // Python step probes last, like the native ones; dropped before the rest detach.
+    let mut python_steps = None;
+    let attached = attached.and_then(|mut libraries| {
+        if let Some(py) = &python {
+            let targets: Vec<usdt::python::PythonTarget> = cfg
+                .python_steps
+                .iter()
+                .enumerate()
+                .map(|(i, spec)| usdt::python::PythonTarget { spec: spec.clone(), label_id: (cfg.steps.len() + i) as u32 })
+                .collect();
+            let handle = probes.attach_python(py, &targets)?;
+            let mut how = match py.version {
+                Some((major, minor)) => format!("USDT python:function__entry/return (CPython {major}.{minor})"),
+                None => "USDT python:function__entry/return".to_string(),
+            };
+            if handle.tracing_switched() {
+                how.push_str(" + line semaphore (CPython 3.11)");
+                say!(
+                    cfg.quiet,
+                    "CPython 3.11 fires function__entry only on its tracing path: Python calls now cost about 2 µs more each while attached"
+                );
+            }
+            libraries.push(LibraryRow {
+                path: py.path.display().to_string(),
+                placed: Vec::new(),
+                kind: "step".into(),
+                attached_ns: clock::monotonic_ns(),
+                probes: handle.sites() as u32,
+                how,
+            });
+            python_steps = Some(handle);
+        }
+        Ok(libraries)
+    });
     let outcome = match attached {
         Ok(libraries) => {
             for l in libraries {
@@ -299,6 +357,9 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     // probes are being detached (neither instantaneous nor ordered between
     // probes) are not part of the session.
     consumer.cutoff_ns = Some(ended_ns);
+    if let Some(py) = python_steps {
+        py.detach();
+    }
     probes.detach();
     let mut ring = ring;
     consumer.drain(&mut ring);

@@ -34,6 +34,8 @@ pub fn workdir(test: &str) -> PathBuf {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TruthStep {
+    /// `train` unless the truth line names another label (the Python trainer's do).
+    pub label: String,
     pub tid: u32,
     pub start_ns: u64,
     pub end_ns: u64,
@@ -55,9 +57,13 @@ impl Truth {
             let f: Vec<&str> = line.split_whitespace().collect();
             let n = |s: &str| s.parse::<u64>().expect("number in truth file");
             match f.as_slice() {
-                ["step", tid, s, e, l] => {
-                    t.steps.push(TruthStep { tid: n(tid) as u32, start_ns: n(s), end_ns: n(e), launches: n(l) })
-                }
+                ["step", tid, s, e, l, rest @ ..] => t.steps.push(TruthStep {
+                    label: rest.first().map_or("train", |l| *l).to_string(),
+                    tid: n(tid) as u32,
+                    start_ns: n(s),
+                    end_ns: n(e),
+                    launches: n(l),
+                }),
                 ["total", v] => t.total = n(v),
                 ["api", name, v, ..] => {
                     t.apis.insert(name.to_string(), n(v));
@@ -208,6 +214,7 @@ pub fn profiler_output(args: &[&str]) -> (Option<i32>, String) {
 #[derive(Clone, Debug)]
 pub struct DbStep {
     pub step: i64,
+    pub label: String,
     pub tid: u32,
     pub start_ns: u64,
     pub end_ns: Option<u64>,
@@ -253,7 +260,10 @@ pub fn last_session(db: &Path) -> Session {
 pub fn steps(db: &Path, session: i64) -> Vec<DbStep> {
     let conn = open(db);
     let mut q = conn
-        .prepare("SELECT step, tid, start_ns, end_ns, inter_step_ns, launches FROM steps WHERE session_id = ?1 ORDER BY tid, start_ns")
+        .prepare(
+            "SELECT step, tid, start_ns, end_ns, inter_step_ns, launches, label FROM steps WHERE session_id = ?1
+             ORDER BY tid, start_ns",
+        )
         .expect("prepare");
     q.query_map([session], |r| {
         Ok(DbStep {
@@ -263,6 +273,7 @@ pub fn steps(db: &Path, session: i64) -> Vec<DbStep> {
             end_ns: r.get::<_, Option<i64>>(3)?.map(|v| v as u64),
             inter_step_ns: r.get(4)?,
             launches: r.get::<_, Option<i64>>(5)?.map(|v| v as u64),
+            label: r.get(6)?,
         })
     })
     .expect("query")

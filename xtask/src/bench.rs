@@ -323,7 +323,8 @@ pub fn main() -> Result<()> {
     println!();
     println!("events/s: launch records plus step entry/return records over the target's busy span;");
     println!("agent CPU %: the agent's CPU time over that span plus its drain-and-flush time after the target exits.");
-    sampler_table(&work)
+    sampler_table(&work)?;
+    crate::bench_python::python_table(&work)
 }
 
 /// CPU time of the agent's thread named `name`, from its schedstat (ns).

@@ -3,6 +3,7 @@
 //! Installs what a fresh machine lacks (rust-src for nightly, Debian's
 //! llvm-22-dev, bpf-linker built against it) and says what it is doing.
 mod bench;
+mod bench_python;
 mod toolchain;
 
 use std::{
@@ -144,6 +145,8 @@ fn test(args: &[String]) -> Result<()> {
     if !is_root() {
         bail!("the integration tests load eBPF programs and need root: run `sudo cargo xtask test`");
     }
+    say("root unit tests of the USDT attach path (profiler crate, --ignored: they load eBPF programs)");
+    run(cargo().current_dir(root()).args(["test", "--release", "-p", "profiler", "--", "--ignored", "--test-threads=1"]))?;
     say("root integration tests: the real profiler against fixtures with known ground truth");
     let mut c = cargo();
     c.current_dir(root())

@@ -14,7 +14,7 @@ use clap::{Args, Parser, Subcommand};
 pub use run::{EXEC_GATE, exec_gate};
 
 use crate::{
-    probes::step_symbol::StepSymbolSpec,
+    probes::{step_symbol::StepSymbolSpec, usdt::python::PythonStepSpec},
     samplers::gpu::GpuConfig,
     session::{LaunchMode, SessionConfig},
 };
@@ -54,6 +54,11 @@ pub struct TraceArgs {
     /// optional LABEL= (default `train`). Repeatable.
     #[arg(long, value_name = "[LABEL=][FILE:]SYMBOL")]
     step_symbol: Vec<String>,
+    /// A Python step function by name (CPython's USDT probes), optionally in a
+    /// file ending in FILE_SUFFIX, with an optional LABEL= (default `train`).
+    /// Repeatable.
+    #[arg(long, value_name = "[LABEL=][FILE_SUFFIX:]NAME", value_parser = parse_python_step)]
+    step_python: Vec<PythonStepSpec>,
     /// Keep a row per launch (`all`), or only per-step counts (`count`).
     #[arg(long, value_enum, default_value_t = LaunchMode::All)]
     launches: LaunchMode,
@@ -98,6 +103,10 @@ pub struct TraceArgs {
     disk: Option<PathBuf>,
 }
 
+fn parse_python_step(s: &str) -> Result<PythonStepSpec, String> {
+    PythonStepSpec::parse(s).map_err(|e| e.to_string())
+}
+
 fn parse_secs(s: &str) -> Result<Duration, String> {
     let v: f64 = s.parse().map_err(|_| format!("'{s}' is not a number of seconds"))?;
     if !v.is_finite() || v < 0.0 {
@@ -111,6 +120,7 @@ impl TraceArgs {
         SessionConfig {
             output: self.output,
             steps: self.step_symbol.iter().map(|s| StepSymbolSpec::parse(s)).collect(),
+            python_steps: self.step_python,
             launch_mode: self.launches,
             duration: self.duration,
             maps_interval: Duration::from_millis(self.maps_interval),

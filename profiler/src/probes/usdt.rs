@@ -4,7 +4,6 @@
 //!
 //! No I/O here: callers hand in the file's bytes, so tests run on fixtures.
 //! Attaching lives in [`attach`], CPython's probes in [`python`].
-#![allow(dead_code, reason = "the session uses this once --step-python is wired in (issue 5); drop this then")]
 pub mod attach;
 pub mod python;
 
@@ -205,8 +204,12 @@ pub enum ArgLocation {
     /// After symbol resolution a `sym(%rip)` operand is one of these too, with
     /// base `%rip` (which holds the probe's address when it fires).
     Memory { base: Option<Register>, index: Option<(Register, u8)>, displacement: i64 },
-    /// `sym±N(%rip)` or an absolute `sym±N` as written, before resolution.
-    Symbol { symbol: String, addend: i64 },
+    /// The value is `base + displacement`, no memory read: a resolved
+    /// `$sym` (a symbol's address as a constant), relative to `%rip`.
+    Address { base: Register, displacement: i64 },
+    /// `sym±N(%rip)` or an absolute `sym±N` (`deref`: the value is in memory
+    /// there), or `$sym±N` (the address itself), before resolution.
+    Symbol { symbol: String, addend: i64, deref: bool },
 }
 
 /// One decoded argument.
@@ -241,6 +244,11 @@ impl UsdtArg {
                 spec.kind = UsdtArgKind::Register as u32;
                 spec.reg_offset = r.read_offset();
             }
+            ArgLocation::Address { base, displacement } => {
+                spec.kind = UsdtArgKind::Register as u32;
+                spec.reg_offset = base.read_offset();
+                spec.displacement = *displacement;
+            }
             ArgLocation::Memory { base, index, displacement } => {
                 spec.kind = UsdtArgKind::Memory as u32;
                 spec.reg_offset = base.map_or(USDT_NO_REG, Register::read_offset);
@@ -258,7 +266,8 @@ impl UsdtArg {
 
 /// Decodes an x86-64 argument string (GNU as AT&T operands with a size
 /// prefix, space separated): `N@%reg`, `N@$CONST`, `N@DISP(%base)`,
-/// `N@(%base,%index,scale)`, `N@sym+OFF(%rip)`, `N@sym`; a negative N is signed.
+/// `N@(%base,%index,scale)`, `N@sym+OFF(%rip)`, `N@sym`, `N@$sym`; a negative N
+/// is signed.
 /// Symbolic operands come back as [`ArgLocation::Symbol`].
 pub fn parse_arguments(spec: &str) -> Result<Vec<UsdtArg>, ArgSpecError> {
     spec.split_ascii_whitespace().map(parse_argument).collect()
@@ -278,7 +287,12 @@ fn parse_argument(text: &str) -> Result<UsdtArg, ArgSpecError> {
         register(name).ok_or_else(|| ArgSpecError::UnknownRegister { arg: text.to_owned(), reg: name.to_owned() })
     };
     let location = if let Some(c) = operand.strip_prefix('$') {
-        ArgLocation::Constant(parse_int(c).ok_or_else(|| syntax("the constant"))?)
+        match parse_displacement(c) {
+            Some(Displacement::Number(n)) => ArgLocation::Constant(n),
+            // Non-PIC code passes addresses as `$symbol`.
+            Some(Displacement::Symbol(symbol, addend)) => ArgLocation::Symbol { symbol, addend, deref: false },
+            None => return Err(syntax("the constant")),
+        }
     } else if let Some(r) = operand.strip_prefix('%') {
         ArgLocation::Register(reg(r)?)
     } else {
@@ -325,7 +339,7 @@ fn parse_argument(text: &str) -> Result<UsdtArg, ArgSpecError> {
             Some(Displacement::Number(n)) => ArgLocation::Memory { base, index, displacement: n },
             // `sym(%rip)` and a bare `sym` both name the symbol's address.
             Some(Displacement::Symbol(symbol, addend)) if (base.is_none() && index.is_none()) || rip_relative => {
-                ArgLocation::Symbol { symbol, addend }
+                ArgLocation::Symbol { symbol, addend, deref: true }
             }
             Some(Displacement::Symbol(..)) => return Err(syntax("a symbol combined with registers")),
             None => return Err(syntax("the displacement")),
@@ -378,10 +392,10 @@ fn parse_int(s: &str) -> Option<i64> {
     Some(if neg { v.wrapping_neg() } else { v })
 }
 
-/// Turns symbolic operands into memory reads relative to `%rip`: when the
-/// probe fires the kernel has set `%rip` to the probe's address, so the
-/// symbol's run-time address is `%rip + (symbol − probe address)` for
-/// executables and shared libraries alike, with no load bias to know.
+/// Turns symbolic operands into operands relative to `%rip`: when the probe
+/// fires the kernel has set `%rip` to the probe's address, so the symbol's
+/// run-time address is `%rip + (symbol − probe address)` for executables and
+/// shared libraries alike, with no load bias to know.
 fn resolve_symbols(
     args: Vec<UsdtArg>,
     probe_address: u64,
@@ -389,13 +403,17 @@ fn resolve_symbols(
 ) -> Result<Vec<UsdtArg>, ArgSpecError> {
     args.into_iter()
         .map(|mut arg| {
-            if let ArgLocation::Symbol { symbol, addend } = &arg.location {
+            if let ArgLocation::Symbol { symbol, addend, deref } = &arg.location {
                 let Some(addr) = lookup(symbol) else {
                     return Err(ArgSpecError::UnknownSymbol { arg: arg.text.clone(), symbol: symbol.clone() });
                 };
                 let rip = register("rip").ok_or_else(|| ArgSpecError::Unresolved { arg: arg.text.clone() })?;
                 let displacement = (addr as i64).wrapping_add(*addend).wrapping_sub(probe_address as i64);
-                arg.location = ArgLocation::Memory { base: Some(rip), index: None, displacement };
+                arg.location = if *deref {
+                    ArgLocation::Memory { base: Some(rip), index: None, displacement }
+                } else {
+                    ArgLocation::Address { base: rip, displacement }
+                };
             }
             Ok(arg)
         })

@@ -11,13 +11,17 @@
 //! releases the semaphore, with nothing written into the target by us.
 use std::{
     ffi::CString,
-    fs::File,
     io,
     os::{
         fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
-        unix::{ffi::OsStrExt, fs::FileExt, fs::MetadataExt},
+        unix::ffi::OsStrExt,
     },
     path::{Path, PathBuf},
+};
+#[cfg(test)]
+use std::{
+    fs::File,
+    os::unix::fs::{FileExt, MetadataExt},
 };
 
 use perf_event_open_sys::bindings::{PERF_FLAG_FD_CLOEXEC, perf_event_attr};
@@ -53,21 +57,11 @@ pub enum AttachError {
 /// unregisters the uprobe and decrements the semaphore.
 #[derive(Debug)]
 pub struct UsdtLink {
-    // Field order is drop order.
+    // Field order is drop order. Held for their Drop: closing detaches.
+    #[expect(dead_code, reason = "held for its Drop, which detaches")]
     link: OwnedFd,
+    #[expect(dead_code, reason = "held for its Drop, which unregisters the uprobe")]
     perf_event: OwnedFd,
-}
-
-impl UsdtLink {
-    /// The uprobe perf event (e.g. to query it with PERF_EVENT_IOC_QUERY_BPF).
-    pub fn perf_event(&self) -> BorrowedFd<'_> {
-        self.perf_event.as_fd()
-    }
-
-    /// The BPF link.
-    pub fn link(&self) -> BorrowedFd<'_> {
-        self.link.as_fd()
-    }
 }
 
 /// The uprobe PMU's perf event type.
@@ -186,6 +180,7 @@ fn link_perf_event(program: BorrowedFd<'_>, perf_event: BorrowedFd<'_>, cookie: 
     Ok(unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) })
 }
 
+#[cfg(test)]
 /// One mapping of a file in a process (a line of /proc/PID/maps).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FileMapping {
@@ -196,6 +191,7 @@ pub struct FileMapping {
     pub writable: bool,
 }
 
+#[cfg(test)]
 /// Where the byte at `file_offset` of a file is in the process, given that
 /// file's mappings. Like the kernel for a reference counter, only private
 /// writable mappings count: the read-only ones of the same page are the
@@ -208,6 +204,7 @@ pub fn file_offset_to_address(mappings: &[FileMapping], file_offset: u64) -> Opt
         .map(|m| m.start + (file_offset - m.offset))
 }
 
+#[cfg(test)]
 /// Reads the `unsigned short` semaphore at `file_offset` of `file` (a path
 /// this process can open) in process `pid`: how many tracers have enabled the
 /// probe. For diagnostics and tests; the profiler never writes it.

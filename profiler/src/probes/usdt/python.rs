@@ -25,9 +25,8 @@ use aya::{
     maps::{Array, MapError},
     programs::{ProgramError, UProbe},
 };
-use profiler_common::{PY_MAX_TARGETS, PY_NAME_CAP, PyTarget, USDT_MAX_SPECS, maps as map_names, programs};
-
 use object::{Object, ObjectSection, ObjectSymbol};
+use profiler_common::{PY_MAX_TARGETS, PY_NAME_CAP, PyTarget, USDT_MAX_SPECS, maps as map_names, programs};
 
 use super::{
     ArgLocation, UsdtError, UsdtProbe,
@@ -203,7 +202,7 @@ fn tracing_switch(notes: &[UsdtProbe]) -> Option<TracingSwitch> {
 #[derive(Debug, thiserror::Error)]
 pub enum PythonProbeError {
     #[error(
-        "{searched} has no USDT probe python:function__entry: this CPython was built without --with-dtrace \
+        "no USDT probe python:function__entry in {searched}: this CPython was built without --with-dtrace \
          (or is 3.12 to 3.14, which dropped the function probes). Run the training under an interpreter built \
          with --with-dtrace (e.g. Debian 12's /usr/bin/python3.11, or a 3.10 or 3.15+ build; check with \
          `readelf -n PYTHON | grep function__entry`), or mark steps in native code with --step-symbol"
@@ -277,11 +276,7 @@ pub fn resolve<B: AsRef<[u8]>>(
     let searched = match candidates {
         [] => "the target".to_owned(),
         [one] => one.display().to_string(),
-        [first, rest @ ..] => format!(
-            "{} (nor {})",
-            first.display(),
-            rest.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
-        ),
+        many => many.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(" or "),
     };
     Err(PythonProbeError::NoProbes { searched })
 }

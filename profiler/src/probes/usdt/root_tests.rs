@@ -58,11 +58,16 @@ impl Target {
     }
 }
 
-/// Starts `python3.11 args…` and waits until the exec has mapped the
-/// interpreter's writable segment (the exe link changes before the segments
-/// are mapped), so that the semaphores can be read.
+/// Starts `python3.11 args…`.
 fn start_python(args: &[&str]) -> Target {
-    let child = Command::new(PYTHON).args(args).env("LD_LIBRARY_PATH", fixtures()).spawn().expect("start python");
+    start(Path::new(PYTHON), args)
+}
+
+/// Starts `exe args…` and waits until the exec has mapped the executable's
+/// writable segment (the exe link changes before the segments are mapped),
+/// so that its semaphores can be read.
+fn start(exe: &Path, args: &[&str]) -> Target {
+    let child = Command::new(exe).args(args).env("LD_LIBRARY_PATH", fixtures()).spawn().expect("start the target");
     let target = Target(child);
     let t0 = Instant::now();
     let ready = || {
@@ -70,12 +75,12 @@ fn start_python(args: &[&str]) -> Target {
         maps.is_ok_and(|m| {
             m.iter().any(|m| {
                 m.perms.contains(procfs::process::MMPermissions::WRITE)
-                    && matches!(&m.pathname, procfs::process::MMapPath::Path(p) if p == Path::new(PYTHON))
+                    && matches!(&m.pathname, procfs::process::MMapPath::Path(p) if p == exe)
             })
         })
     };
     while !ready() {
-        assert!(t0.elapsed() < Duration::from_secs(10), "python never started");
+        assert!(t0.elapsed() < Duration::from_secs(10), "{} never started", exe.display());
         std::thread::sleep(Duration::from_millis(1));
     }
     target
@@ -278,6 +283,80 @@ fn file_suffixes_tell_same_named_functions_apart() {
     assert_eq!(t.steps.len(), 3);
 }
 
+/// Every operand form the decoder handles, read by the kernel side from a
+/// live process: each site of `usdt_forms.c` passes a different function
+/// name through a different form, and each must be seen exactly as often as
+/// the fixture calls it. Two targets also check the file name (argument 0),
+/// passed in a register at one site and as an address constant at another.
+#[test]
+#[ignore = "needs root, the eBPF object and a C compiler"]
+fn every_argument_form_reads_the_right_value() {
+    preconditions();
+    const COUNT: u64 = 50;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let exe = dir.path().join("usdt_forms");
+    let built = Command::new("cc")
+        .args(["-O0", "-o"])
+        .arg(&exe)
+        .arg(repo().join("tests/fixtures/usdt_forms.c"))
+        .status()
+        .expect("run cc");
+    assert!(built.success(), "cc usdt_forms.c: {built}");
+    let go = dir.path().join("go");
+    let exe_str = exe.to_str().expect("utf-8");
+    let mut target = start(&exe, &["--count", &COUNT.to_string(), "--wait-file", go.to_str().expect("utf-8")]);
+    let pid = target.pid();
+
+    let notes = super::parse_notes(&std::fs::read(&exe).expect("read fixture")).expect("notes");
+    let sites: Vec<_> = notes.iter().filter(|p| p.provider == "fixture").cloned().collect();
+    assert_eq!(sites.len(), 6);
+    for p in &sites {
+        assert!(p.args.is_ok(), "{p}: {:?}", p.args);
+    }
+    let names = ["reg", "stack", "sib", "rip", "addr", "abs"];
+    let specs: Vec<String> = names
+        .iter()
+        .map(|n| match *n {
+            "stack" | "addr" => format!("{n}=usdt_forms.c:form_{n}"),
+            _ => format!("{n}=form_{n}"),
+        })
+        .collect();
+    let targets: Vec<PythonTarget> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| PythonTarget { spec: PythonStepSpec::parse(s).expect("spec"), label_id: i as u32 })
+        .collect();
+    // The Python programs serve any provider whose probes pass (file, function).
+    let probes_of_fixture = PythonProbes {
+        path: PathBuf::from(exe_str),
+        version: None,
+        entry: sites.clone(),
+        ret: vec![],
+        tracing_switch: None,
+    };
+    let (mut probes, mut ring) = Probes::load(pid, false, false).expect("load");
+    let steps = probes.attach_python(&probes_of_fixture, &targets).expect("attach");
+    let semaphore = sites[0].semaphore_file_offset.expect("semaphore");
+    // One count per uprobe: the six sites share the semaphore.
+    assert_eq!(read_semaphore(pid.get(), &exe, semaphore).expect("read semaphore"), 6);
+
+    std::fs::write(&go, b"").expect("go");
+    assert!(target.0.wait().expect("wait").success());
+    let mut events = Vec::new();
+    drain(&mut ring, &mut events);
+    steps.detach();
+    probes.detach();
+    let mut seen = vec![0u64; names.len()];
+    for e in &events {
+        if let Event::StepEnter(s) = e {
+            seen[s.probe as usize] += 1;
+        }
+    }
+    let want: Vec<(&str, u64)> = names.iter().map(|n| (*n, COUNT)).collect();
+    let got: Vec<(&str, u64)> = names.iter().copied().zip(seen).collect();
+    assert_eq!(got, want, "entries seen per operand form");
+}
+
 /// The kernel counts uprobes in the semaphore, not tracers: a second
 /// attachment to the same probe leaves it at 1, and it returns to 0 once
 /// the last one is dropped.
@@ -399,6 +478,18 @@ fn calls_ns(mode: Tracing, calls: u64) -> f64 {
     std::fs::write(dir.path().join("go"), b"").expect("go");
     let status = target.0.wait().expect("wait");
     assert!(status.success(), "trainer: {status}");
+    // With `sysctl kernel.bpf_stats_enabled=1` and USDT_BPF_STATS set, the
+    // kernel's own accounting says what the programs cost per run.
+    if let Some(p) = probes.as_ref().filter(|_| std::env::var_os("USDT_BPF_STATS").is_some()) {
+        for name in [programs::PYTHON_ENTRY, programs::PYTHON_RETURN, programs::BARE] {
+            if let Some(info) = p.ebpf.program(name).and_then(|p| p.info().ok())
+                && info.run_count() > 0
+            {
+                let per_run = info.run_time().as_nanos() as f64 / info.run_count() as f64;
+                eprintln!("{mode:?} {name}: {} runs, {per_run:.0} ns per run", info.run_count());
+            }
+        }
+    }
     drop(switch);
     drop(links);
     drop(steps);

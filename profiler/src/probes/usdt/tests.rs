@@ -110,12 +110,15 @@ fn constants_and_signedness() {
 
 #[test]
 fn symbolic_operands_wait_for_resolution() {
-    let sym = |s: &str, addend| ArgLocation::Symbol { symbol: s.into(), addend };
+    let sym = |s: &str, addend| ArgLocation::Symbol { symbol: s.into(), addend, deref: true };
     assert_eq!(one("8@counter(%rip)").location, sym("counter", 0));
     assert_eq!(one("4@counter+8(%rip)").location, sym("counter", 8));
     assert_eq!(one("4@_ZL5state-0x4(%rip)").location, sym("_ZL5state", -4));
     assert_eq!(one("8@.LC0(%rip)").location, sym(".LC0", 0));
     assert_eq!(one("-4@global_int").location, sym("global_int", 0));
+    // Non-PIC code passes an address as a symbolic constant.
+    assert_eq!(one("8@$.LC1").location, ArgLocation::Symbol { symbol: ".LC1".into(), addend: 0, deref: false });
+    assert_eq!(one("8@$table+16").location, ArgLocation::Symbol { symbol: "table".into(), addend: 16, deref: false });
     let err = one("8@counter(%rip)").bpf_spec().expect_err("unresolved");
     assert!(matches!(err, ArgSpecError::Unresolved { .. }));
 }
@@ -131,7 +134,8 @@ fn unsupported_forms_are_clear_errors() {
     assert!(matches!(err("8@8(%zz)"), ArgSpecError::UnknownRegister { .. }));
     assert!(matches!(err("8@0x10(%rip)"), ArgSpecError::NumericRipRelative { .. }));
     assert!(matches!(err("8@(%rax"), ArgSpecError::Syntax { .. }));
-    assert!(matches!(err("8@$abc"), ArgSpecError::Syntax { .. }));
+    assert!(matches!(err("8@$1abc"), ArgSpecError::Syntax { .. }));
+    assert!(matches!(err("8@$-x"), ArgSpecError::Syntax { .. }));
     assert!(matches!(err("8@(%rax,%rbx,3)"), ArgSpecError::Syntax { .. }));
     assert!(matches!(err("8@sym(%rax)"), ArgSpecError::Syntax { .. }));
     assert!(matches!(err("8@(%rax,%rbx,8,1)"), ArgSpecError::Syntax { .. }));
@@ -374,7 +378,8 @@ fn prelinked_notes_are_corrected_by_stapsdt_base() {
 #[test]
 fn rip_relative_symbols_resolve_relative_to_the_probe() {
     let pc = TEXT_ADDR + 0x10;
-    let mut fx = ElfFixture::new(vec![note(pc, 0, 0, "app", "p", "8@counter(%rip) -4@counter+8(%rip) 4@global")]);
+    let mut fx =
+        ElfFixture::new(vec![note(pc, 0, 0, "app", "p", "8@counter(%rip) -4@counter+8(%rip) 4@global 8@$global+4")]);
     fx.symbols = vec![("counter", DATA_ADDR + 0x40), ("global", DATA_ADDR + 0x80)];
     let probes = parse_notes(&fx.build()).expect("parse");
     let args = probes[0].args.as_ref().expect("args");
@@ -383,8 +388,13 @@ fn rip_relative_symbols_resolve_relative_to_the_probe() {
     assert_eq!(args[0].location, ArgLocation::Memory { base: rip, index: None, displacement: disp(DATA_ADDR + 0x40) });
     assert_eq!(args[1].location, ArgLocation::Memory { base: rip, index: None, displacement: disp(DATA_ADDR + 0x48) });
     assert_eq!(args[2].location, ArgLocation::Memory { base: rip, index: None, displacement: disp(DATA_ADDR + 0x80) });
+    let rip = reg("rip");
+    assert_eq!(args[3].location, ArgLocation::Address { base: rip, displacement: disp(DATA_ADDR + 0x84) });
     let spec = probes[0].bpf_spec().expect("spec");
-    assert_eq!((spec.arg_count, spec.args[0].reg_offset), (3, 128));
+    assert_eq!((spec.arg_count, spec.args[0].reg_offset), (4, 128));
+    // An address is the register plus the displacement, with no memory read.
+    let a = spec.args[3];
+    assert_eq!((a.kind, a.reg_offset, a.displacement), (UsdtArgKind::Register as u32, 128, disp(DATA_ADDR + 0x84)));
 
     // A symbol the file does not define: the probe is listed, its args are an error.
     let fx = ElfFixture::new(vec![note(pc, 0, 0, "app", "p", "8@missing(%rip)")]);
