@@ -146,7 +146,15 @@ fn test(args: &[String]) -> Result<()> {
         bail!("the integration tests load eBPF programs and need root: run `sudo cargo xtask test`");
     }
     say("root unit tests of the USDT attach path (profiler crate, --ignored: they load eBPF programs)");
-    run(cargo().current_dir(root()).args(["test", "--release", "-p", "profiler", "--", "--ignored", "--test-threads=1"]))?;
+    run(cargo().current_dir(root()).args([
+        "test",
+        "--release",
+        "-p",
+        "profiler",
+        "--",
+        "--ignored",
+        "--test-threads=1",
+    ]))?;
     say("root integration tests: the real profiler against fixtures with known ground truth");
     let mut c = cargo();
     c.current_dir(root())
