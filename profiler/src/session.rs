@@ -501,8 +501,8 @@ async fn run_loop(
     // SAFETY: an OwnedFd keeps its fd open and unchanged for its lifetime.
     let exit_fd = unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
         .map_err(|e| e.into_parts().1)?;
-    // The probes see only what the kernel wakes us for above a fill level
-    // (see profiler-ebpf); the tick bounds the latency of everything else.
+    // The probes submit without waking us (see profiler-ebpf): this tick
+    // drains the ring buffer, and bounds the latency of everything else.
     let mut flush = tokio::time::interval(Duration::from_millis(20));
     flush.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut maps_tick = tokio::time::interval(cfg.maps_interval);
