@@ -187,15 +187,19 @@ impl Probes {
             // The program reads stack arguments `stack_adjust` bytes further
             // up when pushes ran before the probe; it travels in the cookie.
             let cookie = api as u64 | (stack_adjust << 32);
-            self.attach(api.program(), path, sym.file_offset + offset, cookie)?;
-            placed.push(PlacedProbe { symbol: api.symbol(), offset, reason });
             if layer == ApiLayer::Runtime {
-                // A return probe takes the return address from [rsp]: it can
-                // share the moved point only when nothing was pushed before it.
+                // The return probe goes in first: an entry that marks its
+                // thread as inside a runtime launch must always be followed by
+                // the return that clears the mark, or the thread's own driver
+                // launches would be skipped. It takes the return address from
+                // [rsp], so it shares the moved point only when nothing was
+                // pushed before it.
                 let ret_at = if keeps_return { offset } else { 0 };
                 self.attach(programs::RUNTIME_RETURN, path, sym.file_offset + ret_at, api as u64)?;
                 placed.push(PlacedProbe { symbol: api.symbol(), offset: ret_at, reason: "return probe".into() });
             }
+            self.attach(api.program(), path, sym.file_offset + offset, cookie)?;
+            placed.push(PlacedProbe { symbol: api.symbol(), offset, reason });
         }
         Ok(placed)
     }
