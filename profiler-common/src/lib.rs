@@ -16,6 +16,10 @@ pub enum RecordKind {
     StepEnter = 2,
     /// A [`StepRecord`] written at the step function's return.
     StepExit = 3,
+    /// A [`StepRecord`] at the entry of a synchronisation call (`probe`: a [`SyncApi`]).
+    SyncEnter = 4,
+    /// A [`StepRecord`] at the return of a synchronisation call.
+    SyncExit = 5,
 }
 
 impl RecordKind {
@@ -24,6 +28,8 @@ impl RecordKind {
             1 => Some(Self::Launch),
             2 => Some(Self::StepEnter),
             3 => Some(Self::StepExit),
+            4 => Some(Self::SyncEnter),
+            5 => Some(Self::SyncExit),
             _ => None,
         }
     }
@@ -136,6 +142,55 @@ impl LaunchApi {
             self,
             Self::CuGraphLaunch | Self::CuGraphLaunchPtsz | Self::CudaGraphLaunch | Self::CudaGraphLaunchPtsz
         )
+    }
+}
+
+/// Calls in which the host waits for the GPU. Runtime calls reach the
+/// driver's: each is counted once, as the runtime call.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncApi {
+    CuStreamSynchronize = 1,
+    CuStreamSynchronizePtsz = 2,
+    CuCtxSynchronize = 3,
+    CuEventSynchronize = 4,
+    CudaDeviceSynchronize = 101,
+    CudaStreamSynchronize = 102,
+    CudaStreamSynchronizePtsz = 103,
+    CudaEventSynchronize = 104,
+}
+
+impl SyncApi {
+    pub const ALL: [SyncApi; 8] = [
+        Self::CuStreamSynchronize,
+        Self::CuStreamSynchronizePtsz,
+        Self::CuCtxSynchronize,
+        Self::CuEventSynchronize,
+        Self::CudaDeviceSynchronize,
+        Self::CudaStreamSynchronize,
+        Self::CudaStreamSynchronizePtsz,
+        Self::CudaEventSynchronize,
+    ];
+
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Self::ALL.iter().copied().find(|a| *a as u32 == v)
+    }
+
+    pub fn symbol(self) -> &'static str {
+        match self {
+            Self::CuStreamSynchronize => "cuStreamSynchronize",
+            Self::CuStreamSynchronizePtsz => "cuStreamSynchronize_ptsz",
+            Self::CuCtxSynchronize => "cuCtxSynchronize",
+            Self::CuEventSynchronize => "cuEventSynchronize",
+            Self::CudaDeviceSynchronize => "cudaDeviceSynchronize",
+            Self::CudaStreamSynchronize => "cudaStreamSynchronize",
+            Self::CudaStreamSynchronizePtsz => "cudaStreamSynchronize_ptsz",
+            Self::CudaEventSynchronize => "cudaEventSynchronize",
+        }
+    }
+
+    pub fn layer(self) -> ApiLayer {
+        if (self as u32) < 100 { ApiLayer::Driver } else { ApiLayer::Runtime }
     }
 }
 
@@ -312,6 +367,9 @@ pub mod programs {
     pub const STEP_EXIT: &str = "step_exit";
     /// An empty uprobe: the benchmark's floor.
     pub const BARE: &str = "bare_probe";
+    /// Entry/return of synchronisation calls (cookie: the `SyncApi` id).
+    pub const SYNC_ENTER: &str = "sync_enter";
+    pub const SYNC_EXIT: &str = "sync_exit";
     /// USDT `python:function__entry` (cookie: the `USDT_ARGS` slot).
     pub const PYTHON_ENTRY: &str = "python_entry";
     /// USDT `python:function__return` (cookie: the `USDT_ARGS` slot).

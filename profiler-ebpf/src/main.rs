@@ -352,6 +352,40 @@ pub fn launch_runtime_return(_ctx: RetProbeContext) -> u32 {
     0
 }
 
+/// Entry of a host synchronisation call (`cookie`: its `SyncApi` id). A
+/// runtime call marks its thread, like a runtime launch, so that the driver
+/// call it makes is not counted again; the mark is cleared by `sync_exit`.
+#[uprobe]
+pub fn sync_enter(ctx: ProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    let api = cookie(&ctx) as u32;
+    if api >= RUNTIME_SYNC_BASE {
+        enter_runtime_launch(tid);
+    } else if in_runtime_launch(tid) {
+        return 0;
+    }
+    emit_step(tid, RecordKind::SyncEnter, api);
+    0
+}
+
+/// Return of a host synchronisation call.
+#[uretprobe]
+pub fn sync_exit(ctx: RetProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    // SAFETY: the helper only reads the attach cookie of the running program.
+    let api = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    if api >= RUNTIME_SYNC_BASE {
+        let _ = IN_RUNTIME_LAUNCH.remove(tid);
+    } else if in_runtime_launch(tid) {
+        return 0;
+    }
+    emit_step(tid, RecordKind::SyncExit, api);
+    0
+}
+
+/// `SyncApi` ids from here on are runtime calls.
+const RUNTIME_SYNC_BASE: u32 = 100;
+
 #[inline(always)]
 fn emit_step(tid: u32, kind: RecordKind, probe: u32) {
     // SAFETY: the value is only read.

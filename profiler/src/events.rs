@@ -27,13 +27,16 @@ pub enum Event {
     Launch(LaunchEvent),
     StepEnter(StepEvent),
     StepExit(StepEvent),
+    /// Entry of a synchronisation call (`probe`: its `SyncApi` id).
+    SyncEnter(StepEvent),
+    SyncExit(StepEvent),
 }
 
 impl Event {
     pub fn ts_ns(&self) -> u64 {
         match self {
             Self::Launch(l) => l.ts_ns,
-            Self::StepEnter(s) | Self::StepExit(s) => s.ts_ns,
+            Self::StepEnter(s) | Self::StepExit(s) | Self::SyncEnter(s) | Self::SyncExit(s) => s.ts_ns,
         }
     }
 }
@@ -88,12 +91,17 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 shared_mem_bytes: r.shared_mem_bytes,
             }))
         }
-        Some(kind @ (RecordKind::StepEnter | RecordKind::StepExit)) => {
+        Some(kind @ (RecordKind::StepEnter | RecordKind::StepExit | RecordKind::SyncEnter | RecordKind::SyncExit)) => {
             exact::<StepRecord>(bytes, header.kind)?;
             let r: StepRecord = read(bytes);
             let e =
                 StepEvent { ts_ns: header.ts_ns, tid: header.tid, probe: r.probe, thread_launches: r.thread_launches };
-            Ok(if kind == RecordKind::StepEnter { Event::StepEnter(e) } else { Event::StepExit(e) })
+            Ok(match kind {
+                RecordKind::StepEnter => Event::StepEnter(e),
+                RecordKind::StepExit => Event::StepExit(e),
+                RecordKind::SyncEnter => Event::SyncEnter(e),
+                _ => Event::SyncExit(e),
+            })
         }
         None => Err(DecodeError::Kind(header.kind)),
     }

@@ -12,6 +12,7 @@ use std::{
 
 use anyhow::{Context, bail};
 use aya::maps::{MapData, RingBuf};
+use profiler_common::SyncApi;
 use tokio::{
     io::unix::AsyncFd,
     signal::unix::{SignalKind, signal},
@@ -34,6 +35,7 @@ use crate::{
     steps::StepTracker,
     store::{
         Capability, FinishHook, LaunchRow, LibraryRow, SessionEnd, SessionStart, StepRow, Store, StoreMsg, StoreWriter,
+        SyncRow,
     },
 };
 
@@ -616,6 +618,9 @@ impl LibraryWatcher {
     }
 }
 
+/// A synchronisation call in progress: (SyncApi id, start ns, the step its thread was in).
+type OpenSync = (u32, u64, Option<(&'static str, u64)>);
+
 /// The live status line: rewritten in place on stderr once a second.
 struct StatusLine {
     enabled: bool,
@@ -682,6 +687,9 @@ struct Consumer {
     tracker: StepTracker,
     launches: Vec<LaunchRow>,
     steps: Vec<StepRow>,
+    syncs: Vec<SyncRow>,
+    /// Synchronisation calls in progress per thread.
+    open_syncs: std::collections::HashMap<u32, Vec<OpenSync>>,
     decode_errors: u64,
     completed_steps: u64,
     launch_rows: u64,
@@ -701,6 +709,8 @@ impl Consumer {
             tracker: StepTracker::new(labels),
             launches: Vec::with_capacity(BATCH),
             steps: Vec::new(),
+            syncs: Vec::new(),
+            open_syncs: Default::default(),
             decode_errors: 0,
             completed_steps: 0,
             launch_rows: 0,
@@ -746,6 +756,7 @@ impl Consumer {
                         self.step_ns_total += u128::from(s.end_ns - s.start_ns);
                         self.last_step_ns = Some(s.end_ns - s.start_ns);
                         self.steps.push(StepRow {
+                            sync_wait_ns: Some(s.sync_wait_ns),
                             label: s.label,
                             step: s.step,
                             tid: s.tid,
@@ -754,6 +765,20 @@ impl Consumer {
                             inter_step_ns: s.inter_step_ns,
                             launches: Some(s.launches),
                         });
+                    }
+                }
+                Ok(Event::SyncEnter(e)) => {
+                    let step = self.tracker.current_step(e.tid);
+                    self.open_syncs.entry(e.tid).or_default().push((e.probe, e.ts_ns, step));
+                }
+                Ok(Event::SyncExit(e)) => {
+                    let open = self.open_syncs.get_mut(&e.tid).and_then(Vec::pop);
+                    if let Some((probe, start_ns, step)) = open
+                        && let Some(api) = SyncApi::from_u32(probe)
+                    {
+                        let ns = e.ts_ns.saturating_sub(start_ns);
+                        self.tracker.add_sync_wait(e.tid, ns);
+                        self.syncs.push(SyncRow { tid: e.tid, api: api.symbol(), start_ns, end_ns: e.ts_ns, step });
                     }
                 }
                 Err(e) => {
@@ -779,6 +804,9 @@ impl Consumer {
         if !self.steps.is_empty() {
             self.writer.send(StoreMsg::Steps(std::mem::take(&mut self.steps)));
         }
+        if !self.syncs.is_empty() {
+            self.writer.send(StoreMsg::Syncs(std::mem::take(&mut self.syncs)));
+        }
     }
 
     /// Stores steps still open (end NULL), finishes the session, and returns a
@@ -786,6 +814,7 @@ impl Consumer {
     fn finish(mut self, mut end: SessionEnd, hooks: Vec<FinishHook>) -> anyhow::Result<String> {
         for s in self.tracker.open_steps() {
             self.steps.push(StepRow {
+                sync_wait_ns: None,
                 label: s.label,
                 step: s.step,
                 tid: s.tid,

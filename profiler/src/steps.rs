@@ -19,6 +19,8 @@ pub struct CompletedStep {
     pub inter_step_ns: Option<u64>,
     /// Launches the thread made between start and end.
     pub launches: u64,
+    /// Time the thread spent in synchronisation calls during the step.
+    pub sync_wait_ns: u64,
 }
 
 /// A step that had begun but not ended when the session stopped.
@@ -35,6 +37,7 @@ pub struct OpenStep {
 struct SourceState {
     depth: u32,
     open: Option<(u64, u64, u64)>, // (step, start_ns, thread_launches at start)
+    sync_wait_ns: u64,
     last_end_ns: Option<u64>,
 }
 
@@ -80,6 +83,7 @@ impl StepTracker {
         let step = *counter;
         *counter += 1;
         s.open = Some((step, ts_ns, thread_launches));
+        s.sync_wait_ns = 0;
         self.open_by_thread.entry(tid).or_default().push((probe, step));
         Some(step)
     }
@@ -98,6 +102,7 @@ impl StepTracker {
         let (step, start_ns, launches_at_start) = s.open.take()?;
         let inter_step_ns = s.last_end_ns.map(|e| start_ns.saturating_sub(e));
         s.last_end_ns = Some(ts_ns);
+        let sync_wait_ns = s.sync_wait_ns;
         if let Some(stack) = self.open_by_thread.get_mut(&tid) {
             stack.retain(|&(p, st)| !(p == probe && st == step));
         }
@@ -109,7 +114,18 @@ impl StepTracker {
             end_ns: ts_ns,
             inter_step_ns,
             launches: thread_launches.saturating_sub(launches_at_start),
+            sync_wait_ns,
         })
+    }
+
+    /// Adds a finished synchronisation call to the step `tid` is inside (the
+    /// innermost), if any.
+    pub fn add_sync_wait(&mut self, tid: u32, ns: u64) {
+        if let Some(&(probe, _)) = self.open_by_thread.get(&tid).and_then(|s| s.last())
+            && let Some(s) = self.per_source.get_mut(&(tid, probe))
+        {
+            s.sync_wait_ns += ns;
+        }
     }
 
     /// The step `tid` is inside (the most recently begun one), if any.
@@ -162,7 +178,8 @@ mod tests {
                 start_ns: 100,
                 end_ns: 200,
                 inter_step_ns: None,
-                launches: 5
+                launches: 5,
+                sync_wait_ns: 0
             }
         );
         assert_eq!(t.current_step(1), None);
@@ -213,6 +230,21 @@ mod tests {
         assert_eq!(t.current_step(1), Some(("validate", 0)));
         let outer = t.exit(1, 1, 40, 6).expect("closes");
         assert_eq!((outer.label.as_str(), outer.launches), ("validate", 6));
+    }
+
+    #[test]
+    fn sync_wait_goes_to_the_innermost_open_step() {
+        let mut t = tracker();
+        t.add_sync_wait(1, 7); // outside any step: dropped
+        t.enter(1, 0, 10, 0);
+        t.add_sync_wait(1, 5);
+        t.enter(1, 1, 11, 0);
+        t.add_sync_wait(1, 3);
+        assert_eq!(t.exit(1, 1, 12, 0).map(|s| s.sync_wait_ns), Some(3));
+        t.add_sync_wait(1, 2);
+        assert_eq!(t.exit(1, 0, 20, 0).map(|s| s.sync_wait_ns), Some(7));
+        t.enter(1, 0, 30, 0);
+        assert_eq!(t.exit(1, 0, 40, 0).map(|s| s.sync_wait_ns), Some(0), "reset per step");
     }
 
     #[test]

@@ -73,7 +73,17 @@ CREATE TABLE steps (
     duration_ns   INTEGER,
     inter_step_ns INTEGER,
     launches      INTEGER,
+    sync_wait_ns  INTEGER,
     PRIMARY KEY (session_id, label, step)
+);
+CREATE TABLE syncs (
+    session_id INTEGER NOT NULL REFERENCES sessions(id),
+    tid        INTEGER NOT NULL,
+    api        TEXT    NOT NULL,
+    start_ns   INTEGER NOT NULL,
+    end_ns     INTEGER NOT NULL,
+    label      TEXT,
+    step       INTEGER
 );
 CREATE TABLE launches (
     session_id       INTEGER NOT NULL,
@@ -171,8 +181,20 @@ pub struct LaunchRow {
     pub step: Option<(&'static str, u64)>,
 }
 
+/// One host synchronisation call.
+#[derive(Clone, Debug)]
+pub struct SyncRow {
+    pub tid: u32,
+    pub api: &'static str,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    /// The step the thread was in when the call began.
+    pub step: Option<(&'static str, u64)>,
+}
+
 #[derive(Clone, Debug)]
 pub struct StepRow {
+    pub sync_wait_ns: Option<u64>,
     pub label: String,
     pub step: u64,
     pub tid: u32,
@@ -218,6 +240,7 @@ pub enum StoreMsg {
     Capability(Capability),
     Launches(Vec<LaunchRow>),
     Steps(Vec<StepRow>),
+    Syncs(Vec<SyncRow>),
     Library(LibraryRow),
     Finish(SessionEnd, Vec<FinishHook>),
 }
@@ -393,8 +416,9 @@ fn write_batch(
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
         )?;
         let mut step = tx.prepare_cached(
-            "INSERT OR REPLACE INTO steps(session_id, label, step, tid, start_ns, end_ns, duration_ns, inter_step_ns, launches)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+            "INSERT OR REPLACE INTO steps(session_id, label, step, tid, start_ns, end_ns, duration_ns, inter_step_ns, launches,
+                                          sync_wait_ns)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
         )?;
         for msg in msgs.iter() {
             match msg {
@@ -402,6 +426,22 @@ fn write_batch(
                     let mut stmt = tx.prepare_cached(ins.sql)?;
                     for row in &ins.rows {
                         stmt.execute(params_from_iter(std::iter::once(&Value::Integer(session_id)).chain(row.iter())))?;
+                    }
+                }
+                StoreMsg::Syncs(rows) => {
+                    let mut stmt = tx.prepare_cached(
+                        "INSERT INTO syncs(session_id, tid, api, start_ns, end_ns, label, step) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                    )?;
+                    for r in rows {
+                        stmt.execute(params![
+                            session_id,
+                            r.tid,
+                            r.api,
+                            i(r.start_ns),
+                            i(r.end_ns),
+                            r.step.map(|s| s.0),
+                            r.step.map(|s| i(s.1))
+                        ])?;
                     }
                 }
                 StoreMsg::Capability(c) => {
@@ -444,7 +484,8 @@ fn write_batch(
                             r.end_ns.map(i),
                             r.end_ns.map(|e| i(e.saturating_sub(r.start_ns))),
                             r.inter_step_ns.map(i),
-                            r.launches.map(i)
+                            r.launches.map(i),
+                            r.sync_wait_ns.map(i)
                         ])?;
                     }
                     stats.steps += rows.len() as u64;
@@ -475,6 +516,7 @@ fn rows_in(msgs: &[StoreMsg]) -> u64 {
         .map(|m| match m {
             StoreMsg::Launches(r) => r.len() as u64,
             StoreMsg::Steps(r) => r.len() as u64,
+            StoreMsg::Syncs(r) => r.len() as u64,
             StoreMsg::Insert(ins) => ins.rows.len() as u64,
             StoreMsg::Library(_) | StoreMsg::Capability(_) => 1,
             StoreMsg::Finish(..) => 0,
@@ -584,6 +626,7 @@ mod tests {
             assert_eq!(id, round + 1);
             let w = store.spawn_writer(id);
             w.send(StoreMsg::Steps(vec![StepRow {
+                sync_wait_ns: None,
                 label: "train".into(),
                 step: 0,
                 tid: 7,

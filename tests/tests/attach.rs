@@ -7,7 +7,10 @@ use integration_tests::*;
 /// Step boundaries: the probe fires before the trainer's first clock read and
 /// after its last, normally within microseconds; a preempted thread can take
 /// longer on a loaded 2-core machine.
-const TOLERANCE_NS: i64 = 5_000_000;
+/// (The measured p99 is printed: 10–13 µs at the start, 2–3 µs at the end on an
+/// idle machine; the bound is loose because a 2-core CI machine may preempt the
+/// thread between the probe and the clock read.)
+const TOLERANCE_NS: i64 = 20_000_000;
 
 fn report(name: &str, e: &BoundaryErrors) {
     println!(
@@ -194,7 +197,14 @@ fn placed_probes_read_the_same_arguments_as_entry_probes() {
 fn probe_at_entry_keeps_every_probe_on_the_first_instruction() {
     let (db, s) = placed_probes("at-entry", &["--probe-at-entry"]);
     assert_eq!(count(&db, "SELECT count(*) FROM probes WHERE session_id = ?1 AND offset != 0", s.id), 0);
-    assert_eq!(count(&db, "SELECT count(*) FROM probes WHERE session_id = ?1", s.id), 8);
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM probes WHERE session_id = ?1 AND (symbol LIKE 'cuLaunch%' OR symbol LIKE 'cuGraph%')",
+            s.id
+        ),
+        8
+    );
 }
 
 #[test]
@@ -340,7 +350,7 @@ fn duration_zero_smoke_run_loads_and_attaches() {
     assert_eq!(code, Some(0), "{stderr}");
     assert_eq!(last_session(&db).end_reason.as_deref(), Some("duration"));
     let probes = count(&db, "SELECT sum(probes) FROM libraries WHERE session_id = ?1", 1);
-    assert_eq!(probes, 2 + 8, "step entry+return and the 8 driver entry points");
+    assert_eq!(probes, 2 + 8 + 4, "step entry+return, the 8 driver launch entry points and 4 sync calls");
 }
 
 #[test]
@@ -517,4 +527,44 @@ fn status_line_only_on_a_terminal() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(!stderr.contains("| launches "), "{stderr}");
+}
+
+#[test]
+fn sync_wait_is_counted_once_and_charged_to_its_step() {
+    for (name, runtime, api) in
+        [("sync-driver", false, "cuStreamSynchronize"), ("sync-runtime", true, "cudaStreamSynchronize")]
+    {
+        let mut args = vec!["--steps", "10", "--launches", "5", "--sync-us", "3000"];
+        if runtime {
+            // The runtime is found in the maps: give the watcher time, as cuInit would.
+            args.extend(["--runtime-sync", "--after-dlopen-ms", "500"]);
+        }
+        let (db, truth, s) = attach_and_run(name, &args, &["--step-symbol", "train_step"]);
+        assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
+        let conn = open(&db);
+        let apis: Vec<(String, i64)> = conn
+            .prepare("SELECT api, count(*) FROM syncs WHERE session_id = ?1 GROUP BY api")
+            .expect("prepare")
+            .query_map([s.id], |r| Ok((r.get(0)?, r.get(1)?)))
+            .expect("query")
+            .collect::<Result<_, _>>()
+            .expect("rows");
+        assert_eq!(apis, vec![(api.to_string(), 10)], "one sync per step, counted once");
+        // Each sync lies inside its step and waited the stand-in's 3 ms.
+        let bad = count(
+            &db,
+            "SELECT count(*) FROM syncs y JOIN steps s USING (session_id, label, step)
+             WHERE y.session_id = ?1 AND NOT (y.start_ns >= s.start_ns AND y.end_ns <= s.end_ns
+                 AND y.end_ns - y.start_ns BETWEEN 3000000 AND 3000000 + 5000000)",
+            s.id,
+        );
+        assert_eq!(bad, 0);
+        let waits = count(
+            &db,
+            "SELECT count(*) FROM steps s WHERE session_id = ?1 AND sync_wait_ns =
+                 (SELECT sum(end_ns - start_ns) FROM syncs y WHERE y.session_id = s.session_id AND y.label = s.label AND y.step = s.step)",
+            s.id,
+        );
+        assert_eq!(waits, 10, "steps.sync_wait_ns is the sum of the step's syncs");
+    }
 }

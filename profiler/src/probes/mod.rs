@@ -22,7 +22,7 @@ use aya::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
     },
 };
-use profiler_common::{ApiLayer, LaunchApi, globals, maps as map_names, programs};
+use profiler_common::{ApiLayer, LaunchApi, SyncApi, globals, maps as map_names, programs};
 
 use self::maps::LibraryKind;
 
@@ -101,7 +101,14 @@ impl Probes {
             .override_global(globals::EMIT_LAUNCHES, &emit, true)
             .load(EBPF_OBJECT)?;
         let mut names: Vec<&'static str> = LaunchApi::ALL.iter().map(|a| a.program()).collect();
-        names.extend([programs::RUNTIME_RETURN, programs::STEP_ENTER, programs::STEP_EXIT, programs::BARE]);
+        names.extend([
+            programs::RUNTIME_RETURN,
+            programs::STEP_ENTER,
+            programs::STEP_EXIT,
+            programs::BARE,
+            programs::SYNC_ENTER,
+            programs::SYNC_EXIT,
+        ]);
         names.sort_unstable();
         names.dedup();
         for name in names {
@@ -201,6 +208,16 @@ impl Probes {
             self.attach(api.program(), path, sym.file_offset + offset, cookie)?;
             placed.push(PlacedProbe { symbol: api.symbol(), offset, reason });
         }
+        // Host synchronisation calls: not hot, so at their entry; return probe
+        // first, for the same reason as the runtime launches'.
+        for api in SyncApi::ALL.into_iter().filter(|a| a.layer() == layer) {
+            let Some(sym) = symbols.iter().find(|s| s.name == api.symbol()) else {
+                continue;
+            };
+            self.attach(programs::SYNC_EXIT, path, sym.file_offset, api as u64)?;
+            self.attach(programs::SYNC_ENTER, path, sym.file_offset, api as u64)?;
+            placed.push(PlacedProbe { symbol: api.symbol(), offset: 0, reason: "sync entry and return".into() });
+        }
         Ok(placed)
     }
 
@@ -230,7 +247,7 @@ impl Probes {
         let Self { mut ebpf, .. } = self;
         let mut order: Vec<&'static str> = vec![programs::STEP_EXIT, programs::STEP_ENTER];
         order.extend(LaunchApi::ALL.iter().map(|a| a.program()));
-        order.extend([programs::RUNTIME_RETURN, programs::BARE]);
+        order.extend([programs::SYNC_ENTER, programs::SYNC_EXIT, programs::RUNTIME_RETURN, programs::BARE]);
         let mut done = HashSet::new();
         for name in order.into_iter().filter(|n| done.insert(*n)) {
             let prog: Option<&mut UProbe> = ebpf.program_mut(name).and_then(|p| p.try_into().ok());

@@ -1273,6 +1273,7 @@ pub(crate) mod tests {
             .windows(2)
             .enumerate()
             .map(|(k, w)| StepRow {
+                sync_wait_ns: None,
                 label: "train".into(),
                 step: k as u64,
                 tid: 1,
@@ -1284,6 +1285,7 @@ pub(crate) mod tests {
             .collect();
         let n = rows.len() as u64;
         rows.push(StepRow {
+            sync_wait_ns: None,
             label: "train".into(),
             step: n,
             tid: 1,
@@ -1293,6 +1295,7 @@ pub(crate) mod tests {
             launches: None,
         });
         rows.push(StepRow {
+            sync_wait_ns: None,
             label: "train".into(),
             step: n + 1,
             tid: 1,
@@ -1409,6 +1412,7 @@ pub(crate) mod tests {
         sampler.tick(100 * MS);
         sampler.tick(200 * MS);
         writer.send(StoreMsg::Steps(vec![StepRow {
+            sync_wait_ns: None,
             label: "train".into(),
             step: 0,
             tid: 1,

@@ -597,6 +597,7 @@ mod tests {
         let rows: Vec<Vec<Value>> = (0..=6).map(|k| sample(k).row()).collect();
         writer.send(StoreMsg::Insert(Insert { sql: INSERT_SAMPLE, rows }));
         let step = |n: u64, start: u64, end: Option<u64>| StepRow {
+            sync_wait_ns: None,
             label: "train".into(),
             step: n,
             tid: 1,
