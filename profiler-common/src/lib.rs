@@ -20,6 +20,8 @@ pub enum RecordKind {
     SyncEnter = 4,
     /// A [`StepRecord`] at the return of a synchronisation call.
     SyncExit = 5,
+    /// A [`KernelNameRecord`].
+    KernelName = 6,
 }
 
 impl RecordKind {
@@ -30,6 +32,7 @@ impl RecordKind {
             3 => Some(Self::StepExit),
             4 => Some(Self::SyncEnter),
             5 => Some(Self::SyncExit),
+            6 => Some(Self::KernelName),
             _ => None,
         }
     }
@@ -237,10 +240,41 @@ pub struct StepRecord {
     pub thread_launches: u64,
 }
 
+/// Bytes of a kernel name kept (longer names are cut; C++ kernel names
+/// rarely exceed this, templates can).
+pub const KERNEL_NAME_CAP: usize = 256;
+
+/// Which call produced a [`KernelNameRecord`] (its `which` field).
+pub mod name_call {
+    /// `cuModuleGetFunction(CUfunction *out, CUmodule, const char *name)`.
+    pub const MODULE_GET_FUNCTION: u32 = 1;
+    /// `cuLibraryGetKernel(CUkernel *out, CUlibrary, const char *name)`.
+    pub const LIBRARY_GET_KERNEL: u32 = 2;
+    /// `cuKernelGetFunction(CUfunction *out, CUkernel kernel)`: no name, an alias.
+    pub const KERNEL_GET_FUNCTION: u32 = 3;
+}
+
+/// A handle the driver returned, with the kernel name it was asked for.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct KernelNameRecord {
+    pub header: RecordHeader,
+    /// A [`name_call`] constant.
+    pub which: u32,
+    pub _pad: u32,
+    /// The returned `CUfunction` or `CUkernel`.
+    pub handle: u64,
+    /// For `KERNEL_GET_FUNCTION`: the `CUkernel` the function belongs to.
+    pub kernel: u64,
+    /// NUL-terminated (unless cut at the cap).
+    pub name: [u8; KERNEL_NAME_CAP],
+}
+
 // The decoder reads these sizes; keep them in step with the eBPF side.
 const _: () = assert!(core::mem::size_of::<RecordHeader>() == 16);
 const _: () = assert!(core::mem::size_of::<LaunchRecord>() == 64);
 const _: () = assert!(core::mem::size_of::<StepRecord>() == 32);
+const _: () = assert!(core::mem::size_of::<KernelNameRecord>() == 40 + KERNEL_NAME_CAP);
 
 /// What a [`UsdtArgSpec`] reads. Stored as `u32` in [`UsdtArgSpec::kind`].
 #[repr(u32)]
@@ -370,6 +404,9 @@ pub mod programs {
     /// Entry/return of synchronisation calls (cookie: the `SyncApi` id).
     pub const SYNC_ENTER: &str = "sync_enter";
     pub const SYNC_EXIT: &str = "sync_exit";
+    /// Entry/return of the calls that name kernels (cookie: a `name_call` constant).
+    pub const NAME_ENTER: &str = "name_enter";
+    pub const NAME_EXIT: &str = "name_exit";
     /// USDT `python:function__entry` (cookie: the `USDT_ARGS` slot).
     pub const PYTHON_ENTRY: &str = "python_entry";
     /// USDT `python:function__return` (cookie: the `USDT_ARGS` slot).

@@ -15,12 +15,15 @@ mod python;
 
 use aya_ebpf::{
     EbpfContext,
-    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, generated::bpf_get_attach_cookie},
+    helpers::{
+        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
+        generated::bpf_get_attach_cookie,
+    },
     macros::{map, uprobe, uretprobe},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
     programs::{ProbeContext, RetProbeContext},
 };
-use profiler_common::{LaunchRecord, RecordHeader, RecordKind, StepRecord};
+use profiler_common::{KernelNameRecord, LaunchRecord, RecordHeader, RecordKind, StepRecord, name_call};
 
 /// Set by the agent before load (`EbpfLoader::set_global`). Read with
 /// `read_volatile` so that the compiler does not fold the initial value in.
@@ -380,6 +383,75 @@ pub fn sync_exit(ctx: RetProbeContext) -> u32 {
         return 0;
     }
     emit_step(tid, RecordKind::SyncExit, api);
+    0
+}
+
+/// A naming call in progress on a thread: where the handle will be written,
+/// and the name (or, for `cuKernelGetFunction`, the kernel handle).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct PendingName {
+    which: u32,
+    _pad: u32,
+    out: u64,
+    arg: u64,
+}
+
+#[map]
+static NAME_PENDING: HashMap<u32, PendingName> = HashMap::with_max_entries(4096, 0);
+
+/// Entry of `cuModuleGetFunction`, `cuLibraryGetKernel`, `cuKernelGetFunction`
+/// (rare calls: entry and return probes are affordable here).
+#[uprobe]
+pub fn name_enter(ctx: ProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    let which = cookie(&ctx) as u32;
+    // Both registers are read, with volatile loads: choosing first lets LLVM
+    // fold the choice into a variable offset on the context pointer, which
+    // the verifier rejects ("dereference of modified ctx ptr").
+    // SAFETY: `regs` is the kernel-provided pt_regs of this probe.
+    let (rsi, rdx) =
+        unsafe { (core::ptr::read_volatile(&(*ctx.regs).rsi), core::ptr::read_volatile(&(*ctx.regs).rdx)) };
+    let arg = if which == name_call::KERNEL_GET_FUNCTION { rsi } else { rdx };
+    let _ = NAME_PENDING.insert(tid, PendingName { which, _pad: 0, out: reg(&ctx, 0), arg }, 0);
+    0
+}
+
+/// Return of a naming call: on success, the handle it wrote and the name.
+#[uretprobe]
+pub fn name_exit(ctx: RetProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    // SAFETY: the value is copied out before the entry is removed.
+    let Some(pending) = (unsafe { NAME_PENDING.get(tid) }).copied() else { return 0 };
+    let _ = NAME_PENDING.remove(tid);
+    if ctx.ret::<u64>() as u32 != 0 {
+        return 0; // CUDA_SUCCESS is 0: nothing was returned.
+    }
+    // SAFETY: bpf_probe_read_user tolerates any address.
+    let Ok(handle) = (unsafe { bpf_probe_read_user(pending.out as *const u64) }) else { return 0 };
+    let Some(mut entry) = EVENTS.reserve::<KernelNameRecord>(0) else {
+        bump(&LOST);
+        return 0;
+    };
+    let p = entry.as_mut_ptr();
+    // SAFETY: `p` points at the reserved record; every field is written
+    // before submit (the name by the helper, or its first byte here).
+    unsafe {
+        (*p).header = RecordHeader { kind: RecordKind::KernelName as u32, tid, ts_ns: bpf_ktime_get_ns() };
+        (*p).which = pending.which;
+        (*p)._pad = 0;
+        (*p).handle = handle;
+        if pending.which == name_call::KERNEL_GET_FUNCTION {
+            (*p).kernel = pending.arg;
+            (*p).name[0] = 0;
+        } else {
+            (*p).kernel = 0;
+            if bpf_probe_read_user_str_bytes(pending.arg as *const u8, &mut (*p).name).is_err() {
+                (*p).name[0] = 0;
+            }
+        }
+    }
+    entry.submit(submit_flags());
     0
 }
 

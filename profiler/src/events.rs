@@ -1,5 +1,5 @@
 //! Decoding of ring-buffer records into typed events.
-use profiler_common::{LaunchApi, LaunchRecord, RecordHeader, RecordKind, StepRecord};
+use profiler_common::{KernelNameRecord, LaunchApi, LaunchRecord, RecordHeader, RecordKind, StepRecord};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchEvent {
@@ -22,7 +22,7 @@ pub struct StepEvent {
     pub thread_launches: u64,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
     Launch(LaunchEvent),
     StepEnter(StepEvent),
@@ -30,6 +30,20 @@ pub enum Event {
     /// Entry of a synchronisation call (`probe`: its `SyncApi` id).
     SyncEnter(StepEvent),
     SyncExit(StepEvent),
+    KernelName(KernelNameEvent),
+}
+
+/// A handle the driver returned for a kernel, and its name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelNameEvent {
+    pub ts_ns: u64,
+    /// A `profiler_common::name_call` constant.
+    pub which: u32,
+    pub handle: u64,
+    /// For `cuKernelGetFunction`: the kernel the function belongs to.
+    pub kernel: u64,
+    /// Empty for `cuKernelGetFunction`.
+    pub name: String,
 }
 
 impl Event {
@@ -37,6 +51,7 @@ impl Event {
         match self {
             Self::Launch(l) => l.ts_ns,
             Self::StepEnter(s) | Self::StepExit(s) | Self::SyncEnter(s) | Self::SyncExit(s) => s.ts_ns,
+            Self::KernelName(k) => k.ts_ns,
         }
     }
 }
@@ -102,6 +117,18 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 RecordKind::SyncEnter => Event::SyncEnter(e),
                 _ => Event::SyncExit(e),
             })
+        }
+        Some(RecordKind::KernelName) => {
+            exact::<KernelNameRecord>(bytes, header.kind)?;
+            let r: KernelNameRecord = read(bytes);
+            let len = r.name.iter().position(|b| *b == 0).unwrap_or(r.name.len());
+            Ok(Event::KernelName(KernelNameEvent {
+                ts_ns: header.ts_ns,
+                which: r.which,
+                handle: r.handle,
+                kernel: r.kernel,
+                name: String::from_utf8_lossy(&r.name[..len]).into_owned(),
+            }))
         }
         None => Err(DecodeError::Kind(header.kind)),
     }

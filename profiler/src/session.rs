@@ -12,7 +12,7 @@ use std::{
 
 use anyhow::{Context, bail};
 use aya::maps::{MapData, RingBuf};
-use profiler_common::SyncApi;
+use profiler_common::{SyncApi, name_call};
 use tokio::{
     io::unix::AsyncFd,
     signal::unix::{SignalKind, signal},
@@ -34,8 +34,8 @@ use crate::{
     },
     steps::StepTracker,
     store::{
-        Capability, FinishHook, LaunchRow, LibraryRow, SessionEnd, SessionStart, StepRow, Store, StoreMsg, StoreWriter,
-        SyncRow,
+        Capability, FinishHook, KernelRow, LaunchRow, LibraryRow, SessionEnd, SessionStart, StepRow, Store, StoreMsg,
+        StoreWriter, SyncRow,
     },
 };
 
@@ -293,7 +293,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     )?);
 
     // From here on, whatever happens, the session is finished and flushed.
-    let mut consumer = Consumer::new(writer, cfg.launch_mode == LaunchMode::All, labels);
+    let mut consumer = Consumer::new(writer, cfg.launch_mode == LaunchMode::All, labels, pid);
     let mut watcher = LibraryWatcher { pid, seen: HashSet::new() };
     let attached = attach_all(&cfg, pid, mode, &mut probes, &mut watcher, &resolved_steps, &target_var);
     // Python step probes last, like the native ones; dropped before the rest detach.
@@ -542,7 +542,9 @@ async fn run_loop(
             }
             _ = maps_tick.tick() => {
                 let mut rows = Vec::new();
-                watcher.scan(probes, &mut rows, cfg.quiet);
+                if let Some(maps) = watcher.scan(probes, &mut rows, cfg.quiet) {
+                    consumer.stubs.remember(maps);
+                }
                 for r in rows { consumer.writer.send(StoreMsg::Library(r)); }
             }
             _ = sigint.recv() => {
@@ -591,10 +593,14 @@ struct LibraryWatcher {
 }
 
 impl LibraryWatcher {
-    fn scan(&mut self, probes: &mut Probes, rows: &mut Vec<LibraryRow>, quiet: bool) {
-        let Ok(maps) = procfs::process::Process::new(self.pid as i32).and_then(|p| p.maps()) else {
-            return;
-        };
+    /// Probes new CUDA libraries; returns the maps it read.
+    fn scan(
+        &mut self,
+        probes: &mut Probes,
+        rows: &mut Vec<LibraryRow>,
+        quiet: bool,
+    ) -> Option<procfs::process::MemoryMaps> {
+        let maps = procfs::process::Process::new(self.pid as i32).and_then(|p| p.maps()).ok()?;
         for (kind, file) in maps::cuda_libraries(&maps) {
             if !self.seen.insert(file.path.clone()) {
                 continue;
@@ -615,6 +621,60 @@ impl LibraryWatcher {
                 Err(e) => log::warn!("could not probe {}: {e}", file.path.display()),
             }
         }
+        Some(maps)
+    }
+}
+
+/// Finds the ELF symbol at an address of the target (runtime host stubs).
+#[derive(Default)]
+struct StubSymbolizer {
+    /// (start, end, file offset, path) of the target's file mappings.
+    maps: Vec<(u64, u64, u64, PathBuf)>,
+    /// Function symbols by file offset, per file.
+    files: std::collections::HashMap<PathBuf, std::collections::HashMap<u64, String>>,
+}
+
+impl StubSymbolizer {
+    /// The target's maps as last seen (kept for records drained after it exits).
+    fn remember(&mut self, maps: procfs::process::MemoryMaps) {
+        self.maps = Self::file_mappings(maps);
+    }
+
+    fn mapping(&self, address: u64) -> Option<(u64, u64, PathBuf)> {
+        self.maps.iter().find(|m| address >= m.0 && address < m.1).map(|m| (m.0, m.2, m.3.clone()))
+    }
+
+    /// The file mappings of a maps listing.
+    fn file_mappings(maps: procfs::process::MemoryMaps) -> Vec<(u64, u64, u64, PathBuf)> {
+        maps.0
+            .into_iter()
+            .filter_map(|m| match m.pathname {
+                procfs::process::MMapPath::Path(p) => Some((m.address.0, m.address.1, m.offset, p)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn name(&mut self, pid: u32, address: u64) -> Option<String> {
+        if self.mapping(address).is_none() {
+            // A library loaded since the last look: read the maps again. If
+            // the target has exited meanwhile, the watcher's last look (set
+            // through `remember`) is what is left.
+            if let Ok(maps) = procfs::process::Process::new(pid as i32).and_then(|p| p.maps()) {
+                self.maps = Self::file_mappings(maps);
+            }
+        }
+        let (start, offset, path) = self.mapping(address)?;
+        let symbols = self.files.entry(path.clone()).or_insert_with(|| {
+            // Mapped, not read: the file may be a gigabyte (libtorch_cuda.so);
+            // only its symbol tables are touched.
+            open_file(&probes::in_target_root(pid, &path))
+                .or_else(|| open_file(&path))
+                .and_then(|data| probes::elf::function_symbols(&data).ok())
+                .map(|syms| syms.into_iter().map(|s| (s.file_offset, s.name)).collect())
+                .unwrap_or_default()
+        });
+        symbols.get(&(address - start + offset)).cloned()
     }
 }
 
@@ -688,6 +748,13 @@ struct Consumer {
     launches: Vec<LaunchRow>,
     steps: Vec<StepRow>,
     syncs: Vec<SyncRow>,
+    /// Target process, for symbolising runtime host stubs.
+    pid: u32,
+    /// Kernel names by driver handle (`CUfunction` or `CUkernel`).
+    names: std::collections::HashMap<u64, String>,
+    stubs_tried: HashSet<u64>,
+    stubs: StubSymbolizer,
+    kernels: Vec<KernelRow>,
     /// Synchronisation calls in progress per thread.
     open_syncs: std::collections::HashMap<u32, Vec<OpenSync>>,
     decode_errors: u64,
@@ -702,7 +769,7 @@ struct Consumer {
 const BATCH: usize = 16 * 1024;
 
 impl Consumer {
-    fn new(writer: StoreWriter, keep_launches: bool, labels: Vec<&'static str>) -> Self {
+    fn new(writer: StoreWriter, keep_launches: bool, labels: Vec<&'static str>, pid: u32) -> Self {
         Self {
             writer,
             keep_launches,
@@ -711,6 +778,11 @@ impl Consumer {
             steps: Vec::new(),
             syncs: Vec::new(),
             open_syncs: Default::default(),
+            pid,
+            names: Default::default(),
+            stubs_tried: HashSet::new(),
+            stubs: StubSymbolizer::default(),
+            kernels: Vec::new(),
             decode_errors: 0,
             completed_steps: 0,
             launch_rows: 0,
@@ -730,6 +802,9 @@ impl Consumer {
             }
             match event {
                 Ok(Event::Launch(l)) => {
+                    if l.api.layer() == profiler_common::ApiLayer::Runtime && self.stubs_tried.insert(l.function) {
+                        self.name_runtime_stub(l.function);
+                    }
                     if self.keep_launches {
                         self.launches.push(LaunchRow {
                             ts_ns: l.ts_ns,
@@ -767,6 +842,7 @@ impl Consumer {
                         });
                     }
                 }
+                Ok(Event::KernelName(k)) => self.kernel_name(k),
                 Ok(Event::SyncEnter(e)) => {
                     let step = self.tracker.current_step(e.tid);
                     self.open_syncs.entry(e.tid).or_default().push((e.probe, e.ts_ns, step));
@@ -791,6 +867,34 @@ impl Consumer {
         }
     }
 
+    fn kernel_name(&mut self, k: crate::events::KernelNameEvent) {
+        let (name, source) = match k.which {
+            name_call::MODULE_GET_FUNCTION => (k.name, "cuModuleGetFunction"),
+            name_call::LIBRARY_GET_KERNEL => (k.name, "cuLibraryGetKernel"),
+            name_call::KERNEL_GET_FUNCTION => match self.names.get(&k.kernel) {
+                Some(n) => (n.clone(), "cuKernelGetFunction"),
+                None => return,
+            },
+            _ => return,
+        };
+        if name.is_empty() {
+            return;
+        }
+        if self.names.insert(k.handle, name.clone()).is_none() {
+            let demangled_name = probes::elf::demangled_full(&name);
+            self.kernels.push(KernelRow { function: k.handle, name, demangled_name, source });
+        }
+    }
+
+    /// A runtime launch names its kernel by the host stub's address, whose
+    /// ELF symbol is the kernel's mangled name.
+    fn name_runtime_stub(&mut self, address: u64) {
+        if let Some(name) = self.stubs.name(self.pid, address) {
+            let demangled_name = probes::elf::demangled_full(&name);
+            self.kernels.push(KernelRow { function: address, name, demangled_name, source: "symbol" });
+        }
+    }
+
     fn flush_launches(&mut self) {
         if !self.launches.is_empty() {
             self.launch_rows += self.launches.len() as u64;
@@ -806,6 +910,9 @@ impl Consumer {
         }
         if !self.syncs.is_empty() {
             self.writer.send(StoreMsg::Syncs(std::mem::take(&mut self.syncs)));
+        }
+        if !self.kernels.is_empty() {
+            self.writer.send(StoreMsg::Kernels(std::mem::take(&mut self.kernels)));
         }
     }
 

@@ -76,6 +76,14 @@ CREATE TABLE steps (
     sync_wait_ns  INTEGER,
     PRIMARY KEY (session_id, label, step)
 );
+CREATE TABLE kernels (
+    session_id     INTEGER NOT NULL REFERENCES sessions(id),
+    function       INTEGER NOT NULL,
+    name           TEXT    NOT NULL,
+    demangled_name TEXT,
+    source         TEXT    NOT NULL,
+    UNIQUE (session_id, function)
+);
 CREATE TABLE syncs (
     session_id INTEGER NOT NULL REFERENCES sessions(id),
     tid        INTEGER NOT NULL,
@@ -181,6 +189,16 @@ pub struct LaunchRow {
     pub step: Option<(&'static str, u64)>,
 }
 
+/// A launch handle (or runtime host stub) and its kernel's name.
+#[derive(Clone, Debug)]
+pub struct KernelRow {
+    pub function: u64,
+    pub name: String,
+    pub demangled_name: Option<String>,
+    /// `cuModuleGetFunction`, `cuLibraryGetKernel`, `cuKernelGetFunction`, or `symbol` (runtime host stub).
+    pub source: &'static str,
+}
+
 /// One host synchronisation call.
 #[derive(Clone, Debug)]
 pub struct SyncRow {
@@ -241,6 +259,7 @@ pub enum StoreMsg {
     Launches(Vec<LaunchRow>),
     Steps(Vec<StepRow>),
     Syncs(Vec<SyncRow>),
+    Kernels(Vec<KernelRow>),
     Library(LibraryRow),
     Finish(SessionEnd, Vec<FinishHook>),
 }
@@ -428,6 +447,15 @@ fn write_batch(
                         stmt.execute(params_from_iter(std::iter::once(&Value::Integer(session_id)).chain(row.iter())))?;
                     }
                 }
+                StoreMsg::Kernels(rows) => {
+                    let mut stmt = tx.prepare_cached(
+                        "INSERT OR IGNORE INTO kernels(session_id, function, name, demangled_name, source)
+                         VALUES (?1, ?2, ?3, ?4, ?5)",
+                    )?;
+                    for r in rows {
+                        stmt.execute(params![session_id, i(r.function), r.name, r.demangled_name, r.source])?;
+                    }
+                }
                 StoreMsg::Syncs(rows) => {
                     let mut stmt = tx.prepare_cached(
                         "INSERT INTO syncs(session_id, tid, api, start_ns, end_ns, label, step) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
@@ -517,6 +545,7 @@ fn rows_in(msgs: &[StoreMsg]) -> u64 {
             StoreMsg::Launches(r) => r.len() as u64,
             StoreMsg::Steps(r) => r.len() as u64,
             StoreMsg::Syncs(r) => r.len() as u64,
+            StoreMsg::Kernels(r) => r.len() as u64,
             StoreMsg::Insert(ins) => ins.rows.len() as u64,
             StoreMsg::Library(_) | StoreMsg::Capability(_) => 1,
             StoreMsg::Finish(..) => 0,

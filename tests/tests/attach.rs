@@ -350,7 +350,11 @@ fn duration_zero_smoke_run_loads_and_attaches() {
     assert_eq!(code, Some(0), "{stderr}");
     assert_eq!(last_session(&db).end_reason.as_deref(), Some("duration"));
     let probes = count(&db, "SELECT sum(probes) FROM libraries WHERE session_id = ?1", 1);
-    assert_eq!(probes, 2 + 8 + 4, "step entry+return, the 8 driver launch entry points and 4 sync calls");
+    assert_eq!(
+        probes,
+        2 + 8 + 4 + 3,
+        "step entry+return, the 8 driver launch entry points, 4 sync calls and 3 kernel-naming calls"
+    );
 }
 
 #[test]
@@ -567,4 +571,53 @@ fn sync_wait_is_counted_once_and_charged_to_its_step() {
         );
         assert_eq!(waits, 10, "steps.sync_wait_ns is the sum of the step's syncs");
     }
+}
+
+#[test]
+fn kernel_names_for_driver_handles_and_runtime_host_stubs() {
+    let names = |db: &std::path::Path, id: i64| -> Vec<(String, Option<String>, String)> {
+        open(db)
+            .prepare("SELECT name, demangled_name, source FROM kernels WHERE session_id = ?1 ORDER BY name, source")
+            .expect("prepare")
+            .query_map([id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .expect("query")
+            .collect::<Result<_, _>>()
+            .expect("rows")
+    };
+    let unnamed = "SELECT count(*) FROM launches l LEFT JOIN kernels k USING (session_id, function)
+                   WHERE l.session_id = ?1 AND k.name IS NULL";
+
+    // Driver: handles from cuModuleGetFunction, and cuLibraryGetKernel + cuKernelGetFunction.
+    let (db, truth, s) = attach_and_run("names-driver", &["--steps", "5", "--launches", "9", "--named"], &[]);
+    assert_eq!(truth.total, 45);
+    assert_eq!(
+        names(&db, s.id),
+        vec![
+            ("_Z4reluPfi".into(), Some("relu(float*, int)".into()), "cuModuleGetFunction".into()),
+            (
+                "_Z6matmulPfS_S_i".into(),
+                Some("matmul(float*, float*, float*, int)".into()),
+                "cuModuleGetFunction".into()
+            ),
+            // The CUfunction of a library kernel, and the CUkernel itself (CUDA 12 launches either).
+            ("_Z7softmaxPfi".into(), Some("softmax(float*, int)".into()), "cuKernelGetFunction".into()),
+            ("_Z7softmaxPfi".into(), Some("softmax(float*, int)".into()), "cuLibraryGetKernel".into()),
+        ]
+    );
+    assert_eq!(count(&db, "SELECT count(*) FROM launches WHERE session_id = ?1", s.id), 45);
+    assert_eq!(count(&db, unnamed, s.id), 0, "every launch joins a name");
+
+    // Runtime: the host stub's ELF symbol is the kernel's mangled name.
+    let (db, _, s) = attach_and_run(
+        "names-runtime",
+        &["--steps", "5", "--launches", "4", "--stubs", "--after-dlopen-ms", "500"],
+        &[],
+    );
+    let n = names(&db, s.id);
+    assert_eq!(
+        n.iter().map(|k| (k.0.as_str(), k.2.as_str())).collect::<Vec<_>>(),
+        vec![("_Z12saxpy_kernelifPKfPf", "symbol"), ("_Z12scale_kernelPfi", "symbol")]
+    );
+    assert_eq!(n[0].1.as_deref(), Some("saxpy_kernel(int, float, float const*, float*)"));
+    assert_eq!(count(&db, unnamed, s.id), 0, "every runtime launch joins a name");
 }

@@ -61,6 +61,15 @@ pub fn demangled(name: &str) -> String {
     name.to_owned()
 }
 
+/// The full demangled form (with parameters) of a C++ or Rust symbol, or None
+/// when it is not mangled.
+pub fn demangled_full(name: &str) -> Option<String> {
+    if let Ok(d) = rustc_demangle::try_demangle(name) {
+        return Some(format!("{d:#}"));
+    }
+    cpp_demangle::Symbol::new(name).ok()?.demangle(&cpp_demangle::DemangleOptions::default()).ok()
+}
+
 /// Whether `sym` is what a user means by `query`: the exact symbol, or a
 /// demangled name equal to it or ending in `::query`.
 pub fn matches(sym: &str, query: &str) -> bool {
@@ -122,6 +131,12 @@ mod tests {
         assert_eq!(demangled("_ZN7Trainer4stepEv"), "Trainer::step");
         assert_eq!(demangled("_ZN5myapp10train_step17h0123456789abcdefE"), "myapp::train_step");
         assert_eq!(demangled("train_step"), "train_step");
+    }
+
+    #[test]
+    fn full_demangling_keeps_parameters() {
+        assert_eq!(demangled_full("_Z6matmulPfS_S_i").as_deref(), Some("matmul(float*, float*, float*, int)"));
+        assert_eq!(demangled_full("plain_c_name"), None);
     }
 
     #[test]

@@ -22,7 +22,7 @@ use aya::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
     },
 };
-use profiler_common::{ApiLayer, LaunchApi, SyncApi, globals, maps as map_names, programs};
+use profiler_common::{ApiLayer, LaunchApi, SyncApi, globals, maps as map_names, name_call, programs};
 
 use self::maps::LibraryKind;
 
@@ -108,6 +108,8 @@ impl Probes {
             programs::BARE,
             programs::SYNC_ENTER,
             programs::SYNC_EXIT,
+            programs::NAME_ENTER,
+            programs::NAME_EXIT,
         ]);
         names.sort_unstable();
         names.dedup();
@@ -218,6 +220,19 @@ impl Probes {
             self.attach(programs::SYNC_ENTER, path, sym.file_offset, api as u64)?;
             placed.push(PlacedProbe { symbol: api.symbol(), offset: 0, reason: "sync entry and return".into() });
         }
+        // The calls that name kernels (driver only; rare: entry and return).
+        if layer == ApiLayer::Driver {
+            for (symbol, which) in [
+                ("cuModuleGetFunction", name_call::MODULE_GET_FUNCTION),
+                ("cuLibraryGetKernel", name_call::LIBRARY_GET_KERNEL),
+                ("cuKernelGetFunction", name_call::KERNEL_GET_FUNCTION),
+            ] {
+                let Some(sym) = symbols.iter().find(|s| s.name == symbol) else { continue };
+                self.attach(programs::NAME_EXIT, path, sym.file_offset, which.into())?;
+                self.attach(programs::NAME_ENTER, path, sym.file_offset, which.into())?;
+                placed.push(PlacedProbe { symbol, offset: 0, reason: "kernel name entry and return".into() });
+            }
+        }
         Ok(placed)
     }
 
@@ -247,7 +262,14 @@ impl Probes {
         let Self { mut ebpf, .. } = self;
         let mut order: Vec<&'static str> = vec![programs::STEP_EXIT, programs::STEP_ENTER];
         order.extend(LaunchApi::ALL.iter().map(|a| a.program()));
-        order.extend([programs::SYNC_ENTER, programs::SYNC_EXIT, programs::RUNTIME_RETURN, programs::BARE]);
+        order.extend([
+            programs::SYNC_ENTER,
+            programs::SYNC_EXIT,
+            programs::NAME_ENTER,
+            programs::NAME_EXIT,
+            programs::RUNTIME_RETURN,
+            programs::BARE,
+        ]);
         let mut done = HashSet::new();
         for name in order.into_iter().filter(|n| done.insert(*n)) {
             let prog: Option<&mut UProbe> = ebpf.program_mut(name).and_then(|p| p.try_into().ok());
