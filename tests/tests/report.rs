@@ -904,9 +904,14 @@ fn report_and_export_use_what_later_profilers_record() {
         )
         .expect("syncs");
         // Names for the first five kernels (the trainer's handles are 0x100000 + i).
+        // (Profilers that record kernels also record where each name came from.)
+        let source = if has_column(&conn, "kernels", "source") { ", source" } else { "" };
+        let source_value = if source.is_empty() { "" } else { ", 'cuModuleGetFunction'" };
         for i in 0..5i64 {
             conn.execute(
-                "INSERT INTO kernels (session_id, function, name, demangled_name) VALUES (?1, ?2, ?3, ?4)",
+                &format!(
+                    "INSERT INTO kernels (session_id, function, name, demangled_name{source}) VALUES (?1, ?2, ?3, ?4{source_value})"
+                ),
                 params![s.id, 0x100000 + i, format!("_Z6kernelILi{i}EEvv"), format!("void kernel<{i}>()")],
             )
             .expect("kernel");
