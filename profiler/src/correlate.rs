@@ -20,7 +20,8 @@ pub struct CounterSeries {
     pub resolution: f64,
 }
 
-fn median(mut v: Vec<u64>) -> u64 {
+/// The median of `v` (0 when empty).
+pub(crate) fn median(mut v: Vec<u64>) -> u64 {
     if v.is_empty() {
         return 0;
     }

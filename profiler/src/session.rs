@@ -184,33 +184,32 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     let store = Store::open(&cfg.output)?;
 
     // The step functions, before anything is attached: a typo costs nothing.
+    // Both kinds are searched in the executable and the files it maps (in
+    // `run`, the target is still the exec gate: only what it will exec).
+    let mapped = if mode == "attach" && !(cfg.steps.is_empty() && cfg.python_steps.is_empty()) {
+        let maps = procfs::process::Process::new(pid as i32)
+            .and_then(|p| p.maps())
+            .with_context(|| format!("cannot read /proc/{pid}/maps"))?;
+        maps::mapped_files(&maps)
+    } else {
+        Vec::new()
+    };
+    let open_in_target = |p: &Path| {
+        if p.is_relative() { open_file(p) } else { open_file(&probes::in_target_root(pid, p)).or_else(|| open_file(p)) }
+    };
     let mut resolved_steps = Vec::new();
     if !cfg.steps.is_empty() {
         let mut candidates = vec![exe.clone()];
-        if mode == "attach" {
-            let maps = procfs::process::Process::new(pid as i32)
-                .and_then(|p| p.maps())
-                .with_context(|| format!("cannot read /proc/{pid}/maps"))?;
-            candidates.extend(maps::mapped_files(&maps).into_iter().map(|f| f.path).filter(|p| *p != exe));
-        }
+        candidates.extend(mapped.iter().map(|f| f.path.clone()).filter(|p| *p != exe));
         for spec in &cfg.steps {
-            resolved_steps.push(step_symbol::resolve(spec, &candidates, |p| {
-                if p.is_relative() {
-                    open_file(p)
-                } else {
-                    open_file(&probes::in_target_root(pid, p)).or_else(|| open_file(p))
-                }
-            })?);
+            resolved_steps.push(step_symbol::resolve(spec, &candidates, open_in_target)?);
         }
     }
-    // CPython's USDT probes, before anything is attached: no probes is an error that says what to do.
+    // CPython's USDT probes: no probes is an error that says what to do.
     let python = if cfg.python_steps.is_empty() {
         None
-    } else if mode == "attach" {
-        Some(usdt::python::find_in_process(pid)?)
     } else {
-        // `run`: the target is still the exec gate; look in what it will exec.
-        Some(usdt::python::resolve(std::slice::from_ref(&exe), |p| std::fs::read(p).ok())?)
+        Some(usdt::python::resolve(&usdt::python::candidates(&exe, &mapped), open_in_target)?)
     };
     // Labels live as long as the session's rows refer to them: one small leak per session.
     let labels: Vec<&'static str> = cfg
@@ -235,7 +234,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         eprintln!("profiler: {e}; GPU metrics will be NULL (--no-gpu skips NVML, --require-gpu makes this an error)");
     }
 
-    let (mut probes, ring) = Probes::load(nz_pid, cfg.launch_mode == LaunchMode::All, cfg.place_probes)?;
+    let (mut probes, mut ring) = Probes::load(nz_pid, cfg.launch_mode == LaunchMode::All, cfg.place_probes)?;
 
     let started_ns = clock::monotonic_ns();
     let session_id = store.begin_session(&SessionStart {
@@ -295,60 +294,29 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer, cfg.launch_mode == LaunchMode::All, labels, pid);
     let mut watcher = LibraryWatcher { pid, seen: HashSet::new() };
-    let attached = attach_all(&cfg, pid, mode, &mut probes, &mut watcher, &resolved_steps, &target_var);
-    // Python step probes last, like the native ones; dropped before the rest detach.
+    let attached =
+        attach_all(&cfg, pid, mode, &mut probes, &mut watcher, &resolved_steps, python.as_ref(), &target_var);
     let mut python_steps = None;
-    let attached = attached.and_then(|mut libraries| {
-        if let Some(py) = &python {
-            let targets: Vec<usdt::python::PythonTarget> = cfg
-                .python_steps
-                .iter()
-                .enumerate()
-                .map(|(i, spec)| usdt::python::PythonTarget { spec: spec.clone(), label_id: (cfg.steps.len() + i) as u32 })
-                .collect();
-            let handle = probes.attach_python(py, &targets)?;
-            let mut how = match py.version {
-                Some((major, minor)) => format!("USDT python:function__entry/return (CPython {major}.{minor})"),
-                None => "USDT python:function__entry/return".to_string(),
-            };
-            if handle.tracing_switched() {
-                how.push_str(" + line semaphore (CPython 3.11)");
-                say!(
-                    cfg.quiet,
-                    "CPython 3.11 fires function__entry only on its tracing path: Python calls now cost about 2 µs more each while attached"
-                );
-            }
-            libraries.push(LibraryRow {
-                path: py.path.display().to_string(),
-                placed: Vec::new(),
-                kind: "step".into(),
-                attached_ns: clock::monotonic_ns(),
-                probes: handle.sites() as u32,
-                how,
-            });
-            python_steps = Some(handle);
-        }
-        Ok(libraries)
-    });
     let outcome = match attached {
-        Ok(libraries) => {
+        Ok((libraries, py)) => {
+            python_steps = py;
             for l in libraries {
                 consumer.writer.send(StoreMsg::Library(l));
             }
             say!(cfg.quiet, "session {session_id}: tracing PID {pid} into {} (Ctrl-C to stop)", output.display());
             let mut status = StatusLine::new(cfg.status_line, gpu_live);
             let r =
-                event_loop(&cfg, pid, &mut child, &mut probes, ring, &mut consumer, &mut watcher, &mut status).await;
+                run_loop(&cfg, pid, &mut child, &mut probes, &mut ring, &mut consumer, &mut watcher, &mut status).await;
             status.clear();
             r
         }
-        Err(e) => Err((ring, e)),
+        Err(e) => Err(e),
     };
-    let (ring, end_reason, exit_code) = match outcome {
+    let (end_reason, exit_code) = match outcome {
         Ok(v) => v,
-        Err((ring, e)) => {
+        Err(e) => {
             eprintln!("profiler: error: {e:#}");
-            (ring, format!("error: {e:#}"), None)
+            (format!("error: {e:#}"), None)
         }
     };
     // The session ends when we decide to stop; detaching (which waits for the
@@ -363,7 +331,6 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         py.detach();
     }
     probes.detach();
-    let mut ring = ring;
     consumer.drain(&mut ring);
     let hooks = samplers.into_iter().filter_map(SamplerThread::stop).collect();
     let report = consumer.finish(
@@ -401,7 +368,9 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
 }
 
 /// Probes the CUDA libraries the target maps or will load, then the step
-/// function. Returns the `libraries` rows.
+/// functions, native and Python. Returns the `libraries` rows and the Python
+/// probes' handle (dropped before the rest detach).
+#[expect(clippy::too_many_arguments, reason = "what the session resolved before attaching, borrowed separately")]
 fn attach_all(
     cfg: &SessionConfig,
     pid: u32,
@@ -409,8 +378,9 @@ fn attach_all(
     probes: &mut Probes,
     watcher: &mut LibraryWatcher,
     steps: &[step_symbol::ResolvedStep],
+    python: Option<&usdt::python::PythonProbes>,
     target_var: &dyn Fn(&str) -> Option<String>,
-) -> anyhow::Result<Vec<LibraryRow>> {
+) -> anyhow::Result<(Vec<LibraryRow>, Option<usdt::python::PythonSteps>)> {
     let mut libraries: Vec<LibraryRow> = Vec::new();
     if mode == "attach" {
         watcher.scan(probes, &mut libraries, cfg.quiet);
@@ -447,42 +417,45 @@ fn attach_all(
         });
         say!(cfg.quiet, "step function {} in {}", step.symbol, step.path.display());
     }
+    let python_steps = match python {
+        Some(py) => {
+            let targets: Vec<usdt::python::PythonTarget> = cfg
+                .python_steps
+                .iter()
+                .enumerate()
+                .map(|(i, spec)| usdt::python::PythonTarget { spec: spec.clone(), label_id: (steps.len() + i) as u32 })
+                .collect();
+            let handle = probes.attach_python(py, &targets)?;
+            let mut how = match py.version {
+                Some((major, minor)) => format!("USDT python:function__entry/return (CPython {major}.{minor})"),
+                None => "USDT python:function__entry/return".to_string(),
+            };
+            if handle.tracing_switched() {
+                how.push_str(" + line semaphore (CPython 3.11)");
+                say!(
+                    cfg.quiet,
+                    "CPython 3.11 fires function__entry only on its tracing path: Python calls now cost about 2 µs more each while attached"
+                );
+            }
+            libraries.push(LibraryRow {
+                path: py.path.display().to_string(),
+                placed: Vec::new(),
+                kind: "step".into(),
+                attached_ns: clock::monotonic_ns(),
+                probes: handle.sites() as u32,
+                how,
+            });
+            Some(handle)
+        }
+        None => None,
+    };
     if !libraries.iter().any(|l| l.kind == "driver" || l.kind == "runtime") {
         say!(
             cfg.quiet,
             "PID {pid} has no CUDA library mapped yet; launches will appear once it loads libcuda or libcudart"
         );
     }
-    Ok(libraries)
-}
-
-type LoopOutcome = Result<(RingBuf<MapData>, String, Option<i32>), (RingBuf<MapData>, anyhow::Error)>;
-
-#[expect(clippy::too_many_arguments, reason = "the session's parts, borrowed separately so each can be finished after")]
-async fn event_loop(
-    cfg: &SessionConfig,
-    pid: u32,
-    child: &mut Option<(tokio::process::Child, OwnedFd)>,
-    probes: &mut Probes,
-    ring: RingBuf<MapData>,
-    consumer: &mut Consumer,
-    watcher: &mut LibraryWatcher,
-    status: &mut StatusLine,
-) -> LoopOutcome {
-    // SAFETY: the ring buffer's fd stays open and unchanged while the AsyncFd owns it.
-    let mut ring = match unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) } {
-        Ok(r) => r,
-        Err(e) => {
-            let (ring, err) = e.into_parts();
-            return Err((ring, anyhow::anyhow!("cannot poll the ring buffer: {err}")));
-        }
-    };
-    let result = run_loop(cfg, pid, child, probes, &mut ring, consumer, watcher, status).await;
-    let ring = ring.into_inner();
-    match result {
-        Ok((reason, code)) => Ok((ring, reason, code)),
-        Err(e) => Err((ring, e)),
-    }
+    Ok((libraries, python_steps))
 }
 
 #[expect(clippy::too_many_arguments, reason = "the session's parts, borrowed separately so each can be finished after")]
@@ -491,7 +464,7 @@ async fn run_loop(
     pid: u32,
     child: &mut Option<(tokio::process::Child, OwnedFd)>,
     probes: &mut Probes,
-    ring: &mut AsyncFd<RingBuf<MapData>>,
+    ring: &mut RingBuf<MapData>,
     consumer: &mut Consumer,
     watcher: &mut LibraryWatcher,
     status: &mut StatusLine,
@@ -525,16 +498,12 @@ async fn run_loop(
             None => std::future::pending().await,
         }
     };
-    let mut mode_run = child.is_some();
+    // `run`: the command gets the signal that stops us.
+    let forward_to_child = child.is_some();
     loop {
         tokio::select! {
-            guard = ring.readable_mut() => {
-                let mut guard = guard?;
-                consumer.drain(guard.get_inner_mut());
-                guard.clear_ready();
-            }
             _ = flush.tick() => {
-                consumer.drain(ring.get_mut());
+                consumer.drain(ring);
                 consumer.flush();
             }
             _ = status_tick.tick(), if status.enabled => {
@@ -548,21 +517,20 @@ async fn run_loop(
                 for r in rows { consumer.writer.send(StoreMsg::Library(r)); }
             }
             _ = sigint.recv() => {
-                if mode_run { forward(pid, libc::SIGINT); }
+                if forward_to_child { forward(pid, libc::SIGINT); }
                 return Ok(("sigint".into(), None));
             }
             _ = sigterm.recv() => {
-                if mode_run { forward(pid, libc::SIGTERM); }
+                if forward_to_child { forward(pid, libc::SIGTERM); }
                 return Ok(("sigterm".into(), None));
             }
             _ = sleep_until(deadline) => return Ok(("duration".into(), None)),
             r = exit_fd.readable() => {
                 let _ = r?;
                 let code = match child.as_mut() {
-                    Some((c, _)) => { mode_run = false; c.wait().await.ok().and_then(|s| s.code()).or(Some(128)) }
+                    Some((c, _)) => c.wait().await.ok().and_then(|s| s.code()).or(Some(128)),
                     None => None,
                 };
-                let _ = mode_run;
                 return Ok(("target-exited".into(), code));
             }
         }
@@ -630,14 +598,17 @@ impl LibraryWatcher {
 struct StubSymbolizer {
     /// (start, end, file offset, path) of the target's file mappings.
     maps: Vec<(u64, u64, u64, PathBuf)>,
+    /// The watcher's last look at the maps, for a target that has exited.
+    last_seen: Option<procfs::process::MemoryMaps>,
     /// Function symbols by file offset, per file.
     files: std::collections::HashMap<PathBuf, std::collections::HashMap<u64, String>>,
 }
 
 impl StubSymbolizer {
-    /// The target's maps as last seen (kept for records drained after it exits).
+    /// The target's maps as last seen (kept, not parsed, in case it exits
+    /// before its runtime launches are named).
     fn remember(&mut self, maps: procfs::process::MemoryMaps) {
-        self.maps = Self::file_mappings(maps);
+        self.last_seen = Some(maps);
     }
 
     fn mapping(&self, address: u64) -> Option<(u64, u64, PathBuf)> {
@@ -660,7 +631,8 @@ impl StubSymbolizer {
             // A library loaded since the last look: read the maps again. If
             // the target has exited meanwhile, the watcher's last look (set
             // through `remember`) is what is left.
-            if let Ok(maps) = procfs::process::Process::new(pid as i32).and_then(|p| p.maps()) {
+            let current = procfs::process::Process::new(pid as i32).and_then(|p| p.maps()).ok();
+            if let Some(maps) = current.or_else(|| self.last_seen.take()) {
                 self.maps = Self::file_mappings(maps);
             }
         }
@@ -752,7 +724,8 @@ struct Consumer {
     pid: u32,
     /// Kernel names by driver handle (`CUfunction` or `CUkernel`).
     names: std::collections::HashMap<u64, String>,
-    stubs_tried: HashSet<u64>,
+    /// Host-stub addresses of runtime launches, named at the end.
+    stubs_seen: HashSet<u64>,
     stubs: StubSymbolizer,
     kernels: Vec<KernelRow>,
     /// Synchronisation calls in progress per thread.
@@ -780,7 +753,7 @@ impl Consumer {
             open_syncs: Default::default(),
             pid,
             names: Default::default(),
-            stubs_tried: HashSet::new(),
+            stubs_seen: HashSet::new(),
             stubs: StubSymbolizer::default(),
             kernels: Vec::new(),
             decode_errors: 0,
@@ -802,8 +775,9 @@ impl Consumer {
             }
             match event {
                 Ok(Event::Launch(l)) => {
-                    if l.api.layer() == profiler_common::ApiLayer::Runtime && self.stubs_tried.insert(l.function) {
-                        self.name_runtime_stub(l.function);
+                    if l.api.layer() == profiler_common::ApiLayer::Runtime {
+                        // Named at the end, off the event path (see `name_runtime_stubs`).
+                        self.stubs_seen.insert(l.function);
                     }
                     if self.keep_launches {
                         self.launches.push(LaunchRow {
@@ -887,11 +861,17 @@ impl Consumer {
     }
 
     /// A runtime launch names its kernel by the host stub's address, whose
-    /// ELF symbol is the kernel's mangled name.
-    fn name_runtime_stub(&mut self, address: u64) {
-        if let Some(name) = self.stubs.name(self.pid, address) {
-            let demangled_name = probes::elf::demangled_full(&name);
-            self.kernels.push(KernelRow { function: address, name, demangled_name, source: "symbol" });
+    /// ELF symbol is the kernel's mangled name. Done once, at the end: the
+    /// first look into a library's symbols (libtorch_cuda.so has hundreds of
+    /// thousands) would otherwise stall the ring-buffer drain.
+    fn name_runtime_stubs(&mut self) {
+        let mut stubs: Vec<u64> = self.stubs_seen.iter().copied().collect();
+        stubs.sort_unstable();
+        for address in stubs {
+            if let Some(name) = self.stubs.name(self.pid, address) {
+                let demangled_name = probes::elf::demangled_full(&name);
+                self.kernels.push(KernelRow { function: address, name, demangled_name, source: "symbol" });
+            }
         }
     }
 
@@ -919,6 +899,7 @@ impl Consumer {
     /// Stores steps still open (end NULL), finishes the session, and returns a
     /// one-line description of what was stored.
     fn finish(mut self, mut end: SessionEnd, hooks: Vec<FinishHook>) -> anyhow::Result<String> {
+        self.name_runtime_stubs();
         for s in self.tracker.open_steps() {
             self.steps.push(StepRow {
                 sync_wait_ns: None,

@@ -115,7 +115,7 @@ fn wait_rusage(child: &Child) -> Result<(f64, f64)> {
 
 /// Reads lines of `stream` until one contains `needle`; the rest is drained
 /// in the background so the agent never blocks on a full pipe.
-fn wait_for_line(stream: impl std::io::Read + Send + 'static, needle: &'static str) -> Result<()> {
+pub(crate) fn wait_for_line(stream: impl std::io::Read + Send + 'static, needle: &'static str) -> Result<()> {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let mut seen = false;

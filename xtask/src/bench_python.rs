@@ -7,10 +7,8 @@
 //! set their semaphores (and, on CPython 3.11, the `line` semaphore that puts
 //! the interpreter into the tracing dispatch those entries need).
 use std::{
-    io::{BufRead, BufReader},
     path::Path,
     process::{Command, Stdio},
-    time::Duration,
 };
 
 use anyhow::{Context, Result, bail};
@@ -46,18 +44,7 @@ fn run_once(traced: bool, work: &Path) -> Result<f64> {
             .stderr(Stdio::piped())
             .spawn()
             .context("start the profiler")?;
-        let stderr = c.stderr.take().context("stderr")?;
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut sent = false;
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if !sent && line.contains("tracing PID") {
-                    sent = true;
-                    let _ = tx.send(());
-                }
-            }
-        });
-        rx.recv_timeout(Duration::from_secs(60)).context("the profiler never printed 'tracing PID'")?;
+        crate::bench::wait_for_line(c.stderr.take().context("stderr")?, "tracing PID")?;
         Some(c)
     } else {
         None

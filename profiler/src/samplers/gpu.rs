@@ -414,20 +414,20 @@ const SAMPLE_SQL: &str = "INSERT INTO gpu_samples(session_id, gpu, ts_ns, utiliz
 impl Sampler for GpuSampler {
     fn tick(&mut self, now_ns: u64) {
         let Some((_, caps)) = self.out.as_mut() else { return };
+        let mut live = Vec::with_capacity(self.gpus.len());
         for g in self.gpus.iter_mut() {
             match self.nvml.device_by_index(g.sel.nvml_index) {
                 Ok(dev) => {
                     let row = Self::sample(&dev, g, caps, now_ns);
                     let real = |v: &Value| if let Value::Real(x) = v { Some(*x) } else { None };
-                    if let Ok(mut live) = self.live.lock() {
-                        live.retain(|(l, _, _)| *l != g.sel.logical);
-                        live.push((g.sel.logical, real(&row[2]), real(&row[7])));
-                        live.sort_by_key(|(l, _, _)| *l);
-                    }
+                    live.push((g.sel.logical, real(&row[2]), real(&row[7])));
                     self.rows.push(row);
                 }
                 Err(e) => caps.record(&format!("GPU_{}/device", g.sel.logical), false, Some(format!("NVML: {e}"))),
             }
+        }
+        if let Ok(mut shared) = self.live.lock() {
+            *shared = live;
         }
         let every = (PROCESS_SCAN_EVERY.as_nanos() / self.interval.as_nanos().max(1)).max(1) as u64;
         if self.ticks.is_multiple_of(every) {

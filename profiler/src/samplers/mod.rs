@@ -91,6 +91,10 @@ impl CapabilityLog {
     }
 
     pub fn record(&mut self, metric: &str, available: bool, reason: Option<String>) {
+        // Called on every tick for every metric: the seen case must not allocate.
+        if self.seen.contains(metric) {
+            return;
+        }
         if self.seen.insert(metric.to_owned()) {
             self.sender.send(StoreMsg::Capability(Capability {
                 source: self.source.to_owned(),

@@ -305,11 +305,6 @@ impl Sampler for SystemSampler {
     }
 }
 
-fn median(mut v: Vec<u64>) -> Option<u64> {
-    v.sort_unstable();
-    v.get(v.len() / 2).copied()
-}
-
 /// The sample whose interval (previous sample, this sample] contains `t`,
 /// if it is within `max_gap_ns` after `t`. For rates, which describe the
 /// interval that ends at their timestamp.
@@ -336,7 +331,7 @@ pub(crate) fn write_step_system(conn: &Connection, session_id: i64) -> rusqlite:
         .collect::<rusqlite::Result<_>>()?;
     // Two sampling intervals: a value further from the step's end than that
     // describes another moment, and is left NULL.
-    let max_gap = median(rows.windows(2).map(|w| w[1].0 - w[0].0).collect()).unwrap_or(0) * 2;
+    let max_gap = crate::correlate::median(rows.windows(2).map(|w| w[1].0 - w[0].0).collect()) * 2;
     let columns: Vec<GaugeSeries> =
         (0..7).map(|k| GaugeSeries { points: rows.iter().filter_map(|(t, v)| Some((*t, v[k]?))).collect() }).collect();
     let times = GaugeSeries { points: rows.iter().map(|&(t, _)| (t, t as f64)).collect() };

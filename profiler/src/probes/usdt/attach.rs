@@ -66,8 +66,15 @@ pub struct UsdtLink {
 
 /// The uprobe PMU's perf event type.
 pub fn uprobe_pmu_type() -> Result<u32, AttachError> {
+    // Read once per process: it cannot change while the kernel runs, and it is
+    // needed for every probe site.
+    static TYPE: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    if let Some(t) = TYPE.get() {
+        return Ok(*t);
+    }
     let text = std::fs::read_to_string(UPROBE_PMU_TYPE).map_err(AttachError::PmuType)?;
-    text.trim().parse().map_err(|e| AttachError::PmuType(io::Error::new(io::ErrorKind::InvalidData, e)))
+    let t = text.trim().parse().map_err(|e| AttachError::PmuType(io::Error::new(io::ErrorKind::InvalidData, e)))?;
+    Ok(*TYPE.get_or_init(|| t))
 }
 
 /// Attaches `program` (a loaded kprobe/uprobe-type program) to the probe at

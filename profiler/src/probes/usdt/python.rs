@@ -302,7 +302,9 @@ fn check_args(path: &Path, p: &UsdtProbe) -> Result<(), PythonProbeError> {
     Ok(())
 }
 
-/// Finds CPython's probes for process `pid` from its executable and maps.
+/// Finds CPython's probes for process `pid` from its executable and maps
+/// (the session does the same with the maps it has already read).
+#[cfg(test)]
 pub fn find_in_process(pid: u32) -> Result<PythonProbes, PythonProbeError> {
     let proc = procfs::process::Process::new(pid as i32);
     let exe = proc.as_ref().ok().and_then(|p| p.exe().ok()).unwrap_or_else(|| PathBuf::from("the target's executable"));
