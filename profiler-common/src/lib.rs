@@ -374,6 +374,8 @@ pub mod globals {
     pub const TARGET_TGID: &str = "TARGET_TGID";
     /// `u32`: 1 to write a [`super::LaunchRecord`] per launch, 0 to only count.
     pub const EMIT_LAUNCHES: &str = "EMIT_LAUNCHES";
+    /// `u32`: the length of the `THREAD_SLOTS` map less one (a power of two less one).
+    pub const THREAD_SLOT_MASK: &str = "THREAD_SLOT_MASK";
 }
 
 /// Names of the maps the agent reads.
@@ -384,6 +386,8 @@ pub mod maps {
     pub const LOST: &str = "LOST";
     /// `PerCpuArray<u64>[1]`: launches seen (counted once), kept or not.
     pub const LAUNCHES: &str = "LAUNCHES";
+    /// `Array<ThreadSlot>`: per-thread launch counters, sized at load.
+    pub const THREAD_SLOTS: &str = "THREAD_SLOTS";
     /// `Array<u32>[1]`: 1 once a runtime library is probed.
     pub const RUNTIME_PROBED: &str = "RUNTIME_PROBED";
     /// `Array<UsdtProbeSpec>[USDT_MAX_SPECS]`: argument specs of the attached

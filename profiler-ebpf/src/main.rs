@@ -36,6 +36,9 @@ static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
 static TARGET_TGID: u32 = 0;
 #[unsafe(no_mangle)]
 static EMIT_LAUNCHES: u32 = 1;
+/// `THREAD_SLOTS`' length less one (a power of two less one).
+#[unsafe(no_mangle)]
+static THREAD_SLOT_MASK: u32 = 0;
 
 /// 32 MiB: at 64 bytes a launch this holds ~500 000 launches, several hundred
 /// milliseconds of a launch-bound loop, while the agent drains it in batches.
@@ -50,10 +53,36 @@ static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 #[map]
 static LAUNCHES: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
-/// Launches made so far, per thread of the target. Only the owning thread
-/// writes its entry, so a plain read-modify-write is race free.
+/// Launches made so far by one thread of the target.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ThreadSlot {
+    tid: u32,
+    _pad: u32,
+    launches: u64,
+}
+
+/// Per-thread launch counters, indexed by `tid & THREAD_SLOT_MASK`: an array
+/// lookup, which the verifier inlines, where a hash lookup costs the traced
+/// thread tens of nanoseconds on every launch. A thread claims its slot on its
+/// first launch (through `SLOT_CLAIMS`, whose insert is atomic) and keeps it;
+/// where the agent sized the array to `pid_max` no two threads share a slot,
+/// elsewhere a thread whose slot another holds counts in `THREAD_LAUNCHES`.
+/// Only the owning thread writes its counter, so a plain increment is race
+/// free. A later thread that reuses a tid continues its counter: only
+/// differences between a thread's step boundaries are used.
+#[map]
+static THREAD_SLOTS: Array<ThreadSlot> = Array::with_max_entries(65536, 0);
+
+/// Slot index -> the tid that claimed it.
+#[map]
+static SLOT_CLAIMS: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
+
+/// Launch counters of the threads that found their slot taken.
 #[map]
 static THREAD_LAUNCHES: HashMap<u32, u64> = HashMap::with_max_entries(65536, 0);
+
+const BPF_NOEXIST: u64 = 1;
 
 /// `[0]` is 1 once the agent has probed a runtime library (see `in_runtime_launch`).
 #[map]
@@ -103,10 +132,35 @@ fn cookie(ctx: &ProbeContext) -> u64 {
     unsafe { bpf_get_attach_cookie(ctx.as_ptr()) }
 }
 
-/// Counts the launch for its thread; returns the updated per-thread count.
+/// The thread's slot in `THREAD_SLOTS`, if it holds it (claiming it first
+/// when `claim` and nobody has).
+#[inline(always)]
+fn thread_slot(tid: u32, claim: bool) -> Option<*mut ThreadSlot> {
+    // SAFETY: a plain read of a global the loader patched.
+    let index = tid & unsafe { core::ptr::read_volatile(&THREAD_SLOT_MASK) };
+    let slot = THREAD_SLOTS.get_ptr_mut(index)?;
+    // SAFETY: a valid array element; its tid is written once, by its claimant.
+    let holder = unsafe { (*slot).tid };
+    if holder == tid {
+        return Some(slot);
+    }
+    if holder == 0 && claim && SLOT_CLAIMS.insert(index, tid, BPF_NOEXIST).is_ok() {
+        // SAFETY: as above; this thread won the claim, so it alone writes here.
+        unsafe { (*slot).tid = tid };
+        return Some(slot);
+    }
+    None
+}
+
+/// Counts the launch for its thread.
 #[inline(always)]
 fn count_launch(tid: u32) {
     bump(&LAUNCHES);
+    if let Some(slot) = thread_slot(tid, true) {
+        // SAFETY: only this thread writes its own slot's counter.
+        unsafe { (*slot).launches += 1 };
+        return;
+    }
     match THREAD_LAUNCHES.get_ptr_mut(tid) {
         // SAFETY: only this thread writes its own entry.
         Some(p) => unsafe { *p += 1 },
@@ -116,38 +170,43 @@ fn count_launch(tid: u32) {
     }
 }
 
-struct Launch {
-    function: u64,
-    stream: u64,
-    grid: [u32; 3],
-    block: [u32; 3],
-    shared_mem_bytes: u32,
+/// Launches made so far by the thread.
+#[inline(always)]
+fn thread_launches(tid: u32) -> u64 {
+    match thread_slot(tid, false) {
+        // SAFETY: a valid array element.
+        Some(slot) => unsafe { (*slot).launches },
+        // SAFETY: the value is only read.
+        None => unsafe { THREAD_LAUNCHES.get(tid) }.copied().unwrap_or(0),
+    }
 }
 
+/// Counts the launch and, unless only counting, writes its record: the
+/// header here, the arguments by `fill` straight into the reserved record
+/// (given how many bytes the function pushed before the probe point). Every
+/// helper call costs the traced thread a kernel function return, so the
+/// attach cookie is read only when a record is written.
 #[inline(always)]
-fn emit_launch(tid: u32, api: u32, read_args: impl FnOnce() -> Launch) {
+fn emit_launch(ctx: &ProbeContext, tid: u32, fill: impl FnOnce(&mut LaunchRecord, u64)) {
     count_launch(tid);
     // SAFETY: plain read of a loader-set global.
     if unsafe { core::ptr::read_volatile(&EMIT_LAUNCHES) } == 0 {
         // `--launches count`: the arguments are never read.
         return;
     }
-    let l = read_args();
-    match EVENTS.reserve::<LaunchRecord>(0) {
-        Some(mut entry) => {
-            entry.write(LaunchRecord {
-                header: RecordHeader { kind: RecordKind::Launch as u32, tid, ts_ns: unsafe { bpf_ktime_get_ns() } },
-                api,
-                shared_mem_bytes: l.shared_mem_bytes,
-                function: l.function,
-                stream: l.stream,
-                grid: l.grid,
-                block: l.block,
-            });
-            entry.submit(submit_flags());
-        }
-        None => bump(&LOST),
-    }
+    let Some(mut entry) = EVENTS.reserve::<LaunchRecord>(0) else {
+        bump(&LOST);
+        return;
+    };
+    let cookie = cookie(ctx);
+    // SAFETY: the reserved record is ours until submitted; `fill` writes
+    // every field the header and `api` do not.
+    let record = unsafe { &mut *entry.as_mut_ptr() };
+    // SAFETY: a helper without preconditions.
+    record.header = RecordHeader { kind: RecordKind::Launch as u32, tid, ts_ns: unsafe { bpf_ktime_get_ns() } };
+    record.api = cookie as u32;
+    fill(record, cookie >> 32);
+    entry.submit(submit_flags());
 }
 
 #[inline(always)]
@@ -161,7 +220,7 @@ fn in_runtime_launch(tid: u32) -> bool {
     unsafe { IN_RUNTIME_LAUNCH.get(tid) }.is_some()
 }
 
-/// The `count` stack slots above the return address in one read (they are
+/// The `N` stack slots above the return address in one read (they are
 /// contiguous), `adjust` bytes further up when the function pushed that much
 /// before the probe point.
 #[inline(always)]
@@ -185,20 +244,16 @@ fn reg(ctx: &ProbeContext, n: usize) -> u64 {
 #[uprobe]
 pub fn launch_driver_classic(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
-    let cookie = cookie(&ctx);
-    let (api, adjust) = (cookie as u32, cookie >> 32);
     if in_runtime_launch(tid) {
         return 0;
     }
-    emit_launch(tid, api, || {
+    emit_launch(&ctx, tid, |r, adjust| {
         let [block_z, shared, stream] = stack_args::<3>(&ctx, adjust);
-        Launch {
-            function: reg(&ctx, 0),
-            grid: [reg(&ctx, 1) as u32, reg(&ctx, 2) as u32, reg(&ctx, 3) as u32],
-            block: [reg(&ctx, 4) as u32, reg(&ctx, 5) as u32, block_z as u32],
-            shared_mem_bytes: shared as u32,
-            stream,
-        }
+        r.function = reg(&ctx, 0);
+        r.grid = [reg(&ctx, 1) as u32, reg(&ctx, 2) as u32, reg(&ctx, 3) as u32];
+        r.block = [reg(&ctx, 4) as u32, reg(&ctx, 5) as u32, block_z as u32];
+        r.shared_mem_bytes = shared as u32;
+        r.stream = stream;
     });
     0
 }
@@ -214,51 +269,65 @@ struct CuLaunchConfig {
     stream: u64,
 }
 
+/// `cudaLaunchConfig_t`: dim3 gridDim, dim3 blockDim, size_t dynamicSmemBytes
+/// (offset 24), cudaStream_t stream (offset 32).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CudaLaunchConfig {
+    dims: [u32; 6],
+    dynamic_smem_bytes: u64,
+    stream: u64,
+}
+
+/// Fills a record from a launch-config struct (`cuLaunchKernelEx`,
+/// `cudaLaunchKernelExC`: the config pointer first, the function second),
+/// zeros where the config cannot be read.
+#[inline(always)]
+fn fill_from_config(ctx: &ProbeContext, r: &mut LaunchRecord, dims: Option<[u32; 6]>, shared: u32, stream: u64) {
+    r.function = reg(ctx, 1);
+    let d = dims.unwrap_or([0; 6]);
+    r.grid = [d[0], d[1], d[2]];
+    r.block = [d[3], d[4], d[5]];
+    r.shared_mem_bytes = shared;
+    r.stream = stream;
+}
+
 /// `CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f,
 /// void **kernelParams, void **extra)`.
 #[uprobe]
 pub fn launch_driver_ex(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
-    let cookie = cookie(&ctx);
-    // Only the stack-argument layouts need the push adjustment.
-    let api = cookie as u32;
     if in_runtime_launch(tid) {
         return 0;
     }
-    emit_launch(tid, api, || {
+    emit_launch(&ctx, tid, |r, _| {
         // SAFETY: bpf_probe_read_user tolerates any address.
-        let cfg = unsafe { bpf_probe_read_user(reg(&ctx, 0) as *const CuLaunchConfig) }.ok();
-        match cfg {
-            Some(c) => Launch {
-                function: reg(&ctx, 1),
-                grid: [c.dims[0], c.dims[1], c.dims[2]],
-                block: [c.dims[3], c.dims[4], c.dims[5]],
-                shared_mem_bytes: c.shared_mem_bytes,
-                stream: c.stream,
-            },
-            None => Launch { function: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0, stream: 0 },
+        match unsafe { bpf_probe_read_user(reg(&ctx, 0) as *const CuLaunchConfig) } {
+            Ok(c) => fill_from_config(&ctx, r, Some(c.dims), c.shared_mem_bytes, c.stream),
+            Err(_) => fill_from_config(&ctx, r, None, 0, 0),
         }
     });
     0
+}
+
+/// Fills a graph launch's record: the executable graph and the stream.
+#[inline(always)]
+fn fill_graph(ctx: &ProbeContext, r: &mut LaunchRecord) {
+    r.function = reg(ctx, 0);
+    r.stream = reg(ctx, 1);
+    r.grid = [0; 3];
+    r.block = [0; 3];
+    r.shared_mem_bytes = 0;
 }
 
 /// `CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)`.
 #[uprobe]
 pub fn launch_driver_graph(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
-    let cookie = cookie(&ctx);
-    // Only the stack-argument layouts need the push adjustment.
-    let api = cookie as u32;
     if in_runtime_launch(tid) {
         return 0;
     }
-    emit_launch(tid, api, || Launch {
-        function: reg(&ctx, 0),
-        stream: reg(&ctx, 1),
-        grid: [0; 3],
-        block: [0; 3],
-        shared_mem_bytes: 0,
-    });
+    emit_launch(&ctx, tid, |r, _| fill_graph(&ctx, r));
     0
 }
 
@@ -274,31 +343,17 @@ fn enter_runtime_launch(tid: u32) {
 #[uprobe]
 pub fn launch_runtime_classic(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
-    let cookie = cookie(&ctx);
-    let (api, adjust) = (cookie as u32, cookie >> 32);
     enter_runtime_launch(tid);
-    emit_launch(tid, api, || {
+    emit_launch(&ctx, tid, |r, adjust| {
         let (g, gz, b, bz) = (reg(&ctx, 1), reg(&ctx, 2), reg(&ctx, 3), reg(&ctx, 4));
         let [shared, stream] = stack_args::<2>(&ctx, adjust);
-        Launch {
-            function: reg(&ctx, 0),
-            grid: [g as u32, (g >> 32) as u32, gz as u32],
-            block: [b as u32, (b >> 32) as u32, bz as u32],
-            shared_mem_bytes: shared as u32,
-            stream,
-        }
+        r.function = reg(&ctx, 0);
+        r.grid = [g as u32, (g >> 32) as u32, gz as u32];
+        r.block = [b as u32, (b >> 32) as u32, bz as u32];
+        r.shared_mem_bytes = shared as u32;
+        r.stream = stream;
     });
     0
-}
-
-/// `cudaLaunchConfig_t`: dim3 gridDim, dim3 blockDim, size_t dynamicSmemBytes
-/// (offset 24), cudaStream_t stream (offset 32).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct CudaLaunchConfig {
-    dims: [u32; 6],
-    dynamic_smem_bytes: u64,
-    stream: u64,
 }
 
 /// `cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const
@@ -306,22 +361,12 @@ struct CudaLaunchConfig {
 #[uprobe]
 pub fn launch_runtime_ex(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
-    let cookie = cookie(&ctx);
-    // Only the stack-argument layouts need the push adjustment.
-    let api = cookie as u32;
     enter_runtime_launch(tid);
-    emit_launch(tid, api, || {
+    emit_launch(&ctx, tid, |r, _| {
         // SAFETY: bpf_probe_read_user tolerates any address.
-        let cfg = unsafe { bpf_probe_read_user(reg(&ctx, 0) as *const CudaLaunchConfig) }.ok();
-        match cfg {
-            Some(c) => Launch {
-                function: reg(&ctx, 1),
-                grid: [c.dims[0], c.dims[1], c.dims[2]],
-                block: [c.dims[3], c.dims[4], c.dims[5]],
-                shared_mem_bytes: c.dynamic_smem_bytes as u32,
-                stream: c.stream,
-            },
-            None => Launch { function: reg(&ctx, 1), grid: [0; 3], block: [0; 3], shared_mem_bytes: 0, stream: 0 },
+        match unsafe { bpf_probe_read_user(reg(&ctx, 0) as *const CudaLaunchConfig) } {
+            Ok(c) => fill_from_config(&ctx, r, Some(c.dims), c.dynamic_smem_bytes as u32, c.stream),
+            Err(_) => fill_from_config(&ctx, r, None, 0, 0),
         }
     });
     0
@@ -331,17 +376,8 @@ pub fn launch_runtime_ex(ctx: ProbeContext) -> u32 {
 #[uprobe]
 pub fn launch_runtime_graph(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
-    let cookie = cookie(&ctx);
-    // Only the stack-argument layouts need the push adjustment.
-    let api = cookie as u32;
     enter_runtime_launch(tid);
-    emit_launch(tid, api, || Launch {
-        function: reg(&ctx, 0),
-        stream: reg(&ctx, 1),
-        grid: [0; 3],
-        block: [0; 3],
-        shared_mem_bytes: 0,
-    });
+    emit_launch(&ctx, tid, |r, _| fill_graph(&ctx, r));
     0
 }
 
@@ -460,8 +496,7 @@ const RUNTIME_SYNC_BASE: u32 = 100;
 
 #[inline(always)]
 fn emit_step(tid: u32, kind: RecordKind, probe: u32) {
-    // SAFETY: the value is only read.
-    let thread_launches = unsafe { THREAD_LAUNCHES.get(tid) }.copied().unwrap_or(0);
+    let thread_launches = thread_launches(tid);
     match EVENTS.reserve::<StepRecord>(0) {
         Some(mut entry) => {
             entry.write(StepRecord {

@@ -100,6 +100,31 @@ fn threads_nesting_and_every_driver_entry_point() {
 }
 
 #[test]
+fn threads_sharing_a_counter_slot_keep_exact_counts() {
+    // Two slots for five threads: at least three count in the kernel side's
+    // fallback map, in both modes; every step's launches stay exact.
+    for mode in ["all", "count"] {
+        let dir = workdir(&format!("slots-{mode}"));
+        let db = dir.join("p.db");
+        let mut trainer = Trainer::spawn(&dir, &["--threads", "5", "--steps", "20", "--launches", "40", "--nest", "2"]);
+        let args: Vec<String> = ["attach", &trainer.pid().to_string(), "-o", &db.display().to_string()]
+            .into_iter()
+            .chain(["--step-symbol", "train_step", "--launches", mode])
+            .map(String::from)
+            .collect();
+        let agent = Agent::start_with_env(&args, &[("PROFILER_THREAD_SLOTS", "2")], true);
+        trainer.go();
+        assert!(trainer.wait().success(), "trainer failed");
+        let (status, stderr) = agent.finish();
+        assert!(status.success(), "profiler failed: {stderr}");
+        let truth = trainer.truth();
+        let s = last_session(&db);
+        assert_eq!(s.total_launches, Some(truth.total as i64), "{mode}");
+        assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
+    }
+}
+
+#[test]
 fn runtime_launches_are_counted_once() {
     // The runtime is found in the maps (its path is not predictable), so the
     // trainer gives the watcher time before launching, as cuInit would.

@@ -78,6 +78,22 @@ pub struct Probes {
     launches: PerCpuArray<MapData, u64>,
 }
 
+/// Overrides the number of per-thread launch slots (a power of two, at least
+/// 2): with a handful, threads share slots, which exercises the kernel side's
+/// fallback counters. For tests.
+pub const THREAD_SLOTS_ENV: &str = "PROFILER_THREAD_SLOTS";
+
+/// The most per-thread launch slots the kernel side gets (16 bytes each).
+const MAX_THREAD_SLOTS: u32 = 1 << 16;
+
+/// How many per-thread launch slots to create: enough that no two tids share
+/// one (`pid_max` rounded up to a power of two) where that is at most
+/// [`MAX_THREAD_SLOTS`]; otherwise that many, and the rare thread whose slot
+/// another holds counts in a hash map instead.
+fn thread_slots(pid_max: Option<u32>) -> u32 {
+    pid_max.map_or(MAX_THREAD_SLOTS, |p| p.max(2).next_power_of_two().min(MAX_THREAD_SLOTS))
+}
+
 fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<Map, ProbeError> {
     ebpf.take_map(name).ok_or(ProbeError::Missing(name))
 }
@@ -96,9 +112,19 @@ impl Probes {
         }
         let tgid = pid.get();
         let emit: u32 = emit_launches.into();
+        let slots = match std::env::var(THREAD_SLOTS_ENV).ok().and_then(|s| s.parse::<u32>().ok()) {
+            // Tests set a handful so that threads share slots.
+            Some(n) => n.clamp(2, MAX_THREAD_SLOTS).next_power_of_two(),
+            None => thread_slots(
+                std::fs::read_to_string("/proc/sys/kernel/pid_max").ok().and_then(|s| s.trim().parse().ok()),
+            ),
+        };
+        let slot_mask = slots - 1;
         let mut ebpf = EbpfLoader::new()
             .override_global(globals::TARGET_TGID, &tgid, true)
             .override_global(globals::EMIT_LAUNCHES, &emit, true)
+            .override_global(globals::THREAD_SLOT_MASK, &slot_mask, true)
+            .map_max_entries(map_names::THREAD_SLOTS, slots)
             .load(EBPF_OBJECT)?;
         let mut names: Vec<&'static str> = LaunchApi::ALL.iter().map(|a| a.program()).collect();
         names.extend([
@@ -291,4 +317,18 @@ fn read_counters(lost: &PerCpuArray<MapData, u64>, launches: &PerCpuArray<MapDat
 pub fn in_target_root(pid: u32, path: &Path) -> PathBuf {
     let rel = path.strip_prefix("/").unwrap_or(path);
     PathBuf::from(format!("/proc/{pid}/root")).join(rel)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thread_slots_cover_pid_max_up_to_the_cap() {
+        assert_eq!(thread_slots(Some(32768)), 32768);
+        assert_eq!(thread_slots(Some(40000)), 65536);
+        assert_eq!(thread_slots(Some(4_194_304)), MAX_THREAD_SLOTS);
+        assert_eq!(thread_slots(Some(0)), 2);
+        assert_eq!(thread_slots(None), MAX_THREAD_SLOTS);
+    }
 }
