@@ -227,6 +227,28 @@ pub struct LaunchRecord {
     pub block: [u32; 3],
 }
 
+/// Launch records a thread has staged but not yet written to the ring
+/// buffer: the kernel side writes them [`STAGE_LEN`] at a time as one ring
+/// record (a run of [`LaunchRecord`]s), and before any step or sync record of
+/// the same thread, so that each thread's records stay in order. What is
+/// still staged when tracing stops is read from the map by the agent.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct LaunchStage {
+    /// The thread that holds this stage (0: none yet).
+    pub tid: u32,
+    /// How many of `records` are staged.
+    pub len: u32,
+    pub records: [LaunchRecord; STAGE_LEN],
+}
+
+/// Launch records per stage: a ring reservation and commit per 16 launches
+/// instead of per launch.
+pub const STAGE_LEN: usize = 16;
+/// Stages (threads that stage their launches; the others write each record
+/// directly). A power of two: a thread's stage is `tid & (STAGES - 1)`.
+pub const STAGES: u32 = 256;
+
 /// Entry or return of the step function.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -365,6 +387,8 @@ impl Default for PyTarget {
 
 // The eBPF side reads these layouts; keep them in step with user space.
 const _: () = assert!(core::mem::size_of::<UsdtArgSpec>() == 32);
+const _: () = assert!(core::mem::size_of::<LaunchStage>() == 8 + 64 * STAGE_LEN);
+const _: () = assert!(STAGES.is_power_of_two());
 const _: () = assert!(core::mem::size_of::<UsdtProbeSpec>() == 32 * USDT_MAX_ARGS + 8);
 const _: () = assert!(core::mem::size_of::<PyTarget>() == 2 * PY_NAME_CAP + 16);
 
@@ -388,6 +412,8 @@ pub mod maps {
     pub const LAUNCHES: &str = "LAUNCHES";
     /// `Array<ThreadSlot>`: per-thread launch counters, sized at load.
     pub const THREAD_SLOTS: &str = "THREAD_SLOTS";
+    /// `Array<LaunchStage>[STAGES]`: launch records staged per thread.
+    pub const LAUNCH_STAGES: &str = "LAUNCH_STAGES";
     /// `Array<u32>[1]`: 1 once a runtime library is probed.
     pub const RUNTIME_PROBED: &str = "RUNTIME_PROBED";
     /// `Array<UsdtProbeSpec>[USDT_MAX_SPECS]`: argument specs of the attached
@@ -423,6 +449,8 @@ mod user {
     unsafe impl aya::Pod for super::LaunchRecord {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::StepRecord {}
+    // SAFETY: as above (two u32 then 8-byte-aligned records).
+    unsafe impl aya::Pod for super::LaunchStage {}
     // SAFETY: as above (USDT_ARGS values).
     unsafe impl aya::Pod for super::UsdtProbeSpec {}
     // SAFETY: as above (PY_TARGETS values; the trailing u32 makes the size a multiple of 8).

@@ -78,10 +78,36 @@ fn read<T: Copy>(bytes: &[u8]) -> T {
 
 fn exact<T>(bytes: &[u8], kind: u32) -> Result<(), DecodeError> {
     let expected = std::mem::size_of::<T>();
-    if bytes.len() < expected {
+    if bytes.len() != expected {
         return Err(DecodeError::Length { kind, len: bytes.len(), expected });
     }
     Ok(())
+}
+
+/// The records in one ring-buffer record: itself, or the launch records of a
+/// run a thread staged and wrote together (see `profiler_common::LaunchStage`).
+pub fn records(bytes: &[u8]) -> std::slice::Chunks<'_, u8> {
+    const LAUNCH: usize = std::mem::size_of::<LaunchRecord>();
+    let run = bytes.len() > LAUNCH
+        && bytes.len() % LAUNCH == 0
+        && bytes.len() >= std::mem::size_of::<RecordHeader>()
+        && read::<RecordHeader>(bytes).kind == RecordKind::Launch as u32;
+    bytes.chunks(if run { LAUNCH } else { bytes.len().max(1) })
+}
+
+/// The event of a launch record.
+pub fn launch(r: &LaunchRecord) -> Result<Event, DecodeError> {
+    let api = LaunchApi::from_u32(r.api).ok_or(DecodeError::Api(r.api))?;
+    Ok(Event::Launch(LaunchEvent {
+        ts_ns: r.header.ts_ns,
+        tid: r.header.tid,
+        api,
+        function: r.function,
+        stream: r.stream,
+        grid: r.grid,
+        block: r.block,
+        shared_mem_bytes: r.shared_mem_bytes,
+    }))
 }
 
 /// Decodes one record.
@@ -93,18 +119,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
     match RecordKind::from_u32(header.kind) {
         Some(RecordKind::Launch) => {
             exact::<LaunchRecord>(bytes, header.kind)?;
-            let r: LaunchRecord = read(bytes);
-            let api = LaunchApi::from_u32(r.api).ok_or(DecodeError::Api(r.api))?;
-            Ok(Event::Launch(LaunchEvent {
-                ts_ns: header.ts_ns,
-                tid: header.tid,
-                api,
-                function: r.function,
-                stream: r.stream,
-                grid: r.grid,
-                block: r.block,
-                shared_mem_bytes: r.shared_mem_bytes,
-            }))
+            launch(&read(bytes))
         }
         Some(kind @ (RecordKind::StepEnter | RecordKind::StepExit | RecordKind::SyncEnter | RecordKind::SyncExit)) => {
             exact::<StepRecord>(bytes, header.kind)?;
@@ -203,5 +218,38 @@ mod tests {
         assert_eq!(decode(&bytes_of(&r)), Err(DecodeError::Api(55)));
         r.api = LaunchApi::CudaGraphLaunchPtsz as u32;
         assert!(decode(&bytes_of(&r)).is_ok());
+        // A launch record with trailing bytes is not a launch record.
+        let mut long = bytes_of(&r);
+        long.extend([0u8; 8]);
+        assert_eq!(decode(&long), Err(DecodeError::Length { kind: 1, len: 72, expected: 64 }));
+    }
+
+    #[test]
+    fn a_staged_run_splits_into_its_launches_and_nothing_else_does() {
+        let launch = |i: u32| LaunchRecord {
+            header: RecordHeader { kind: RecordKind::Launch as u32, tid: 7, ts_ns: u64::from(i) },
+            api: LaunchApi::CuLaunchKernel as u32,
+            shared_mem_bytes: 0,
+            function: u64::from(i),
+            stream: 0,
+            grid: [i, 1, 1],
+            block: [1; 3],
+        };
+        let run: Vec<u8> = (0..16).flat_map(|i| bytes_of(&launch(i))).collect();
+        let events: Vec<Event> = records(&run).map(|r| decode(r).expect("decodes")).collect();
+        assert_eq!(events.len(), 16);
+        assert!(events.iter().enumerate().all(|(i, e)| e.ts_ns() == i as u64));
+        // One record of another kind, or a single launch, is one record.
+        let step = bytes_of(&StepRecord {
+            header: RecordHeader { kind: RecordKind::StepEnter as u32, tid: 7, ts_ns: 1 },
+            probe: 0,
+            _pad: 0,
+            thread_launches: 0,
+        });
+        assert_eq!(records(&step).count(), 1);
+        assert_eq!(records(&run[..64]).count(), 1);
+        // A run that is not a whole number of launches is left whole, to fail decoding.
+        assert_eq!(records(&run[..100]).map(|r| r.len()).collect::<Vec<_>>(), vec![100]);
+        assert!(records(&[]).next().is_none());
     }
 }

@@ -330,8 +330,9 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     if let Some(py) = python_steps {
         py.detach();
     }
-    probes.detach();
+    let staged = probes.detach();
     consumer.drain(&mut ring);
+    consumer.take_staged(&staged.records());
     let hooks = samplers.into_iter().filter_map(SamplerThread::stop).collect();
     let report = consumer.finish(
         SessionEnd {
@@ -767,76 +768,89 @@ impl Consumer {
 
     fn drain(&mut self, ring: &mut RingBuf<MapData>) {
         while let Some(item) = ring.next() {
-            let event = events::decode(&item);
-            if let (Some(cutoff), Ok(e)) = (self.cutoff_ns, &event)
-                && e.ts_ns() > cutoff
-            {
-                continue;
+            for record in events::records(&item) {
+                self.take(events::decode(record));
             }
-            match event {
-                Ok(Event::Launch(l)) => {
-                    if l.api.layer() == profiler_common::ApiLayer::Runtime {
-                        // Named at the end, off the event path (see `name_runtime_stubs`).
-                        self.stubs_seen.insert(l.function);
-                    }
-                    if self.keep_launches {
-                        self.launches.push(LaunchRow {
-                            ts_ns: l.ts_ns,
-                            tid: l.tid,
-                            api: l.api,
-                            function: l.function,
-                            grid: l.grid,
-                            block: l.block,
-                            shared_mem_bytes: l.shared_mem_bytes,
-                            stream: l.stream,
-                            step: self.tracker.current_step(l.tid),
-                        });
-                        if self.launches.len() >= BATCH {
-                            self.flush_launches();
-                        }
-                    }
+        }
+    }
+
+    /// Launch records the threads still had staged when tracing stopped:
+    /// each thread's come after everything it wrote to the ring buffer.
+    fn take_staged(&mut self, staged: &[profiler_common::LaunchRecord]) {
+        for r in staged {
+            self.take(events::launch(r));
+        }
+    }
+
+    fn take(&mut self, event: Result<Event, events::DecodeError>) {
+        if let (Some(cutoff), Ok(e)) = (self.cutoff_ns, &event)
+            && e.ts_ns() > cutoff
+        {
+            return;
+        }
+        match event {
+            Ok(Event::Launch(l)) => {
+                if l.api.layer() == profiler_common::ApiLayer::Runtime {
+                    // Named at the end, off the event path (see `name_runtime_stubs`).
+                    self.stubs_seen.insert(l.function);
                 }
-                Ok(Event::StepEnter(e)) => {
-                    self.tracker.enter(e.tid, e.probe, e.ts_ns, e.thread_launches);
-                }
-                Ok(Event::StepExit(e)) => {
-                    if let Some(s) = self.tracker.exit(e.tid, e.probe, e.ts_ns, e.thread_launches) {
-                        self.completed_steps += 1;
-                        self.step_ns_total += u128::from(s.end_ns - s.start_ns);
-                        self.last_step_ns = Some(s.end_ns - s.start_ns);
-                        self.steps.push(StepRow {
-                            sync_wait_ns: Some(s.sync_wait_ns),
-                            label: s.label,
-                            step: s.step,
-                            tid: s.tid,
-                            start_ns: s.start_ns,
-                            end_ns: Some(s.end_ns),
-                            inter_step_ns: s.inter_step_ns,
-                            launches: Some(s.launches),
-                        });
+                if self.keep_launches {
+                    self.launches.push(LaunchRow {
+                        ts_ns: l.ts_ns,
+                        tid: l.tid,
+                        api: l.api,
+                        function: l.function,
+                        grid: l.grid,
+                        block: l.block,
+                        shared_mem_bytes: l.shared_mem_bytes,
+                        stream: l.stream,
+                        step: self.tracker.current_step(l.tid),
+                    });
+                    if self.launches.len() >= BATCH {
+                        self.flush_launches();
                     }
                 }
-                Ok(Event::KernelName(k)) => self.kernel_name(k),
-                Ok(Event::SyncEnter(e)) => {
-                    let step = self.tracker.current_step(e.tid);
-                    self.open_syncs.entry(e.tid).or_default().push((e.probe, e.ts_ns, step));
+            }
+            Ok(Event::StepEnter(e)) => {
+                self.tracker.enter(e.tid, e.probe, e.ts_ns, e.thread_launches);
+            }
+            Ok(Event::StepExit(e)) => {
+                if let Some(s) = self.tracker.exit(e.tid, e.probe, e.ts_ns, e.thread_launches) {
+                    self.completed_steps += 1;
+                    self.step_ns_total += u128::from(s.end_ns - s.start_ns);
+                    self.last_step_ns = Some(s.end_ns - s.start_ns);
+                    self.steps.push(StepRow {
+                        sync_wait_ns: Some(s.sync_wait_ns),
+                        label: s.label,
+                        step: s.step,
+                        tid: s.tid,
+                        start_ns: s.start_ns,
+                        end_ns: Some(s.end_ns),
+                        inter_step_ns: s.inter_step_ns,
+                        launches: Some(s.launches),
+                    });
                 }
-                Ok(Event::SyncExit(e)) => {
-                    let open = self.open_syncs.get_mut(&e.tid).and_then(Vec::pop);
-                    if let Some((probe, start_ns, step)) = open
-                        && let Some(api) = SyncApi::from_u32(probe)
-                    {
-                        let ns = e.ts_ns.saturating_sub(start_ns);
-                        self.tracker.add_sync_wait(e.tid, ns);
-                        self.syncs.push(SyncRow { tid: e.tid, api: api.symbol(), start_ns, end_ns: e.ts_ns, step });
-                    }
+            }
+            Ok(Event::KernelName(k)) => self.kernel_name(k),
+            Ok(Event::SyncEnter(e)) => {
+                let step = self.tracker.current_step(e.tid);
+                self.open_syncs.entry(e.tid).or_default().push((e.probe, e.ts_ns, step));
+            }
+            Ok(Event::SyncExit(e)) => {
+                let open = self.open_syncs.get_mut(&e.tid).and_then(Vec::pop);
+                if let Some((probe, start_ns, step)) = open
+                    && let Some(api) = SyncApi::from_u32(probe)
+                {
+                    let ns = e.ts_ns.saturating_sub(start_ns);
+                    self.tracker.add_sync_wait(e.tid, ns);
+                    self.syncs.push(SyncRow { tid: e.tid, api: api.symbol(), start_ns, end_ns: e.ts_ns, step });
                 }
-                Err(e) => {
-                    if self.decode_errors == 0 {
-                        log::error!("undecodable record: {e}");
-                    }
-                    self.decode_errors += 1;
+            }
+            Err(e) => {
+                if self.decode_errors == 0 {
+                    log::error!("undecodable record: {e}");
                 }
+                self.decode_errors += 1;
             }
         }
     }

@@ -245,6 +245,25 @@ fn count_mode_keeps_exact_counts_without_rows() {
 }
 
 #[test]
+fn launches_still_staged_in_the_kernel_at_the_end_are_kept() {
+    // No step probe, so nothing flushes a thread's staged launch records but
+    // a full stage: 3 threads × 7 × 3 launches leave each thread 5 staged
+    // when the target exits, which the agent reads from the map.
+    let (db, truth, s) = attach_and_run("staged", &["--threads", "3", "--steps", "7", "--launches", "3"], &[]);
+    assert_eq!(truth.total, 63);
+    assert_eq!(s.lost_events, Some(0));
+    assert_eq!(s.total_launches, Some(63));
+    assert_eq!(count(&db, "SELECT count(*) FROM launches WHERE session_id = ?1", s.id), 63);
+    let per_thread = count(
+        &db,
+        "SELECT count(*) FROM (SELECT tid FROM launches WHERE session_id = ?1 GROUP BY tid HAVING count(*) = 21
+                                  AND count(DISTINCT grid_x * 1000 + grid_y) = 21)",
+        s.id,
+    );
+    assert_eq!(per_thread, 3, "each thread's 21 launches, each once");
+}
+
+#[test]
 fn late_dlopen_of_the_driver_is_probed_before_it_loads() {
     // The trainer loads libcuda only after the profiler is attached, and
     // launches at once: the driver was probed where dlopen would find it.

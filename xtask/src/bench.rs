@@ -18,7 +18,7 @@ use crate::{fixtures_dir, profiler_bin, say};
 
 const STEPS: u32 = 200;
 const LAUNCHES: u32 = 1000;
-const REPEATS: usize = 3;
+const REPEATS: usize = 5;
 /// Calls per entry point by `genuine_launch`.
 const GENUINE_CALLS: u32 = 50_000;
 

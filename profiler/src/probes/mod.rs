@@ -22,7 +22,10 @@ use aya::{
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
     },
 };
-use profiler_common::{ApiLayer, LaunchApi, SyncApi, globals, maps as map_names, name_call, programs};
+use profiler_common::{
+    ApiLayer, LaunchApi, LaunchRecord, LaunchStage, STAGE_LEN, STAGES, SyncApi, globals, maps as map_names, name_call,
+    programs,
+};
 
 use self::maps::LibraryKind;
 
@@ -76,6 +79,27 @@ pub struct Probes {
     probed: HashSet<(u64, u64)>,
     lost: PerCpuArray<MapData, u64>,
     launches: PerCpuArray<MapData, u64>,
+    stages: StagedLaunches,
+}
+
+/// The launch records threads have staged in the kernel and not yet written
+/// to the ring buffer (see [`profiler_common::LaunchStage`]).
+pub struct StagedLaunches(Array<MapData, LaunchStage>);
+
+impl StagedLaunches {
+    /// Every stage's records, oldest first per thread. Read once the probes
+    /// are detached and the ring buffer drained, they follow everything their
+    /// thread wrote there.
+    pub fn records(&self) -> Vec<LaunchRecord> {
+        let mut out = Vec::new();
+        for index in 0..STAGES {
+            match self.0.get(&index, 0) {
+                Ok(stage) => out.extend(stage.records.iter().take((stage.len as usize).min(STAGE_LEN)).copied()),
+                Err(e) => log::warn!("reading launch stage {index}: {e}"),
+            }
+        }
+        out
+    }
 }
 
 /// Overrides the number of per-thread launch slots (a power of two, at least
@@ -153,12 +177,14 @@ impl Probes {
             .map_err(|source| ProbeError::Map { name: map_names::LOST, source })?;
         let launches = PerCpuArray::try_from(take_map(&mut ebpf, map_names::LAUNCHES)?)
             .map_err(|source| ProbeError::Map { name: map_names::LAUNCHES, source })?;
+        let stages = Array::try_from(take_map(&mut ebpf, map_names::LAUNCH_STAGES)?)
+            .map_err(|source| ProbeError::Map { name: map_names::LAUNCH_STAGES, source })?;
         let kernel = if place_probes {
             std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().and_then(|r| placement::kernel_version(r.trim()))
         } else {
             None
         };
-        Ok((Self { ebpf, pid, kernel, probed: HashSet::new(), lost, launches }, ring))
+        Ok((Self { ebpf, pid, kernel, probed: HashSet::new(), lost, launches, stages: StagedLaunches(stages) }, ring))
     }
 
     fn attach(&mut self, program: &'static str, path: &Path, offset: u64, cookie: u64) -> Result<(), ProbeError> {
@@ -283,9 +309,9 @@ impl Probes {
     /// step ends with launch probes already gone and no thread is left marked
     /// as inside a runtime launch while driver probes still fire. The kernel
     /// retires uprobes asynchronously all the same, so the caller also drops
-    /// records stamped after its stop time.
-    pub fn detach(self) {
-        let Self { mut ebpf, .. } = self;
+    /// records stamped after its stop time. Returns the launches still staged.
+    pub fn detach(self) -> StagedLaunches {
+        let Self { mut ebpf, stages, .. } = self;
         let mut order: Vec<&'static str> = vec![programs::STEP_EXIT, programs::STEP_ENTER];
         order.extend(LaunchApi::ALL.iter().map(|a| a.program()));
         order.extend([
@@ -305,6 +331,7 @@ impl Probes {
                 log::warn!("detaching {name}: {e}");
             }
         }
+        stages
     }
 }
 

@@ -20,7 +20,7 @@ use super::{
     python::{PythonProbes, PythonStepSpec, PythonSteps, PythonTarget, find_in_process},
 };
 use crate::{
-    events::{Event, decode},
+    events::{Event, decode, records},
     probes::{Probes, in_target_root, maps::LibraryKind},
     steps::{CompletedStep, StepTracker},
 };
@@ -132,7 +132,7 @@ fn semaphore_of(pid: NonZeroU32, python: &PythonProbes) -> (u16, Option<u16>) {
 
 fn drain(ring: &mut aya::maps::RingBuf<MapData>, events: &mut Vec<Event>) {
     while let Some(item) = ring.next() {
-        events.push(decode(&item).expect("a valid record"));
+        events.extend(records(&item).map(|r| decode(r).expect("a valid record")));
     }
 }
 
