@@ -186,10 +186,11 @@ fn thread_stage(tid: u32, claim: bool) -> Option<*mut LaunchStage> {
     held(&LAUNCH_STAGES, &STAGE_CLAIMS, tid & (STAGES - 1), tid, claim)
 }
 
-/// Writes the stage's `len` records to the ring buffer as one record and
-/// empties it; counts them lost when the ring has no room.
+/// Writes the stage's records to the ring buffer as one record and empties
+/// it; counts them lost when the ring has no room.
 #[inline(always)]
-fn flush_stage(stage: &mut LaunchStage, len: usize) {
+fn flush_stage(stage: &mut LaunchStage) {
+    let len = stage.len as usize;
     stage.len = 0;
     if len == 0 || len > STAGE_LEN {
         return;
@@ -249,10 +250,9 @@ fn emit_launch(ctx: &ProbeContext, tid: u32, fill: impl FnOnce(&mut LaunchRecord
         let len = stage.len as usize;
         if let Some(record) = stage.records.get_mut(len) {
             write_launch(ctx, tid, record, fill);
+            stage.len = (len + 1) as u32;
             if len + 1 == STAGE_LEN {
-                flush_stage(stage, STAGE_LEN);
-            } else {
-                stage.len = (len + 1) as u32;
+                flush_stage(stage);
             }
             return;
         }
@@ -566,11 +566,7 @@ fn emit_step(tid: u32, kind: RecordKind, probe: u32) {
     // The thread's staged launches go first: the agent sees its records in order.
     if let Some(stage) = thread_stage(tid, false) {
         // SAFETY: a valid array element; only its holder, this thread, writes it.
-        let stage = unsafe { &mut *stage };
-        let len = stage.len as usize;
-        if len > 0 {
-            flush_stage(stage, len);
-        }
+        flush_stage(unsafe { &mut *stage });
     }
     let thread_launches = thread_launches(tid);
     match EVENTS.reserve::<StepRecord>(0) {

@@ -90,7 +90,6 @@ pub fn records(bytes: &[u8]) -> std::slice::Chunks<'_, u8> {
     const LAUNCH: usize = std::mem::size_of::<LaunchRecord>();
     let run = bytes.len() > LAUNCH
         && bytes.len().is_multiple_of(LAUNCH)
-        && bytes.len() >= std::mem::size_of::<RecordHeader>()
         && read::<RecordHeader>(bytes).kind == RecordKind::Launch as u32;
     bytes.chunks(if run { LAUNCH } else { bytes.len().max(1) })
 }

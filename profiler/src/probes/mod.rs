@@ -102,10 +102,10 @@ impl StagedLaunches {
     }
 }
 
-/// Overrides the number of per-thread launch slots (a power of two, at least
-/// 2): with a handful, threads share slots, which exercises the kernel side's
-/// fallback counters. For tests.
-pub const THREAD_SLOTS_ENV: &str = "PROFILER_THREAD_SLOTS";
+/// Stands in for `pid_max` when sizing the per-thread launch slots: with a
+/// handful, threads share slots, which exercises the kernel side's fallback
+/// counters. For tests.
+const THREAD_SLOTS_ENV: &str = "PROFILER_THREAD_SLOTS";
 
 /// The most per-thread launch slots the kernel side gets (16 bytes each).
 const MAX_THREAD_SLOTS: u32 = 1 << 16;
@@ -136,13 +136,13 @@ impl Probes {
         }
         let tgid = pid.get();
         let emit: u32 = emit_launches.into();
-        let slots = match std::env::var(THREAD_SLOTS_ENV).ok().and_then(|s| s.parse::<u32>().ok()) {
-            // Tests set a handful so that threads share slots.
-            Some(n) => n.clamp(2, MAX_THREAD_SLOTS).next_power_of_two(),
-            None => thread_slots(
-                std::fs::read_to_string("/proc/sys/kernel/pid_max").ok().and_then(|s| s.trim().parse().ok()),
-            ),
-        };
+        // Tests set a handful of slots so that threads share them.
+        let slots = thread_slots(
+            std::env::var(THREAD_SLOTS_ENV)
+                .or_else(|_| std::fs::read_to_string("/proc/sys/kernel/pid_max"))
+                .ok()
+                .and_then(|s| s.trim().parse().ok()),
+        );
         let slot_mask = slots - 1;
         let mut ebpf = EbpfLoader::new()
             .override_global(globals::TARGET_TGID, &tgid, true)
