@@ -4,6 +4,10 @@
 //! The synthetic trainer times its own launch loops (CLOCK_MONOTONIC around
 //! each step's launches), so "ns per launch" is the host-side cost of one
 //! `cuLaunchKernel` call into the stand-in driver, with or without probes.
+//! The genuine-library workload calls each of its 8 launch entry points in a
+//! timed loop of its own: "ns per launch" is its `cuLaunchKernel` loop, while
+//! the launch count, events/s and the agent's CPU % cover all 8 loops, as the
+//! profiler traces all of them.
 use std::{
     io::{BufRead, BufReader},
     os::unix::process::ExitStatusExt,
@@ -45,7 +49,8 @@ enum Workload {
     /// The synthetic trainer on a stand-in driver (`lib` under the fixtures:
     /// "" for the plain one, "shaped" for the one with the genuine entry shape).
     Trainer { lib: &'static str, threads: u32, steps: u32, launches: u32 },
-    /// `cuLaunchKernel` of the genuine NVIDIA 535 library (no GPU: it fails fast).
+    /// The 8 launch entry points of the genuine NVIDIA 535 library, each
+    /// called `GENUINE_CALLS` times in a loop of its own (no GPU: they fail fast).
     Genuine,
 }
 
@@ -60,16 +65,26 @@ struct Measured {
 }
 
 struct Truth {
+    /// Host time of the timed launches: the trainer's, or `genuine_launch`'s
+    /// `cuLaunchKernel` loop.
     launch_ns: u64,
+    /// How many calls `launch_ns` covers.
+    launch_calls: u64,
+    /// Every launch the target made: the trainer's, or `genuine_launch`'s
+    /// calls to all its entry points.
     total: u64,
     steps: u64,
+    /// The target's busy span: first step start to last step end for the
+    /// trainer, the sum of all entry points' loop times for `genuine_launch`.
     span_ns: u64,
 }
 
 fn read_truth(path: &Path) -> Result<Truth> {
     let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
-    let mut t = Truth { launch_ns: 0, total: 0, steps: 0, span_ns: 0 };
+    let mut t = Truth { launch_ns: 0, launch_calls: 0, total: 0, steps: 0, span_ns: 0 };
     let (mut first, mut last) = (u64::MAX, 0u64);
+    // `genuine_launch`: one `api NAME COUNT rc RC ns NS` line per entry point.
+    let (mut api_calls, mut api_ns) = (0u64, 0u64);
     for line in text.lines() {
         let f: Vec<&str> = line.split_whitespace().collect();
         match f.as_slice() {
@@ -79,15 +94,26 @@ fn read_truth(path: &Path) -> Result<Truth> {
                 last = last.max(e.parse()?);
             }
             ["total", n] => t.total = n.parse()?,
-            ["api", "cuLaunchKernel", n, "rc", _, "ns", ns] => {
-                t.total = n.parse()?;
-                t.launch_ns = ns.parse()?;
+            ["api", name, n, "rc", _, "ns", ns] => {
+                let (n, ns): (u64, u64) = (n.parse()?, ns.parse()?);
+                api_calls += n;
+                api_ns += ns;
+                if *name == "cuLaunchKernel" {
+                    t.launch_calls = n;
+                    t.launch_ns = ns;
+                }
             }
             ["launch_ns", n] => t.launch_ns = n.parse()?,
             _ => {}
         }
     }
-    t.span_ns = last.saturating_sub(first);
+    if api_calls > 0 {
+        t.total = api_calls;
+        t.span_ns = api_ns;
+    } else {
+        t.launch_calls = t.total;
+        t.span_ns = last.saturating_sub(first);
+    }
     Ok(t)
 }
 
@@ -200,7 +226,7 @@ fn measure(probe: Probe, workload: Workload, work: &Path) -> Result<Measured> {
     }
     let mut m = Measured::default();
     let t = read_truth(&truth)?;
-    m.ns_per_launch = t.launch_ns as f64 / t.total.max(1) as f64;
+    m.ns_per_launch = t.launch_ns as f64 / t.launch_calls.max(1) as f64;
     m.launches = t.total;
     if let Some(agent) = agent {
         if matches!(probe, Probe::Bare { .. }) {
@@ -271,7 +297,8 @@ pub fn main() -> Result<()> {
             ],
         ),
         (
-            "genuine NVIDIA 535 libcuda.so.1, cuLaunchKernel (no GPU: returns an error at once)",
+            "genuine NVIDIA 535 libcuda.so.1, no GPU: every call returns an error at once \
+             (ns / launch: cuLaunchKernel; launches and events/s: all 8 launch entry points)",
             vec![
                 ("(a) untraced", Probe::None, Workload::Genuine),
                 ("(b) bare uprobe at entry", Probe::Bare { placed: false }, Workload::Genuine),
@@ -321,7 +348,8 @@ pub fn main() -> Result<()> {
         }
     }
     println!();
-    println!("events/s: launch records plus step entry/return records over the target's busy span;");
+    println!("events/s: launch records plus step entry/return records over the target's busy span");
+    println!("(genuine library: the calls to all 8 entry points over the sum of their loops' times);");
     println!("agent CPU %: the agent's CPU time over that span plus its drain-and-flush time after the target exits.");
     sampler_table(&work)?;
     crate::bench_python::python_table(&work)

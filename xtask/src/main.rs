@@ -140,8 +140,10 @@ fn is_root() -> bool {
 fn test(args: &[String]) -> Result<()> {
     build()?;
     fixtures()?;
-    say("unit tests (host crates, no root needed)");
-    run(cargo().current_dir(root()).args(["test", "--workspace", "--exclude", "integration-tests"]))?;
+    // Release, like the root runs below: the profiler's test binary built here
+    // is the one the `--ignored` run reuses, so nothing is compiled twice.
+    say("unit tests (host crates, release, no root needed)");
+    run(cargo().current_dir(root()).args(["test", "--release", "--workspace", "--exclude", "integration-tests"]))?;
     if !is_root() {
         bail!("the integration tests load eBPF programs and need root: run `sudo cargo xtask test`");
     }
