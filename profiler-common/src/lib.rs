@@ -70,6 +70,16 @@ pub enum ApiLayer {
     Runtime,
 }
 
+impl ApiLayer {
+    /// [`LaunchApi`] and [`SyncApi`] ids from here on are runtime calls.
+    pub const RUNTIME_ID_BASE: u32 = 100;
+
+    /// The layer of a [`LaunchApi`] or [`SyncApi`] id.
+    pub const fn of(id: u32) -> Self {
+        if id < Self::RUNTIME_ID_BASE { Self::Driver } else { Self::Runtime }
+    }
+}
+
 impl LaunchApi {
     pub const ALL: [LaunchApi; 16] = [
         Self::CuLaunchKernel,
@@ -136,15 +146,7 @@ impl LaunchApi {
     }
 
     pub fn layer(self) -> ApiLayer {
-        if (self as u32) < 100 { ApiLayer::Driver } else { ApiLayer::Runtime }
-    }
-
-    /// Graph launches carry a graph-exec handle and no grid.
-    pub fn is_graph(self) -> bool {
-        matches!(
-            self,
-            Self::CuGraphLaunch | Self::CuGraphLaunchPtsz | Self::CudaGraphLaunch | Self::CudaGraphLaunchPtsz
-        )
+        ApiLayer::of(self as u32)
     }
 }
 
@@ -193,7 +195,7 @@ impl SyncApi {
     }
 
     pub fn layer(self) -> ApiLayer {
-        if (self as u32) < 100 { ApiLayer::Driver } else { ApiLayer::Runtime }
+        ApiLayer::of(self as u32)
     }
 }
 

@@ -1,5 +1,7 @@
-//! The profiler's eBPF programs: entry probes on the CUDA launch entry points
-//! and entry/return probes on the step function, all filtered on one tgid.
+//! The profiler's eBPF programs, all filtered on one tgid: entry probes on
+//! the CUDA launch entry points, entry/return probes on the host
+//! synchronisation calls, the kernel-naming calls and the step function, and
+//! (in `python`) CPython's USDT function probes.
 //!
 //! The kernel side only filters, timestamps, copies arguments and submits; the
 //! one piece of aggregation it does is a per-thread launch counter, which makes
@@ -24,16 +26,18 @@ use aya_ebpf::{
     programs::{ProbeContext, RetProbeContext},
 };
 use profiler_common::{
-    KernelNameRecord, LaunchRecord, LaunchStage, RecordHeader, RecordKind, STAGE_LEN, STAGES, StepRecord, name_call,
+    ApiLayer, KernelNameRecord, LaunchRecord, LaunchStage, RecordHeader, RecordKind, STAGE_LEN, STAGES, StepRecord,
+    name_call,
 };
 
-/// Set by the agent before load (`EbpfLoader::set_global`). Read with
-/// `read_volatile` so that the compiler does not fold the initial value in.
 /// bpf_probe_read_user and bpf_get_attach_cookie are GPL-only helpers.
 #[unsafe(link_section = "license")]
 #[unsafe(no_mangle)]
 static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
 
+/// The globals below are set by the agent before load
+/// (`EbpfLoader::override_global`) and read with `read_volatile`, so that the
+/// compiler does not fold the initial value in.
 #[unsafe(no_mangle)]
 static TARGET_TGID: u32 = 0;
 #[unsafe(no_mangle)]
@@ -102,8 +106,9 @@ const BPF_NOEXIST: u64 = 1;
 #[map]
 static RUNTIME_PROBED: Array<u32> = Array::with_max_entries(1, 0);
 
-/// Threads currently inside a runtime-API launch. The runtime reaches the
-/// driver's exported entry points, whose probes must not count that launch twice.
+/// Threads currently inside a runtime-API launch or synchronisation call. The
+/// runtime reaches the driver's exported entry points, whose probes must not
+/// count that call twice.
 #[map]
 static IN_RUNTIME_LAUNCH: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
 
@@ -144,9 +149,10 @@ fn bump(counter: &PerCpuArray<u64>) {
 /// The attach cookie: for launch probes, the `LaunchApi` id in the low 32
 /// bits and, in the high 32, how many bytes the function pushed before the
 /// probe point (the agent may move a probe past `push`es to an instruction
-/// the kernel emulates; see `probes::placement`).
+/// the kernel emulates; see `probes::placement`); for the others, the id of
+/// what fired.
 #[inline(always)]
-fn cookie(ctx: &ProbeContext) -> u64 {
+pub(crate) fn cookie(ctx: &impl EbpfContext) -> u64 {
     // SAFETY: the helper only reads the attach cookie of the running program.
     unsafe { bpf_get_attach_cookie(ctx.as_ptr()) }
 }
@@ -325,38 +331,31 @@ pub fn launch_driver_classic(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// `CUlaunchConfig`: gridDimX..blockDimZ, sharedMemBytes (7 × u32), then
-/// `CUstream hStream` at offset 32.
+/// The launch-config struct of `cuLaunchKernelEx` (`CUlaunchConfig`) and of
+/// `cudaLaunchKernelExC` (`cudaLaunchConfig_t`), as far as it is read: grid
+/// and block dims (6 × u32), dynamic shared memory at offset 24 (a u32 and
+/// padding in the driver's, a size_t in the runtime's: the low 32 bits
+/// either way, on little-endian x86-64), and the stream at offset 32.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct CuLaunchConfig {
+struct LaunchConfig {
     dims: [u32; 6],
-    shared_mem_bytes: u32,
-    _pad: u32,
+    shared_mem_bytes: u64,
     stream: u64,
 }
 
-/// `cudaLaunchConfig_t`: dim3 gridDim, dim3 blockDim, size_t dynamicSmemBytes
-/// (offset 24), cudaStream_t stream (offset 32).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct CudaLaunchConfig {
-    dims: [u32; 6],
-    dynamic_smem_bytes: u64,
-    stream: u64,
-}
-
-/// Fills a record from a launch-config struct (`cuLaunchKernelEx`,
-/// `cudaLaunchKernelExC`: the config pointer first, the function second),
-/// zeros where the config cannot be read.
+/// Fills a record from a launch-config call (the config pointer first, the
+/// function second), zeros where the config cannot be read.
 #[inline(always)]
-fn fill_from_config(ctx: &ProbeContext, r: &mut LaunchRecord, dims: Option<[u32; 6]>, shared: u32, stream: u64) {
+fn fill_from_config(ctx: &ProbeContext, r: &mut LaunchRecord) {
+    // SAFETY: bpf_probe_read_user tolerates any address.
+    let c = unsafe { bpf_probe_read_user(reg(ctx, 0) as *const LaunchConfig) }
+        .unwrap_or(LaunchConfig { dims: [0; 6], shared_mem_bytes: 0, stream: 0 });
     r.function = reg(ctx, 1);
-    let d = dims.unwrap_or([0; 6]);
-    r.grid = [d[0], d[1], d[2]];
-    r.block = [d[3], d[4], d[5]];
-    r.shared_mem_bytes = shared;
-    r.stream = stream;
+    r.grid = [c.dims[0], c.dims[1], c.dims[2]];
+    r.block = [c.dims[3], c.dims[4], c.dims[5]];
+    r.shared_mem_bytes = c.shared_mem_bytes as u32;
+    r.stream = c.stream;
 }
 
 /// `CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f,
@@ -367,13 +366,7 @@ pub fn launch_driver_ex(ctx: ProbeContext) -> u32 {
     if in_runtime_launch(tid) {
         return 0;
     }
-    emit_launch(&ctx, tid, |r, _| {
-        // SAFETY: bpf_probe_read_user tolerates any address.
-        match unsafe { bpf_probe_read_user(reg(&ctx, 0) as *const CuLaunchConfig) } {
-            Ok(c) => fill_from_config(&ctx, r, Some(c.dims), c.shared_mem_bytes, c.stream),
-            Err(_) => fill_from_config(&ctx, r, None, 0, 0),
-        }
-    });
+    emit_launch(&ctx, tid, |r, _| fill_from_config(&ctx, r));
     0
 }
 
@@ -403,6 +396,11 @@ fn enter_runtime_launch(tid: u32) {
     let _ = IN_RUNTIME_LAUNCH.insert(tid, 1u32, 0);
 }
 
+#[inline(always)]
+fn leave_runtime_launch(tid: u32) {
+    let _ = IN_RUNTIME_LAUNCH.remove(tid);
+}
+
 /// `cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3
 /// blockDim, void **args, size_t sharedMem, cudaStream_t stream)` and
 /// `cudaLaunchCooperativeKernel` (same). A `dim3` (12 bytes) is passed in two
@@ -429,13 +427,7 @@ pub fn launch_runtime_classic(ctx: ProbeContext) -> u32 {
 pub fn launch_runtime_ex(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
     enter_runtime_launch(tid);
-    emit_launch(&ctx, tid, |r, _| {
-        // SAFETY: bpf_probe_read_user tolerates any address.
-        match unsafe { bpf_probe_read_user(reg(&ctx, 0) as *const CudaLaunchConfig) } {
-            Ok(c) => fill_from_config(&ctx, r, Some(c.dims), c.dynamic_smem_bytes as u32, c.stream),
-            Err(_) => fill_from_config(&ctx, r, None, 0, 0),
-        }
-    });
+    emit_launch(&ctx, tid, |r, _| fill_from_config(&ctx, r));
     0
 }
 
@@ -453,7 +445,7 @@ pub fn launch_runtime_graph(ctx: ProbeContext) -> u32 {
 #[uretprobe]
 pub fn launch_runtime_return(_ctx: RetProbeContext) -> u32 {
     if let Some(tid) = target_tid() {
-        let _ = IN_RUNTIME_LAUNCH.remove(tid);
+        leave_runtime_launch(tid);
     }
     0
 }
@@ -465,7 +457,7 @@ pub fn launch_runtime_return(_ctx: RetProbeContext) -> u32 {
 pub fn sync_enter(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
     let api = cookie(&ctx) as u32;
-    if api >= RUNTIME_SYNC_BASE {
+    if ApiLayer::of(api) == ApiLayer::Runtime {
         enter_runtime_launch(tid);
     } else if in_runtime_launch(tid) {
         return 0;
@@ -478,10 +470,9 @@ pub fn sync_enter(ctx: ProbeContext) -> u32 {
 #[uretprobe]
 pub fn sync_exit(ctx: RetProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
-    // SAFETY: the helper only reads the attach cookie of the running program.
-    let api = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
-    if api >= RUNTIME_SYNC_BASE {
-        let _ = IN_RUNTIME_LAUNCH.remove(tid);
+    let api = cookie(&ctx) as u32;
+    if ApiLayer::of(api) == ApiLayer::Runtime {
+        leave_runtime_launch(tid);
     } else if in_runtime_launch(tid) {
         return 0;
     }
@@ -558,9 +549,6 @@ pub fn name_exit(ctx: RetProbeContext) -> u32 {
     0
 }
 
-/// `SyncApi` ids from here on are runtime calls.
-const RUNTIME_SYNC_BASE: u32 = 100;
-
 #[inline(always)]
 fn emit_step(tid: u32, kind: RecordKind, probe: u32) {
     // The thread's staged launches go first: the agent sees its records in order.
@@ -598,9 +586,7 @@ pub fn step_enter(ctx: ProbeContext) -> u32 {
 #[uretprobe]
 pub fn step_exit(ctx: RetProbeContext) -> u32 {
     if let Some(tid) = target_tid() {
-        // SAFETY: the helper only reads the attach cookie of the running program.
-        let probe = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
-        emit_step(tid, RecordKind::StepExit, probe);
+        emit_step(tid, RecordKind::StepExit, cookie(&ctx) as u32);
     }
     0
 }

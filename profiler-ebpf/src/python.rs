@@ -23,7 +23,7 @@ use aya_ebpf::{
     EbpfContext,
     helpers::{
         bpf_probe_read_kernel, bpf_probe_read_user,
-        generated::{bpf_get_attach_cookie, bpf_probe_read_user_str},
+        generated::bpf_probe_read_user_str,
     },
     macros::{map, uprobe},
     maps::{Array, PerCpuArray},
@@ -34,7 +34,7 @@ use profiler_common::{
     UsdtProbeSpec,
 };
 
-use crate::{emit_step, target_tid};
+use crate::{cookie, emit_step, target_tid};
 
 /// Argument specs of each attached USDT probe site, indexed by the attach cookie.
 #[map]
@@ -213,8 +213,7 @@ fn read_file_name(ctx: &ProbeContext, spec: &UsdtProbeSpec) -> Option<(&'static 
 #[inline(always)]
 fn python_step(ctx: &ProbeContext, kind: RecordKind) {
     let Some(tid) = target_tid() else { return };
-    // SAFETY: the helper only reads the attach cookie of the running program.
-    let slot = unsafe { bpf_get_attach_cookie(ctx.as_ptr()) } as u32;
+    let slot = cookie(ctx) as u32;
     let Some(spec) = USDT_ARGS.get(slot) else { return };
     let Some(name_ptr) = usdt_arg(ctx, &spec.args[1]) else { return };
     // Most calls are not steps: their first eight bytes already rule out

@@ -150,13 +150,6 @@ fn target_env(pid: u32, key: &str) -> Option<String> {
     })
 }
 
-fn open_file(path: &Path) -> Option<memmap2::Mmap> {
-    let f = std::fs::File::open(path).ok()?;
-    // SAFETY: read-only private mapping of a file we only read; a concurrent
-    // truncation could fault, which executable files in use do not see.
-    unsafe { memmap2::Mmap::map(&f) }.ok()
-}
-
 /// Runs a whole session. Errors before the session row exists are the user's
 /// one-line errors; after that, everything collected is flushed whatever happens.
 pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summary> {
@@ -194,9 +187,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     } else {
         Vec::new()
     };
-    let open_in_target = |p: &Path| {
-        if p.is_relative() { open_file(p) } else { open_file(&probes::in_target_root(pid, p)).or_else(|| open_file(p)) }
-    };
+    let open_in_target = |p: &Path| probes::open_in_target(pid, p);
     let mut resolved_steps = Vec::new();
     if !cfg.steps.is_empty() {
         let mut candidates = vec![exe.clone()];
@@ -292,7 +283,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     )?);
 
     // From here on, whatever happens, the session is finished and flushed.
-    let mut consumer = Consumer::new(writer, cfg.launch_mode == LaunchMode::All, labels, pid);
+    let mut consumer = Consumer::new(writer, labels, pid);
     let mut watcher = LibraryWatcher { pid, seen: HashSet::new() };
     let attached =
         attach_all(&cfg, pid, mode, &mut probes, &mut watcher, &resolved_steps, python.as_ref(), &target_var);
@@ -390,12 +381,13 @@ fn attach_all(
     // it: PyTorch initialises CUDA lazily, and the first launches follow at once.
     for cand in maps::driver_candidates(target_var("LD_LIBRARY_PATH").as_deref(), &ldconfig_cache()) {
         let visible = probes::in_target_root(pid, &cand);
-        if !visible.is_file() || probes.is_probed(&visible) {
+        if !visible.is_file() {
             continue;
         }
         match probes.attach_cuda_library(LibraryKind::Driver, &visible) {
-            Ok(placed) if placed.is_empty() => {}
-            Ok(placed) => {
+            Ok(None) => {}
+            Ok(Some(placed)) if placed.is_empty() => {}
+            Ok(Some(placed)) => {
                 watcher.seen.insert(cand.clone());
                 libraries.push(library_row(&cand, LibraryKind::Driver, placed, "predicted"));
             }
@@ -575,11 +567,9 @@ impl LibraryWatcher {
                 continue;
             }
             let visible = probes::in_target_root(self.pid, &file.path);
-            if probes.is_probed(&visible) {
-                continue;
-            }
             match probes.attach_cuda_library(kind, &visible) {
-                Ok(placed) => {
+                Ok(None) => {}
+                Ok(Some(placed)) => {
                     if placed.is_empty() {
                         log::warn!("{} exports no launch entry point", file.path.display());
                     } else {
@@ -641,8 +631,7 @@ impl StubSymbolizer {
         let symbols = self.files.entry(path.clone()).or_insert_with(|| {
             // Mapped, not read: the file may be a gigabyte (libtorch_cuda.so);
             // only its symbol tables are touched.
-            open_file(&probes::in_target_root(pid, &path))
-                .or_else(|| open_file(&path))
+            probes::open_in_target(pid, &path)
                 .and_then(|data| probes::elf::function_symbols(&data).ok())
                 .map(|syms| syms.into_iter().map(|s| (s.file_offset, s.name)).collect())
                 .unwrap_or_default()
@@ -716,7 +705,6 @@ fn terminal_width() -> Option<usize> {
 /// Turns records into rows, in batches.
 struct Consumer {
     writer: StoreWriter,
-    keep_launches: bool,
     tracker: StepTracker,
     launches: Vec<LaunchRow>,
     steps: Vec<StepRow>,
@@ -733,7 +721,6 @@ struct Consumer {
     open_syncs: std::collections::HashMap<u32, Vec<OpenSync>>,
     decode_errors: u64,
     completed_steps: u64,
-    launch_rows: u64,
     step_ns_total: u128,
     last_step_ns: Option<u64>,
     /// Records stamped after this are dropped (see the end of [`profile`]).
@@ -743,10 +730,9 @@ struct Consumer {
 const BATCH: usize = 16 * 1024;
 
 impl Consumer {
-    fn new(writer: StoreWriter, keep_launches: bool, labels: Vec<&'static str>, pid: u32) -> Self {
+    fn new(writer: StoreWriter, labels: Vec<&'static str>, pid: u32) -> Self {
         Self {
             writer,
-            keep_launches,
             tracker: StepTracker::new(labels),
             launches: Vec::with_capacity(BATCH),
             steps: Vec::new(),
@@ -759,7 +745,6 @@ impl Consumer {
             kernels: Vec::new(),
             decode_errors: 0,
             completed_steps: 0,
-            launch_rows: 0,
             step_ns_total: 0,
             last_step_ns: None,
             cutoff_ns: None,
@@ -794,21 +779,21 @@ impl Consumer {
                     // Named at the end, off the event path (see `name_runtime_stubs`).
                     self.stubs_seen.insert(l.function);
                 }
-                if self.keep_launches {
-                    self.launches.push(LaunchRow {
-                        ts_ns: l.ts_ns,
-                        tid: l.tid,
-                        api: l.api,
-                        function: l.function,
-                        grid: l.grid,
-                        block: l.block,
-                        shared_mem_bytes: l.shared_mem_bytes,
-                        stream: l.stream,
-                        step: self.tracker.current_step(l.tid),
-                    });
-                    if self.launches.len() >= BATCH {
-                        self.flush_launches();
-                    }
+                // Launch records exist only in `--launches all`: in `count`
+                // mode the kernel side never writes them.
+                self.launches.push(LaunchRow {
+                    ts_ns: l.ts_ns,
+                    tid: l.tid,
+                    api: l.api,
+                    function: l.function,
+                    grid: l.grid,
+                    block: l.block,
+                    shared_mem_bytes: l.shared_mem_bytes,
+                    stream: l.stream,
+                    step: self.tracker.current_step(l.tid),
+                });
+                if self.launches.len() >= BATCH {
+                    self.flush_launches();
                 }
             }
             Ok(Event::StepEnter(e)) => {
@@ -891,7 +876,6 @@ impl Consumer {
 
     fn flush_launches(&mut self) {
         if !self.launches.is_empty() {
-            self.launch_rows += self.launches.len() as u64;
             let batch = std::mem::replace(&mut self.launches, Vec::with_capacity(BATCH));
             self.writer.send(StoreMsg::Launches(batch));
         }

@@ -6,7 +6,7 @@ use anyhow::Context;
 use clap::Args;
 use tokio::signal::unix::{SignalKind, signal};
 
-use crate::probes::{Probes, elf, placement};
+use crate::probes::{Probes, elf, map_file};
 
 #[derive(Args, Debug)]
 pub struct BareProbeArgs {
@@ -20,22 +20,14 @@ pub struct BareProbeArgs {
 
 pub async fn main(args: BareProbeArgs) -> anyhow::Result<ExitCode> {
     let pid = NonZeroU32::new(args.pid).context("PID 0")?;
-    let data = std::fs::read(&args.library).with_context(|| format!("read {}", args.library.display()))?;
+    let data = map_file(&args.library).with_context(|| format!("read {}", args.library.display()))?;
     let sym = elf::function_symbols(&data)?
         .into_iter()
         .find(|s| s.name == args.symbol)
         .with_context(|| format!("{} not in {}", args.symbol, args.library.display()))?;
-    let (mut probes, _ring) = Probes::load(pid, false, false)?;
-    let offset = if args.placed {
-        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
-            .ok()
-            .and_then(|r| placement::kernel_version(r.trim()))
-            .context("cannot read the kernel version")?;
-        let code = &data[sym.file_offset as usize..][..placement::WINDOW.min(data.len() - sym.file_offset as usize)];
-        placement::choose(code, sym.address, kernel).offset
-    } else {
-        0
-    };
+    // Placed exactly where the profiler would place its launch probe.
+    let (mut probes, _ring) = Probes::load(pid, false, args.placed)?;
+    let offset = probes.probe_point(&data, &sym).offset;
     probes.attach_bare(&args.library, sym.file_offset + offset)?;
     println!("attached at +{offset:#x}");
     let mut int = signal(SignalKind::interrupt())?;

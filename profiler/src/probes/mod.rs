@@ -59,6 +59,17 @@ pub struct PlacedProbe {
     pub reason: String,
 }
 
+/// Where a probe goes in its function (see [`Probes::probe_point`]).
+pub struct ProbePoint {
+    /// Bytes from the function's start.
+    pub offset: u64,
+    /// Bytes the function pushed before that point.
+    pub stack_adjust: u64,
+    /// Whether `[rsp]` there still holds the return address.
+    pub keeps_return: bool,
+    pub reason: String,
+}
+
 /// Kernel-side counters, summed over CPUs.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct KernelCounters {
@@ -203,19 +214,22 @@ impl Probes {
         Ok(())
     }
 
-    /// Whether `path` (as the profiler sees it) was already probed.
-    pub fn is_probed(&self, path: &Path) -> bool {
-        std::fs::metadata(path).is_ok_and(|m| self.probed.contains(&(m.dev(), m.ino())))
-    }
-
-    /// Probes every launch entry point `path` exports. Returns how many
-    /// probes were attached (0 when the file exports none, or was already probed).
-    pub fn attach_cuda_library(&mut self, kind: LibraryKind, path: &Path) -> Result<Vec<PlacedProbe>, ProbeError> {
-        let meta = std::fs::metadata(path).map_err(|source| ProbeError::Read { path: path.to_owned(), source })?;
+    /// Probes the launch entry points, host synchronisation calls and (for
+    /// the driver) kernel-naming calls `path` exports; returns where each probe
+    /// went (empty when the file exports none), or None when this file (by
+    /// device and inode) was already probed, under whatever name.
+    pub fn attach_cuda_library(
+        &mut self,
+        kind: LibraryKind,
+        path: &Path,
+    ) -> Result<Option<Vec<PlacedProbe>>, ProbeError> {
+        let read_err = |source| ProbeError::Read { path: path.to_owned(), source };
+        let meta = std::fs::metadata(path).map_err(read_err)?;
         if !self.probed.insert((meta.dev(), meta.ino())) {
-            return Ok(Vec::new());
+            return Ok(None);
         }
-        let data = std::fs::read(path).map_err(|source| ProbeError::Read { path: path.to_owned(), source })?;
+        // Mapped, not read: only the symbol tables and the entry blocks are touched.
+        let data = map_file(path).map_err(read_err)?;
         let symbols =
             elf::function_symbols(&data).map_err(|source| ProbeError::Elf { path: path.to_owned(), source })?;
         let layer = match kind {
@@ -236,15 +250,7 @@ impl Probes {
             let Some(sym) = symbols.iter().find(|s| s.name == api.symbol()) else {
                 continue;
             };
-            let start = sym.file_offset as usize;
-            let code = data.get(start..).map(|c| &c[..c.len().min(placement::WINDOW)]).unwrap_or(&[]);
-            let (offset, stack_adjust, keeps_return, reason) = match self.kernel {
-                Some(k) => {
-                    let p = placement::choose(code, sym.address, k);
-                    (p.offset, p.stack_adjust, p.keeps_return_address(), p.to_string())
-                }
-                None => (0, 0, true, "at the entry (--probe-at-entry)".to_string()),
-            };
+            let ProbePoint { offset, stack_adjust, keeps_return, reason } = self.probe_point(&data, sym);
             // The program reads stack arguments `stack_adjust` bytes further
             // up when pushes ran before the probe; it travels in the cookie.
             let cookie = api as u64 | (stack_adjust << 32);
@@ -285,7 +291,28 @@ impl Probes {
                 placed.push(PlacedProbe { symbol, offset: 0, reason: "kernel name entry and return".into() });
             }
         }
-        Ok(placed)
+        Ok(Some(placed))
+    }
+
+    /// Where a hot probe on `sym` (in the file `data`) goes: placement's choice,
+    /// or the entry under `--probe-at-entry`.
+    pub fn probe_point(&self, data: &[u8], sym: &elf::FunctionSymbol) -> ProbePoint {
+        let Some(kernel) = self.kernel else {
+            return ProbePoint {
+                offset: 0,
+                stack_adjust: 0,
+                keeps_return: true,
+                reason: "at the entry (--probe-at-entry)".into(),
+            };
+        };
+        let code = data.get(sym.file_offset as usize..).unwrap_or_default();
+        let p = placement::choose(&code[..code.len().min(placement::WINDOW)], sym.address, kernel);
+        ProbePoint {
+            offset: p.offset,
+            stack_adjust: p.stack_adjust,
+            keeps_return: p.keeps_return_address(),
+            reason: p.to_string(),
+        }
     }
 
     /// Entry and return probes on the step function.
@@ -338,6 +365,22 @@ impl Probes {
 fn read_counters(lost: &PerCpuArray<MapData, u64>, launches: &PerCpuArray<MapData, u64>) -> KernelCounters {
     let sum = |m: &PerCpuArray<MapData, u64>| m.get(&0, 0).map(|v| v.iter().sum::<u64>()).unwrap_or(0);
     KernelCounters { lost: sum(lost), launches: sum(launches) }
+}
+
+/// Maps a file read-only (libraries can be a gigabyte; callers touch only
+/// their symbol tables and a few code blocks).
+pub fn map_file(path: &Path) -> std::io::Result<memmap2::Mmap> {
+    let f = std::fs::File::open(path)?;
+    // SAFETY: a read-only private mapping of a file we only read; a concurrent
+    // truncation could fault, which executable files in use do not see.
+    unsafe { memmap2::Mmap::map(&f) }
+}
+
+/// A file of the target's, mapped: through the target's root (its mount
+/// namespace) when the path is absolute, else or failing that as given.
+pub fn open_in_target(pid: u32, path: &Path) -> Option<memmap2::Mmap> {
+    let inside = path.is_absolute().then(|| map_file(&in_target_root(pid, path)).ok()).flatten();
+    inside.or_else(|| map_file(path).ok())
 }
 
 /// `path` as seen from inside `pid`'s mount namespace, reachable from ours.

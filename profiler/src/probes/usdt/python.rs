@@ -310,7 +310,7 @@ pub fn find_in_process(pid: u32) -> Result<PythonProbes, PythonProbeError> {
     let exe = proc.as_ref().ok().and_then(|p| p.exe().ok()).unwrap_or_else(|| PathBuf::from("the target's executable"));
     let mapped = proc.as_ref().ok().and_then(|p| p.maps().ok()).map(|m| crate::probes::maps::mapped_files(&m));
     let list = candidates(&exe, mapped.as_deref().unwrap_or_default());
-    resolve(&list, |p| std::fs::read(crate::probes::in_target_root(pid, p)).ok())
+    resolve(&list, |p| crate::probes::open_in_target(pid, p))
 }
 
 /// A Python step function to attach, and the id its records carry.

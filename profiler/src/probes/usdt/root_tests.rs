@@ -154,7 +154,7 @@ fn run_traced(args: &[&str], specs: &[&str]) -> Traced {
     // The trainer dlopens the driver after --wait-file: probes by inode apply
     // when it is mapped.
     let placed = probes.attach_cuda_library(LibraryKind::Driver, &fixtures().join("libcuda.so.1")).expect("cuda");
-    assert!(!placed.is_empty());
+    assert!(placed.is_some_and(|p| !p.is_empty()));
     let python = find_in_process(pid.get()).expect("python3.11 has USDT probes");
     let targets: Vec<PythonTarget> = specs
         .iter()
