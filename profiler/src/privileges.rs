@@ -1,25 +1,49 @@
 //! Whether this process may load BPF programs and attach uprobes.
 
+/// Capability bits (linux/capability.h).
 const CAP_SYS_ADMIN: u32 = 21;
 const CAP_PERFMON: u32 = 38;
 const CAP_BPF: u32 = 39;
 
+/// The capabilities that matter for tracing, in the order they are reported.
+const TRACING_CAPS: [(u32, &str); 3] =
+    [(CAP_BPF, "CAP_BPF"), (CAP_PERFMON, "CAP_PERFMON"), (CAP_SYS_ADMIN, "CAP_SYS_ADMIN")];
+
+fn has(cap_eff: u64, cap: u32) -> bool {
+    cap_eff & (1u64 << cap) != 0
+}
+
 /// Decides from the effective capability set (`CapEff` of /proc/self/status).
 pub fn can_trace(cap_eff: u64) -> bool {
-    let has = |c: u32| cap_eff & (1u64 << c) != 0;
-    (has(CAP_BPF) && has(CAP_PERFMON)) || has(CAP_SYS_ADMIN)
+    (has(cap_eff, CAP_BPF) && has(cap_eff, CAP_PERFMON)) || has(cap_eff, CAP_SYS_ADMIN)
+}
+
+/// Names of the tracing capabilities (CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN)
+/// that `cap_eff` holds, in that order.
+pub fn held(cap_eff: u64) -> Vec<&'static str> {
+    TRACING_CAPS.iter().filter(|(c, _)| has(cap_eff, *c)).map(|(_, n)| *n).collect()
+}
+
+/// The `CapEff:` value of a /proc/PID/status text.
+fn parse_cap_eff(status: &str) -> Result<u64, String> {
+    let v = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(str::trim)
+        .ok_or("/proc/self/status has no CapEff line")?;
+    u64::from_str_radix(v, 16).map_err(|e| format!("/proc/self/status: CapEff '{v}' is not a hex mask ({e})"))
+}
+
+/// This process's effective capability set, from /proc/self/status.
+pub fn effective_caps() -> Result<u64, String> {
+    let status =
+        std::fs::read_to_string("/proc/self/status").map_err(|e| format!("cannot read /proc/self/status: {e}"))?;
+    parse_cap_eff(&status)
 }
 
 /// Checks this process; `Err` carries the message for the user.
 pub fn check() -> Result<(), String> {
-    let status =
-        std::fs::read_to_string("/proc/self/status").map_err(|e| format!("cannot read /proc/self/status: {e}"))?;
-    let cap_eff = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        .unwrap_or(0);
-    if can_trace(cap_eff) {
+    if can_trace(effective_caps()?) {
         Ok(())
     } else {
         Err("profiler needs root (or CAP_BPF and CAP_PERFMON) to load eBPF probes: run it with sudo".into())
@@ -37,5 +61,30 @@ mod tests {
         assert!(can_trace((1 << 38) | (1 << 39)));
         assert!(!can_trace(1 << 39));
         assert!(can_trace(1 << 21));
+    }
+
+    #[test]
+    fn held_names_the_tracing_capabilities() {
+        assert_eq!(held(0), Vec::<&str>::new());
+        assert_eq!(held(0x1ff_ffff_ffff), ["CAP_BPF", "CAP_PERFMON", "CAP_SYS_ADMIN"]);
+        assert_eq!(held((1 << 38) | (1 << 39)), ["CAP_BPF", "CAP_PERFMON"]);
+        assert_eq!(held(1 << 21), ["CAP_SYS_ADMIN"]);
+        // Other bits (CAP_NET_ADMIN = 12, CAP_SYS_PTRACE = 19) are not named.
+        assert_eq!(held((1 << 12) | (1 << 19) | (1 << 38)), ["CAP_PERFMON"]);
+    }
+
+    #[test]
+    fn cap_eff_is_parsed_from_status() {
+        let status = "Name:\tx\nCapInh:\t0000000000000000\nCapEff:\t000001ffffffffff\nCapBnd:\t0\n";
+        assert_eq!(parse_cap_eff(status), Ok(0x1ff_ffff_ffff));
+        assert_eq!(parse_cap_eff("CapEff:\t0000000000000000\n"), Ok(0));
+        assert!(parse_cap_eff("Name:\tx\n").is_err());
+        assert!(parse_cap_eff("CapEff:\tzz\n").is_err());
+    }
+
+    #[test]
+    fn this_process_has_a_capability_set() {
+        let caps = effective_caps().expect("/proc/self/status has CapEff");
+        assert_eq!(check().is_ok(), can_trace(caps));
     }
 }

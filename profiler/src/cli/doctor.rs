@@ -17,27 +17,23 @@ use aya::{
     sys::{BpfHelper, is_helper_supported, is_map_supported, is_program_supported},
 };
 use clap::Args;
-use nvml_wrapper::{Nvml, error::NvmlError};
-use object::{
-    Endianness, Object, ObjectSection,
-    read::elf::{ElfFile64, SectionHeader},
-};
 
 use crate::{
     privileges,
-    probes::maps::{LibraryKind, cuda_libraries},
+    probes::{
+        maps::{cuda_libraries, mapped_files},
+        usdt::python::{self, PythonProbeError, PythonProbes},
+    },
+    samplers::{
+        gpu,
+        rapl::{self, Domain, RaplError},
+    },
 };
 
 /// Uprobe attach cookies (`bpf_get_attach_cookie` for kprobe-type programs)
 /// arrived in 5.15; the launch probes depend on them.
 const MIN_KERNEL: (u8, u8) = (5, 15);
 const BTF_VMLINUX: &str = "/sys/kernel/btf/vmlinux";
-const UPROBE_PMU_TYPE: &str = "/sys/bus/event_source/devices/uprobe/type";
-const PERF_POWER_PMU: &str = "/sys/bus/event_source/devices/power";
-/// Capability bits (linux/capability.h).
-const CAP_SYS_ADMIN: u32 = 21;
-const CAP_PERFMON: u32 = 38;
-const CAP_BPF: u32 = 39;
 
 #[derive(Args, Debug)]
 pub struct DoctorArgs {
@@ -47,7 +43,7 @@ pub struct DoctorArgs {
     #[arg(long, value_name = "PATH")]
     nvml_lib: Option<PathBuf>,
     /// Where powercap zones are.
-    #[arg(long, value_name = "PATH", default_value = "/sys/class/powercap")]
+    #[arg(long, value_name = "PATH", default_value = rapl::POWERCAP_ROOT)]
     powercap_root: PathBuf,
 }
 
@@ -129,36 +125,32 @@ fn render(checks: &[Check], pid_header: Option<(usize, &str)>) -> String {
     o
 }
 
-/// Effective capabilities and uid of this process, from /proc/self/status.
-fn own_credentials() -> (u64, Option<u32>) {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).map(str::trim);
-    let cap_eff = field("CapEff:").and_then(|v| u64::from_str_radix(v, 16).ok()).unwrap_or(0);
-    // "Uid: real effective saved fs"
-    let euid = field("Uid:").and_then(|v| v.split_whitespace().nth(1)).and_then(|v| v.parse().ok());
-    (cap_eff, euid)
+/// Effective uid of this process, from /proc/self/status ("Uid: real effective saved fs").
+fn own_euid() -> Option<u32> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status.lines().find_map(|l| l.strip_prefix("Uid:"))?.split_whitespace().nth(1)?.parse().ok()
 }
 
 fn machine_checks(args: &DoctorArgs) -> Vec<Check> {
     let mut checks = vec![kernel_check(), btf_check()];
-    let (cap_eff, euid) = own_credentials();
+    // What `attach` and `run` decide on (privileges::check), read the same way.
+    let caps = privileges::effective_caps();
+    let cap_eff = caps.as_ref().copied().unwrap_or(0);
     let privileged = privileges::can_trace(cap_eff);
     let exe = std::env::current_exe().map_or_else(|_| "profiler".to_string(), |p| p.display().to_string());
     let cap_fix =
         format!("run it as root (sudo), or grant it the capabilities: sudo setcap cap_bpf,cap_perfmon+ep {exe}");
-    let has = |c: u32| cap_eff & (1u64 << c) != 0;
-    let held: Vec<&str> = [(CAP_BPF, "CAP_BPF"), (CAP_PERFMON, "CAP_PERFMON"), (CAP_SYS_ADMIN, "CAP_SYS_ADMIN")]
-        .iter()
-        .filter(|(c, _)| has(*c))
-        .map(|(_, n)| *n)
-        .collect();
-    let who = match euid {
+    let held = privileges::held(cap_eff);
+    let who = match own_euid() {
         Some(0) => "root".to_string(),
         Some(u) => format!("uid {u}"),
         None => "unknown user".to_string(),
     };
-    let held_text =
-        if held.is_empty() { "none of CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN".into() } else { held.join(", ") };
+    let held_text = match &caps {
+        Err(e) => format!("capabilities unknown: {e}"),
+        Ok(_) if held.is_empty() => "none of CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN".into(),
+        Ok(_) => held.join(", "),
+    };
     checks.push(if privileged {
         Check::pass("privileges", format!("{held_text} (as {who})"))
     } else {
@@ -222,8 +214,7 @@ fn machine_checks(args: &DoctorArgs) -> Vec<Check> {
         checks.push(Check::fail("ring buffer", needs_bpf, "fix the BPF syscall first (above)"));
     }
     checks.push(nvml_check(args.nvml_lib.as_deref()));
-    checks.push(perf_power_check());
-    checks.push(powercap_check(&args.powercap_root));
+    checks.push(rapl_check(Path::new(rapl::PERF_POWER_PMU), &args.powercap_root));
     checks
 }
 
@@ -258,40 +249,28 @@ fn btf_check() -> Check {
     }
 }
 
+/// The uprobe PMU's type, read by the code that attaches the USDT probes.
 fn uprobe_pmu_check() -> Check {
-    match std::fs::read_to_string(UPROBE_PMU_TYPE) {
-        Ok(t) => match t.trim().parse::<u32>() {
-            Ok(ty) => Check::pass("uprobe PMU", format!("perf event type {ty} ({UPROBE_PMU_TYPE})")),
-            Err(_) => Check::fail(
-                "uprobe PMU",
-                format!("{UPROBE_PMU_TYPE} holds '{}', not a type number", t.trim()),
-                "use a kernel built with CONFIG_UPROBE_EVENTS=y",
-            ),
-        },
+    match crate::probes::usdt::attach::uprobe_pmu_type() {
+        Ok(ty) => Check::pass("uprobe PMU", format!("perf event type {ty}")),
         Err(e) => Check::fail(
             "uprobe PMU",
-            format!("{UPROBE_PMU_TYPE}: {e}"),
+            e.to_string(),
             "use a kernel built with CONFIG_UPROBE_EVENTS=y (and sysfs mounted at /sys)",
         ),
     }
 }
 
+/// NVML, initialised as the GPU sampler does.
 fn nvml_check(lib: Option<&Path>) -> Check {
-    let path = lib.map_or_else(|| PathBuf::from("libnvidia-ml.so.1"), Path::to_path_buf);
-    let nvml = match Nvml::builder().lib_path(path.as_os_str()).init() {
+    let nvml = match gpu::init_nvml(lib) {
         Ok(n) => n,
-        Err(NvmlError::LibloadingError(e)) => {
-            return Check::warn(
-                "NVML",
-                format!("cannot load {} ({e}); GPU figures will be absent", path.display()),
-                "install the NVIDIA driver (it ships libnvidia-ml.so.1), or pass --nvml-lib PATH",
-            );
-        }
         Err(e) => {
             return Check::warn(
                 "NVML",
-                format!("{} loads but does not initialise: {e}; GPU figures will be absent", path.display()),
-                "load the NVIDIA kernel driver (nvidia-smi should list the GPUs), matching the library's version",
+                format!("{e}; GPU figures will be absent"),
+                "install the NVIDIA driver and load its kernel module (nvidia-smi should list the GPUs), \
+                 or pass --nvml-lib PATH",
             );
         }
     };
@@ -312,73 +291,41 @@ fn nvml_check(lib: Option<&Path>) -> Check {
     }
 }
 
-fn perf_power_check() -> Check {
-    let dir = Path::new(PERF_POWER_PMU);
-    if !dir.join("type").exists() {
-        return Check::warn(
-            "RAPL perf PMU",
-            format!("no {PERF_POWER_PMU}; CPU/DRAM energy comes from powercap, if readable"),
-            "on bare-metal Intel/AMD hosts, load the RAPL perf driver (modprobe rapl); VMs have none",
-        );
-    }
-    let mut events: Vec<String> = std::fs::read_dir(dir.join("events"))
-        .map(|d| {
-            d.filter_map(Result::ok)
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("energy-") && !n.contains('.'))
-                .collect()
-        })
-        .unwrap_or_default();
-    events.sort();
-    if events.is_empty() {
-        Check::warn("RAPL perf PMU", format!("{PERF_POWER_PMU} lists no energy events"), "use powercap (below)")
-    } else {
-        Check::pass("RAPL perf PMU", events.join(", "))
-    }
-}
-
-/// Powercap RAPL zones under `root` (`intel-rapl:0`, `intel-rapl:0:0`, …;
-/// AMD's are named the same) and whether their energy counters can be read.
-fn powercap_check(root: &Path) -> Check {
-    let Ok(dir) = std::fs::read_dir(root) else {
-        return Check::warn(
-            "RAPL powercap",
-            format!("{} does not exist; CPU/DRAM energy will be absent unless the perf PMU works", root.display()),
-            "on bare metal, load intel_rapl_common/intel_rapl_msr (AMD: rapl); VMs usually have no RAPL",
-        );
-    };
-    let mut zones: Vec<(String, String, Result<u64, String>)> = Vec::new();
-    for entry in dir.filter_map(Result::ok) {
-        let id = entry.file_name().to_string_lossy().into_owned();
-        if !id.starts_with("intel-rapl:") {
-            continue;
+/// RAPL opened as the CPU/DRAM energy sampler opens it: the perf power PMU at
+/// `pmu_dir` first, powercap zones under `powercap_root` second.
+fn rapl_check(pmu_dir: &Path, powercap_root: &Path) -> Check {
+    let reader = match rapl::open_with(pmu_dir, powercap_root) {
+        Ok(r) => r,
+        Err(e) => {
+            let fix = match &e {
+                RaplError::Absent { .. } => {
+                    "on bare metal, load the RAPL drivers (modprobe rapl: the perf power PMU; \
+                     modprobe intel_rapl_msr: powercap, AMD too); VMs usually have no RAPL"
+                }
+                RaplError::NotPermitted { .. } => {
+                    "run the profiler as root (powercap's energy_uj is root-only; the perf power PMU needs CAP_PERFMON)"
+                }
+                RaplError::Unusable { .. } => "check the file named above (cat it); until then CPU/DRAM energy is NULL",
+            };
+            return Check::warn("RAPL", e.to_string(), fix);
         }
-        let path = entry.path();
-        let name = std::fs::read_to_string(path.join("name")).map_or_else(|_| id.clone(), |n| n.trim().to_owned());
-        let energy = std::fs::read_to_string(path.join("energy_uj"))
-            .map_err(|e| e.to_string())
-            .and_then(|v| v.trim().parse::<u64>().map_err(|e| format!("'{}': {e}", v.trim())));
-        zones.push((id, name, energy));
+    };
+    let domains: Vec<&str> = reader.domains().into_iter().map(Domain::as_str).collect();
+    let mut detail = format!("{}: {}", reader.source(), domains.join(", "));
+    let missing = reader.missing();
+    if !missing.is_empty() {
+        let reasons: Vec<&str> = missing.iter().map(|(_, why)| why.as_str()).collect();
+        let _ = write!(detail, "; {}", reasons.join("; "));
     }
-    zones.sort();
-    if zones.is_empty() {
-        return Check::warn(
-            "RAPL powercap",
-            format!("no RAPL zones under {}; CPU/DRAM energy will be absent unless the perf PMU works", root.display()),
-            "on bare metal, load intel_rapl_common/intel_rapl_msr (AMD: rapl); VMs usually have no RAPL",
-        );
-    }
-    let names: Vec<String> = zones.iter().map(|(id, name, _)| format!("{name} ({id})")).collect();
-    let unreadable: Vec<String> =
-        zones.iter().filter_map(|(id, _, e)| e.as_ref().err().map(|e| format!("{id}: {e}"))).collect();
-    if unreadable.is_empty() {
-        Check::pass("RAPL powercap", format!("energy readable: {}", names.join(", ")))
-    } else {
+    if missing.iter().any(|(d, _)| *d == Domain::Package) {
         Check::warn(
-            "RAPL powercap",
-            format!("{} of {} zones unreadable ({})", unreadable.len(), zones.len(), unreadable.join("; ")),
-            "energy_uj is readable by root only: run the profiler as root",
+            "RAPL",
+            detail,
+            "CPU energy will be NULL: check which domains the powercap zones' name files \
+             (or the power PMU's events) list",
         )
+    } else {
+        Check::pass("RAPL", detail)
     }
 }
 
@@ -415,133 +362,213 @@ fn process_checks(pid: i32) -> (String, Vec<Check>) {
             "none mapped yet; the profiler probes libcuda.so.1 where the process would load it, and waits",
         ));
     } else {
-        let list: Vec<String> = libs
-            .iter()
-            .map(|(k, f)| {
-                let kind = match k {
-                    LibraryKind::Driver => "driver",
-                    LibraryKind::Runtime => "runtime",
-                };
-                format!("{kind} {}", f.path.display())
-            })
-            .collect();
+        let list: Vec<String> = libs.iter().map(|(k, f)| format!("{} {}", k.as_str(), f.path.display())).collect();
         checks.push(Check::pass("CUDA libraries", list.join(", ")));
     }
     checks.push(python_check(pid, exe.as_deref(), &maps));
     (header, checks)
 }
 
-/// Whether the process is CPython and where its USDT probes are: in a mapped
-/// `libpython*.so` when the interpreter links one, else in the executable.
+/// Whether the process is CPython and where its USDT probes are, found as
+/// `attach --python-step` finds them: the executable, then each mapped
+/// `libpython*`, each read through the process's root.
 fn python_check(pid: i32, exe: Option<&Path>, maps: &procfs::process::MemoryMaps) -> Check {
+    // As python::find_in_process does when the executable cannot be read.
+    let exe = exe.map_or_else(|| PathBuf::from("the target's executable"), Path::to_path_buf);
+    let candidates = python::candidates(&exe, &mapped_files(maps));
     let file_name = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let libpython = crate::probes::maps::mapped_files(maps)
-        .into_iter()
-        .map(|f| f.path)
-        .find(|p| file_name(p).starts_with("libpython") && file_name(p).contains(".so"));
-    let exe_is_python = exe.is_some_and(|p| file_name(p).starts_with("python"));
-    let interpreter = match (libpython, exe) {
-        (Some(lib), _) => lib,
-        (None, Some(e)) if exe_is_python => e.to_path_buf(),
-        _ => return Check::info("CPython", "no (not a Python interpreter; use --step-symbol)"),
-    };
-    // The path as the process sees it, through its root (another mount namespace in a container).
-    let in_root =
-        PathBuf::from(format!("/proc/{pid}/root")).join(interpreter.strip_prefix("/").unwrap_or(&interpreter));
-    let data = match std::fs::read(&in_root).or_else(|_| std::fs::read(&interpreter)) {
-        Ok(d) => d,
-        Err(e) => {
-            return Check::warn(
-                "CPython",
-                format!("{}: cannot read it ({e})", interpreter.display()),
-                "run as root to inspect the interpreter",
-            );
+    let is_python =
+        file_name(&exe).starts_with("python") || candidates.iter().any(|p| file_name(p).starts_with("libpython"));
+    let mut unreadable = Vec::new();
+    let found = python::resolve(&candidates, |p| {
+        let bytes = crate::probes::open_in_target(pid as u32, p);
+        if bytes.is_none() {
+            unreadable.push(p.to_path_buf());
         }
-    };
-    match usdt_probes(&data) {
-        Ok(probes) if probes.iter().any(|p| p == "python:function__entry") => Check::pass(
-            "CPython",
-            format!("{} has {} USDT probes, function__entry among them", interpreter.display(), probes.len()),
-        ),
-        Ok(probes) if !probes.is_empty() => Check::warn(
-            "CPython",
-            format!("{} has {} USDT probes but no python:function__entry", interpreter.display(), probes.len()),
-            "use an interpreter built --with-dtrace (e.g. Debian's/Ubuntu's /usr/bin/python3), or --step-symbol",
-        ),
-        Ok(_) => Check::warn(
-            "CPython",
-            format!("{} has no USDT probes (.note.stapsdt)", interpreter.display()),
-            "use an interpreter built --with-dtrace (e.g. Debian's/Ubuntu's /usr/bin/python3), or --step-symbol",
-        ),
-        Err(e) => Check::warn(
-            "CPython",
-            format!("{}: not a 64-bit ELF file we can read ({e})", interpreter.display()),
-            "use --step-symbol",
-        ),
-    }
+        bytes
+    });
+    python_verdict(found, is_python, &unreadable)
 }
 
-/// `provider:name` of every SystemTap SDT note (type 3, owner "stapsdt") in
-/// the `.note.stapsdt` section of a 64-bit ELF file.
-pub fn usdt_probes(data: &[u8]) -> object::Result<Vec<String>> {
-    let file = ElfFile64::<Endianness>::parse(data)?;
-    let mut out = Vec::new();
-    for section in file.sections() {
-        if section.name() != Ok(".note.stapsdt") {
-            continue;
+/// The CPython check from what [`python::resolve`] answered. `is_python`:
+/// the executable is named python* or the process maps a libpython.
+/// `unreadable`: candidates that could not be read (and so were skipped).
+fn python_verdict(found: Result<PythonProbes, PythonProbeError>, is_python: bool, unreadable: &[PathBuf]) -> Check {
+    match found {
+        Ok(py) => {
+            let version = py.version.map_or_else(String::new, |(major, minor)| format!(" (CPython {major}.{minor})"));
+            let mut detail = format!(
+                "{}{version}: {} function__entry and {} function__return site{}",
+                py.path.display(),
+                py.entry.len(),
+                py.ret.len(),
+                if py.ret.len() == 1 { "" } else { "s" },
+            );
+            if let Some(switch) = &py.tracing_switch {
+                let _ = write!(
+                    detail,
+                    "; entries fire only while tracing: switched on through the python:line semaphore \
+                     (file offset {:#x}) by a uprobe on {}",
+                    switch.line_semaphore_file_offset, switch.carrier,
+                );
+            }
+            Check::pass("CPython", detail)
         }
-        let Some(mut notes) = section.elf_section_header().notes(file.endian(), file.data())? else {
-            continue;
-        };
-        while let Some(note) = notes.next()? {
-            if note.name() != b"stapsdt" || note.n_type(file.endian()) != 3 {
-                continue;
+        Err(PythonProbeError::NoProbes { .. }) if !is_python => {
+            Check::info("CPython", "no (not a Python interpreter; use --step-symbol)")
+        }
+        Err(e) => {
+            let no_probes = matches!(e, PythonProbeError::NoProbes { .. });
+            let mut detail = e.to_string();
+            if no_probes && !unreadable.is_empty() {
+                let list: Vec<String> = unreadable.iter().map(|p| p.display().to_string()).collect();
+                let _ = write!(detail, " (could not read {}, so not searched)", list.join(", "));
             }
-            // desc: pc, base, semaphore (8 bytes each), then "provider\0name\0args\0".
-            let mut strings = note.desc().get(24..).unwrap_or_default().split(|&b| b == 0);
-            if let (Some(provider), Some(name)) = (strings.next(), strings.next()) {
-                out.push(format!("{}:{}", String::from_utf8_lossy(provider), String::from_utf8_lossy(name)));
-            }
+            // NoProbes says what to do itself; the others are limits of the profiler's.
+            let fix = match (no_probes, unreadable.is_empty()) {
+                (true, true) => None,
+                (true, false) => Some("run as root to read the interpreter's files".to_owned()),
+                (false, _) => Some("mark steps in native code with --step-symbol instead".to_owned()),
+            };
+            Check { status: Status::Warn, name: "CPython", detail, fix }
         }
     }
-    Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// A powercap zone as open_powercap reads it: name, max range, counter.
+    fn write_zone(root: &Path, id: &str, name: &str, energy: Option<&str>) {
+        let dir = root.join(id);
+        std::fs::create_dir_all(&dir).expect("zone");
+        std::fs::write(dir.join("name"), format!("{name}\n")).expect("name");
+        std::fs::write(dir.join("max_energy_range_uj"), "262143328850\n").expect("max");
+        if let Some(e) = energy {
+            std::fs::write(dir.join("energy_uj"), e).expect("energy");
+        }
+    }
+
     #[test]
     fn powercap_zones_readable_or_not() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let z = dir.path().join("intel-rapl:0");
-        std::fs::create_dir_all(&z).expect("zone");
-        std::fs::write(z.join("name"), "package-0\n").expect("name");
-        std::fs::write(z.join("energy_uj"), "12345\n").expect("energy");
-        let c = powercap_check(dir.path());
+        // No PMU there: powercap decides, as on a machine without the perf driver.
+        let no_pmu = dir.path().join("no-power-pmu");
+        let root = dir.path().join("powercap");
+        write_zone(&root, "intel-rapl:0", "package-0", Some("12345\n"));
+        write_zone(&root, "intel-rapl:0:0", "dram", Some("678\n"));
+        let c = rapl_check(&no_pmu, &root);
         assert_eq!(c.status, Status::Pass, "{c:?}");
-        assert!(c.detail.contains("package-0 (intel-rapl:0)"), "{c:?}");
-        let z1 = dir.path().join("intel-rapl:1");
-        std::fs::create_dir_all(&z1).expect("zone");
-        std::fs::write(z1.join("name"), "package-1\n").expect("name");
-        let c = powercap_check(dir.path());
+        assert!(c.detail.starts_with(&format!("powercap intel-rapl zones under {}", root.display())), "{c:?}");
+        assert!(c.detail.ends_with(": package, dram"), "{c:?}");
+        assert!(c.fix.is_none(), "{c:?}");
+
+        // A second package whose counter cannot be read: RAPL would fail, so a warning naming the file.
+        write_zone(&root, "intel-rapl:1", "package-1", None);
+        let c = rapl_check(&no_pmu, &root);
         assert_eq!(c.status, Status::Warn, "{c:?}");
-        assert!(c.detail.contains("1 of 2 zones unreadable"), "{c:?}");
-        let c = powercap_check(&dir.path().join("nothing"));
-        assert_eq!(c.status, Status::Warn);
-        assert!(c.fix.is_some());
+        assert!(c.detail.contains("intel-rapl:1/energy_uj"), "{c:?}");
+        assert!(c.fix.is_some(), "{c:?}");
+        std::fs::write(root.join("intel-rapl:1/energy_uj"), "garbage\n").expect("energy");
+        let c = rapl_check(&no_pmu, &root);
+        assert_eq!(c.status, Status::Warn, "{c:?}");
+        assert!(c.detail.contains("intel-rapl:1/energy_uj"), "{c:?}");
+
+        // Package only: still a pass, with why DRAM energy will be NULL.
+        let pkg_only = dir.path().join("pkg-only");
+        write_zone(&pkg_only, "intel-rapl:0", "package-0", Some("1\n"));
+        let c = rapl_check(&no_pmu, &pkg_only);
+        assert_eq!(c.status, Status::Pass, "{c:?}");
+        assert!(c.detail.contains(": package; no RAPL DRAM domain"), "{c:?}");
+
+        // No package domain: CPU energy will be NULL, a warning.
+        let psys_only = dir.path().join("psys-only");
+        write_zone(&psys_only, "intel-rapl:0", "psys", Some("1\n"));
+        let c = rapl_check(&no_pmu, &psys_only);
+        assert_eq!(c.status, Status::Warn, "{c:?}");
+        assert!(c.detail.contains(": psys; no RAPL package domain"), "{c:?}");
+        assert!(c.fix.is_some(), "{c:?}");
+
+        // Nothing there at all.
+        let c = rapl_check(&no_pmu, &dir.path().join("nothing"));
+        assert_eq!(c.status, Status::Warn, "{c:?}");
+        assert!(c.detail.starts_with("RAPL unavailable: no perf power PMU"), "{c:?}");
+        assert!(c.fix.as_deref().is_some_and(|f| f.contains("modprobe")), "{c:?}");
+    }
+
+    fn probe(name: &str, file_offset: u64, semaphore_file_offset: Option<u64>) -> crate::probes::usdt::UsdtProbe {
+        crate::probes::usdt::UsdtProbe {
+            provider: "python".into(),
+            name: name.into(),
+            address: file_offset,
+            note_base: 0,
+            semaphore: semaphore_file_offset,
+            file_offset,
+            semaphore_file_offset,
+            arguments: "8@%rbp 8@%r12 -4@%eax".into(),
+            args: Ok(Vec::new()),
+        }
     }
 
     #[test]
-    fn usdt_probes_of_a_non_elf_file_is_an_error() {
-        assert!(usdt_probes(b"not an elf").is_err());
+    fn python_verdicts() {
+        let no_probes = || PythonProbeError::NoProbes { searched: "/usr/bin/python3.12".into() };
+        // Not Python at all: information, not a warning.
+        let c = python_verdict(Err(no_probes()), false, &[]);
+        assert_eq!(c.status, Status::Info, "{c:?}");
+        assert_eq!(c.detail, "no (not a Python interpreter; use --step-symbol)");
+        // Python without probes: a warning whose text is the error's own, which says what to do.
+        let c = python_verdict(Err(no_probes()), true, &[]);
+        assert_eq!(c.status, Status::Warn, "{c:?}");
+        assert_eq!(c.detail, no_probes().to_string());
+        assert!(c.detail.contains("--with-dtrace") && c.detail.contains("--step-symbol"), "{c:?}");
+        // ... and when a candidate could not be read, that is said, with its fix.
+        let c = python_verdict(Err(no_probes()), true, &[PathBuf::from("/usr/lib/libpython3.12.so.1.0")]);
+        assert_eq!(c.status, Status::Warn, "{c:?}");
+        assert!(c.detail.contains("could not read /usr/lib/libpython3.12.so.1.0"), "{c:?}");
+        assert!(c.fix.as_deref().is_some_and(|f| f.contains("root")), "{c:?}");
+        // Probes that are there but unusable warn even in a non-python-named executable.
+        let c = python_verdict(Err(PythonProbeError::NoReturn { path: "/opt/app".into() }), false, &[]);
+        assert_eq!(c.status, Status::Warn, "{c:?}");
+        assert_eq!(c.detail, "/opt/app: python:function__entry without python:function__return");
+        assert!(c.fix.is_some(), "{c:?}");
+
+        let py = PythonProbes {
+            path: "/usr/bin/python3.10".into(),
+            version: None,
+            entry: vec![probe("function__entry", 0x1000, Some(0x9000))],
+            ret: vec![probe("function__return", 0x2000, Some(0x9002))],
+            tracing_switch: None,
+        };
+        let c = python_verdict(Ok(py.clone()), true, &[]);
+        assert_eq!(c.status, Status::Pass, "{c:?}");
+        assert_eq!(c.detail, "/usr/bin/python3.10: 1 function__entry and 1 function__return site");
+        // 3.11: the tracing switch is named.
+        let py311 = PythonProbes {
+            path: "/usr/bin/python3.11".into(),
+            version: Some((3, 11)),
+            tracing_switch: Some(python::TracingSwitch {
+                line_semaphore_file_offset: 0x9004,
+                carrier: probe("gc__start", 0x3000, Some(0x9006)),
+            }),
+            ..py
+        };
+        let c = python_verdict(Ok(py311), false, &[]);
+        assert_eq!(c.status, Status::Pass, "{c:?}");
+        assert!(c.detail.starts_with("/usr/bin/python3.11 (CPython 3.11): 1 function__entry"), "{c:?}");
+        assert!(
+            c.detail.contains("python:line semaphore (file offset 0x9004) by a uprobe on python:gc__start"),
+            "{c:?}"
+        );
     }
 
-    /// This test binary has no SDT notes; libc's, where the system has them, would.
+    /// This test binary is no Python: the check says so from its own maps.
     #[test]
-    fn usdt_probes_of_a_plain_executable_are_none() {
-        let exe = std::fs::read(std::env::current_exe().expect("exe")).expect("read");
-        assert_eq!(usdt_probes(&exe).expect("an ELF file"), Vec::<String>::new());
+    fn this_process_is_not_python() {
+        let me = procfs::process::Process::myself().expect("self");
+        let c = python_check(me.pid, me.exe().ok().as_deref(), &me.maps().expect("maps"));
+        assert_eq!(c.status, Status::Info, "{c:?}");
     }
 
     #[test]

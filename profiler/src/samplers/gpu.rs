@@ -6,7 +6,10 @@
 //! NULL with the reason recorded once in `capabilities`. The running-process
 //! list (milliseconds, under the driver lock) is read every few seconds, never
 //! on every tick.
-use std::{path::PathBuf, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use nvml_wrapper::{
     Device, Nvml,
@@ -233,16 +236,22 @@ fn field_u32(sample: Option<&Result<FieldValueSample, NvmlError>>) -> Result<f64
     }
 }
 
+/// Loads NVML from `lib` (None: the system's libnvidia-ml.so.1) and
+/// initialises it; the error says which of the two failed.
+pub fn init_nvml(lib: Option<&Path>) -> Result<Nvml, GpuError> {
+    let lib = lib.unwrap_or(Path::new("libnvidia-ml.so.1"));
+    Nvml::builder().lib_path(lib.as_os_str()).init().map_err(|e| match e {
+        NvmlError::LibloadingError(e) => {
+            GpuError::Unavailable(format!("cannot load NVML ({e}); pass its path with --nvml-lib"))
+        }
+        e => GpuError::Unavailable(format!("NVML ({}) did not initialise: {e}", lib.display())),
+    })
+}
+
 impl GpuSampler {
     /// Initialises NVML and picks the GPUs; nothing is written until [`Self::start`].
     pub fn open(cfg: &GpuConfig, pid: u32, target_cvd: Option<&str>) -> Result<Self, GpuError> {
-        let lib = cfg.nvml_lib.clone().unwrap_or_else(|| PathBuf::from("libnvidia-ml.so.1"));
-        let nvml = Nvml::builder().lib_path(lib.as_os_str()).init().map_err(|e| match e {
-            NvmlError::LibloadingError(e) => {
-                GpuError::Unavailable(format!("cannot load NVML ({e}); pass its path with --nvml-lib"))
-            }
-            e => GpuError::Unavailable(format!("NVML ({}) did not initialise: {e}", lib.display())),
-        })?;
+        let nvml = init_nvml(cfg.nvml_lib.as_deref())?;
         let count = nvml.device_count().map_err(|e| GpuError::Unavailable(format!("NVML device count: {e}")))?;
         let mut uuids = Vec::new();
         for i in 0..count {
