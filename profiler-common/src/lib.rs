@@ -78,6 +78,14 @@ impl ApiLayer {
     pub const fn of(id: u32) -> Self {
         if id < Self::RUNTIME_ID_BASE { Self::Driver } else { Self::Runtime }
     }
+
+    /// `driver` or `runtime`, as stored.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Driver => "driver",
+            Self::Runtime => "runtime",
+        }
+    }
 }
 
 impl LaunchApi {
