@@ -21,7 +21,7 @@ use nvml_wrapper::{
 };
 use rusqlite::{Connection, params, types::Value};
 
-use super::{CapabilityLog, Sampler};
+use super::{CapabilityLog, Sampler, load_columns, step_spans};
 use crate::{
     correlate::{CounterSeries, GaugeSeries, interval_energy},
     store::{FinishHook, Insert, RowSender, StoreMsg},
@@ -210,16 +210,9 @@ pub struct GpuSampler {
 }
 
 fn opt_f64(r: Result<f64, String>, caps: &mut CapabilityLog, metric: &str) -> Value {
-    match r {
-        Ok(v) => {
-            caps.record(metric, true, None);
-            Value::Real(v)
-        }
-        Err(e) => {
-            caps.record(metric, false, Some(format!("NVML: {e}")));
-            Value::Null
-        }
-    }
+    let r = r.map_err(|e| format!("NVML: {e}"));
+    caps.note(metric, &r);
+    r.map_or(Value::Null, Value::Real)
 }
 
 fn field_u32(sample: Option<&Result<FieldValueSample, NvmlError>>) -> Result<f64, String> {
@@ -465,15 +458,11 @@ impl GpuSampler {
     }
 }
 
-/// Per-step, per-GPU figures from `gpu_samples` and `steps` (the finish hook).
+/// Per-step, per-GPU figures from `gpu_samples` and `steps` (the finish
+/// hook). A step that never ended gets its start-side values; its energy and
+/// end-side values are NULL.
 fn step_gpu(conn: &Connection, session: i64, gpus: &[u32], max_gap_ns: u64) -> rusqlite::Result<()> {
-    let steps: Vec<(String, i64, u64, u64)> = conn
-        .prepare(
-            "SELECT label, step, start_ns, end_ns FROM steps WHERE session_id = ?1 AND end_ns IS NOT NULL
-             ORDER BY label, step",
-        )?
-        .query_map([session], |r| Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? as u64, r.get::<_, i64>(3)? as u64)))?
-        .collect::<Result<_, _>>()?;
+    let steps = step_spans(conn, session)?;
     let mut insert = conn.prepare(
         "INSERT INTO step_gpu(session_id, label, step, gpu, energy_j, energy_error_j, avg_power_w, below_resolution,
              utilization_gpu_start_pct, utilization_gpu_end_pct, memory_used_start_mib, memory_used_end_mib,
@@ -481,59 +470,42 @@ fn step_gpu(conn: &Connection, session: i64, gpus: &[u32], max_gap_ns: u64) -> r
              fan_speed_end_pct, temperature_gpu_end_c, temperature_memory_end_c)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)",
     )?;
+    let mut samples = conn.prepare(
+        "SELECT ts_ns, energy_j, utilization_gpu_pct, memory_used_mib, memory_free_mib, utilization_memory_pct,
+                fan_speed_pct, temperature_gpu_c, temperature_memory_c
+         FROM gpu_samples WHERE session_id = ?1 AND gpu = ?2 ORDER BY ts_ns",
+    )?;
     for &gpu in gpus {
-        const COLS: [&str; 8] = [
-            "energy_j",
-            "utilization_gpu_pct",
-            "memory_used_mib",
-            "memory_free_mib",
-            "utilization_memory_pct",
-            "fan_speed_pct",
-            "temperature_gpu_c",
-            "temperature_memory_c",
-        ];
-        let mut series: Vec<Vec<(u64, f64)>> = vec![Vec::new(); COLS.len()];
-        let sql = format!(
-            "SELECT ts_ns, {} FROM gpu_samples WHERE session_id = ?1 AND gpu = ?2 ORDER BY ts_ns",
-            COLS.join(", ")
-        );
-        let mut q = conn.prepare(&sql)?;
-        let mut rows = q.query(params![session, gpu])?;
-        while let Some(r) = rows.next()? {
-            let ts = r.get::<_, i64>(0)? as u64;
-            for (k, s) in series.iter_mut().enumerate() {
-                if let Some(v) = r.get::<_, Option<f64>>(k + 1)? {
-                    s.push((ts, v));
-                }
-            }
-        }
-        let energy = CounterSeries::from_samples(&series[0], ENERGY_RESOLUTION_J);
-        let gauge = |k: usize| GaugeSeries { points: series[k].clone() };
-        let (util, used, free, umem, fan, temp, tmem) =
-            (gauge(1), gauge(2), gauge(3), gauge(4), gauge(5), gauge(6), gauge(7));
-        for (label, step, start, end) in &steps {
-            let (start, end) = (*start, *end);
-            let e = interval_energy(&energy, start, end);
+        let columns = load_columns(&mut samples, params![session, gpu])?.columns;
+        let [energy, util, used, free, umem, fan, temp, tmem]: [Vec<(u64, f64)>; 8] =
+            columns.try_into().expect("the query selects eight value columns");
+        let energy = CounterSeries::from_samples(&energy, ENERGY_RESOLUTION_J);
+        let [util, used, free, umem, fan, temp, tmem] =
+            [util, used, free, umem, fan, temp, tmem].map(|points| GaugeSeries { points });
+        for s in &steps {
+            let start = s.start_ns;
+            let e = s.end_ns.and_then(|end| interval_energy(&energy, start, end));
+            let at_end = |g: &GaugeSeries| s.end_ns.and_then(|end| g.at(end, max_gap_ns));
             insert.execute(params![
                 session,
-                label,
-                step,
+                s.label,
+                s.step,
                 gpu,
                 e.map(|e| e.energy),
                 e.map(|e| e.error),
                 e.map(|e| e.avg_power),
                 e.map(|e| e.below_resolution),
                 util.at(start, max_gap_ns),
-                util.at(end, max_gap_ns),
+                at_end(&util),
                 used.at(start, max_gap_ns),
-                used.at(end, max_gap_ns),
+                at_end(&used),
                 free.at(start, max_gap_ns),
-                free.at(end, max_gap_ns),
+                at_end(&free),
                 umem.at(start, max_gap_ns),
-                umem.at(end, max_gap_ns),
-                fan.at(end, max_gap_ns),
-                temp.at(end, max_gap_ns),
-                tmem.at(end, max_gap_ns),
+                at_end(&umem),
+                at_end(&fan),
+                at_end(&temp),
+                at_end(&tmem),
             ])?;
         }
         if !energy.is_empty() {
@@ -549,6 +521,12 @@ fn step_gpu(conn: &Connection, session: i64, gpus: &[u32], max_gap_ns: u64) -> r
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{
+        samplers::testing::{end, open_store},
+        store::StepRow,
+    };
+
+    const MS: u64 = 1_000_000;
 
     fn uuids(n: usize) -> Vec<String> {
         (0..n).map(|i| format!("GPU-5ca1ab1e-0000-4000-8000-{i:012}")).collect()
@@ -585,5 +563,94 @@ mod tests {
         // An ambiguous UUID prefix is not a match.
         let amb = vec!["GPU-5ca1ab1e".to_string()];
         assert!(select_gpus(Some(&amb), None, &uuids(2)).is_err());
+    }
+
+    #[test]
+    fn a_step_that_never_ended_keeps_its_start_values() {
+        let db = tempfile::tempdir().expect("tempdir");
+        let path = db.path().join("p.db");
+        let (store, id) = open_store(&path);
+        let writer = store.spawn_writer(id);
+        // GPU 0 every 10 ms for 100 ms: 50 W, utilization 10 k %, memory 1000 + k MiB used,
+        // fan 30 %, GPU 60 °C, no memory temperature.
+        let rows: Vec<Vec<Value>> = (0..=10i64)
+            .map(|k| {
+                let r = |v: f64| Value::Real(v);
+                vec![
+                    Value::Integer(0),
+                    Value::Integer(k * 10 * MS as i64),
+                    r(10.0 * k as f64),
+                    r(5.0),
+                    r(1000.0 + k as f64),
+                    r(3000.0 - k as f64),
+                    r(4000.0),
+                    r(50.0),
+                    Value::Null,
+                    r(0.5 * k as f64),
+                    r(60.0),
+                    Value::Null,
+                    r(30.0),
+                    r(1500.0),
+                    r(5000.0),
+                    Value::Integer(0),
+                ]
+            })
+            .collect();
+        writer.send(StoreMsg::Insert(Insert { sql: SAMPLE_SQL, rows }));
+        let step = |n: u64, start: u64, end: Option<u64>| StepRow {
+            sync_wait_ns: None,
+            label: "train".into(),
+            step: n,
+            tid: 1,
+            start_ns: start * MS,
+            end_ns: end.map(|e| e * MS),
+            inter_step_ns: None,
+            launches: None,
+        };
+        writer.send(StoreMsg::Steps(vec![step(0, 20, Some(60)), step(1, 70, None)]));
+        let hook: FinishHook = Box::new(|conn, session| step_gpu(conn, session, &[0], 20 * MS + 1));
+        let stats = writer.finish(end(), vec![hook]).expect("finish");
+        assert_eq!((stats.failed_rows, stats.first_error), (0, None));
+
+        let conn = Connection::open(&path).expect("reopen");
+        type Row = (i64, Option<f64>, Option<f64>, Option<bool>, [Option<f64>; 8], [Option<f64>; 3]);
+        let got: Vec<Row> = conn
+            .prepare(
+                "SELECT step, energy_j, energy_error_j, below_resolution,
+                        utilization_gpu_start_pct, utilization_gpu_end_pct, memory_used_start_mib,
+                        memory_used_end_mib, memory_free_start_mib, memory_free_end_mib,
+                        utilization_memory_start_pct, utilization_memory_end_pct,
+                        fan_speed_end_pct, temperature_gpu_end_c, temperature_memory_end_c
+                 FROM step_gpu WHERE session_id = ?1 AND label = 'train' AND gpu = 0 ORDER BY step",
+            )
+            .expect("prepare")
+            .query_map([id], |r| {
+                let mut gauges = [None; 8];
+                for (k, g) in gauges.iter_mut().enumerate() {
+                    *g = r.get(4 + k)?;
+                }
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, gauges, [r.get(12)?, r.get(13)?, r.get(14)?]))
+            })
+            .expect("q")
+            .collect::<rusqlite::Result<_>>()
+            .expect("rows");
+        assert_eq!(got.len(), 2, "one row per step, ended or not: {got:?}");
+
+        let (n, energy, error, below, gauges, end_only) = got[0];
+        assert_eq!(n, 0);
+        let (energy, error) = (energy.expect("energy"), error.expect("error bound"));
+        assert!((energy - 2.0).abs() <= error, "40 ms at 50 W: {energy} J (bound {error})");
+        assert_eq!(below, Some(false));
+        let pairs =
+            [Some(20.0), Some(60.0), Some(1002.0), Some(1006.0), Some(2998.0), Some(2994.0), Some(5.0), Some(5.0)];
+        assert_eq!(gauges, pairs, "start and end values");
+        assert_eq!(end_only, [Some(30.0), Some(60.0), None]);
+
+        // The step that never ended: its start-side values, NULL for all that needs an end.
+        let (n, energy, error, below, gauges, end_only) = got[1];
+        assert_eq!(n, 1);
+        assert_eq!((energy, error, below), (None, None, None));
+        assert_eq!(gauges, [Some(70.0), None, Some(1007.0), None, Some(2993.0), None, Some(5.0), None]);
+        assert_eq!(end_only, [None, None, None]);
     }
 }

@@ -15,6 +15,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use rusqlite::{Connection, Params, Statement};
+
 use crate::store::{Capability, FinishHook, RowSender, StoreMsg};
 
 /// A sampler's periodic work on its own thread. `tick` runs once at start,
@@ -91,6 +93,18 @@ impl CapabilityLog {
     }
 
     pub fn record(&mut self, metric: &str, available: bool, reason: Option<String>) {
+        self.record_with(metric, available, || reason);
+    }
+
+    /// Records whether `r` holds a value; an error is the reason it does not.
+    pub fn note<T, E: std::fmt::Display>(&mut self, metric: &str, r: &Result<T, E>) {
+        match r {
+            Ok(_) => self.record_with(metric, true, || None),
+            Err(e) => self.record_with(metric, false, || Some(e.to_string())),
+        }
+    }
+
+    fn record_with(&mut self, metric: &str, available: bool, reason: impl FnOnce() -> Option<String>) {
         // Called on every tick for every metric: the seen case must not allocate.
         if self.seen.contains(metric) {
             return;
@@ -100,8 +114,112 @@ impl CapabilityLog {
                 source: self.source.to_owned(),
                 metric: metric.to_owned(),
                 available,
-                reason,
+                reason: reason(),
             }));
         }
+    }
+}
+
+/// One row of `steps`: the interval a sampler's per-step figures describe.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct StepSpan {
+    pub label: String,
+    pub step: i64,
+    pub start_ns: u64,
+    /// None: the step never ended.
+    pub end_ns: Option<u64>,
+}
+
+/// Every step of the session, ended or not, ordered by (label, step). Each
+/// finish hook writes one row per step; a step that never ended gets its
+/// start-side values and NULL for whatever needs the end.
+pub(crate) fn step_spans(conn: &Connection, session_id: i64) -> rusqlite::Result<Vec<StepSpan>> {
+    conn.prepare("SELECT label, step, start_ns, end_ns FROM steps WHERE session_id = ?1 ORDER BY label, step")?
+        .query_map([session_id], |r| {
+            Ok(StepSpan {
+                label: r.get(0)?,
+                step: r.get(1)?,
+                start_ns: r.get::<_, i64>(2)? as u64,
+                end_ns: r.get::<_, Option<i64>>(3)?.map(|e| e as u64),
+            })
+        })?
+        .collect()
+}
+
+/// Sample columns as time series: what [`load_columns`] returns.
+pub(crate) struct SampleSeries {
+    /// Every row's timestamp, in query order.
+    pub ts: Vec<u64>,
+    /// One series per value column, (ts_ns, value), its NULLs left out.
+    pub columns: Vec<Vec<(u64, f64)>>,
+}
+
+/// Runs `stmt` (first column ts_ns, then value columns) and splits the rows
+/// into one series per value column.
+pub(crate) fn load_columns(stmt: &mut Statement<'_>, params: impl Params) -> rusqlite::Result<SampleSeries> {
+    let n = stmt.column_count().saturating_sub(1);
+    let mut out = SampleSeries { ts: Vec::new(), columns: vec![Vec::new(); n] };
+    let mut rows = stmt.query(params)?;
+    while let Some(r) = rows.next()? {
+        let ts = r.get::<_, i64>(0)? as u64;
+        out.ts.push(ts);
+        for (k, series) in out.columns.iter_mut().enumerate() {
+            if let Some(v) = r.get::<_, Option<f64>>(k + 1)? {
+                series.push((ts, v));
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+pub(crate) mod testing {
+    //! Fixtures shared by the samplers' tests.
+    use std::path::Path;
+
+    use rusqlite::Connection;
+
+    use crate::store::{SessionEnd, SessionStart, Store};
+
+    const MS: u64 = 1_000_000;
+
+    /// Opens a store (the migrations create every sampler's tables) and begins a session.
+    pub(crate) fn open_store(path: &Path) -> (Store, i64) {
+        let store = Store::open(path).expect("open store");
+        let id = store
+            .begin_session(&SessionStart {
+                pid: 1,
+                command: "trainer".into(),
+                exe: None,
+                mode: "attach",
+                launch_mode: "all",
+                step_symbol: None,
+                started_ns: 0,
+                unix_offset_ns: 0,
+                hostname: None,
+                kernel_release: None,
+            })
+            .expect("session");
+        (store, id)
+    }
+
+    pub(crate) fn end() -> SessionEnd {
+        SessionEnd {
+            ended_ns: 10_000 * MS,
+            end_reason: "target-exited".into(),
+            lost_events: 0,
+            total_launches: 0,
+            unmatched_returns: 0,
+        }
+    }
+
+    /// (metric, available, reason) recorded by `source`, by metric.
+    pub(crate) fn capabilities(conn: &Connection, source: &str) -> Vec<(String, bool, Option<String>)> {
+        conn.prepare("SELECT metric, available, reason FROM capabilities WHERE source = ?1 ORDER BY metric")
+            .expect("prepare")
+            .query_map([source], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .expect("q")
+            .collect::<rusqlite::Result<_>>()
+            .expect("rows")
     }
 }

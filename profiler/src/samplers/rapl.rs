@@ -21,7 +21,7 @@ use std::{
 
 use rusqlite::{Connection, params, types::Value};
 
-use super::{CapabilityLog, Sampler};
+use super::{CapabilityLog, Sampler, StepSpan, load_columns, step_spans};
 use crate::{
     correlate::{CounterSeries, interval_energy},
     store::{FinishHook, Insert, RowSender, StoreMsg},
@@ -827,7 +827,7 @@ impl Sampler for RaplSampler {
 }
 
 /// A domain's samples of this session as a counter series; None with fewer than two.
-fn load_series(
+fn domain_series(
     conn: &Connection,
     session_id: i64,
     domain: Domain,
@@ -836,9 +836,7 @@ fn load_series(
     let mut stmt = conn.prepare_cached(
         "SELECT ts_ns, energy_j FROM rapl_samples WHERE session_id = ?1 AND domain = ?2 ORDER BY ts_ns",
     )?;
-    let raw: Vec<(u64, f64)> = stmt
-        .query_map(params![session_id, domain.as_str()], |r| Ok((r.get::<_, i64>(0)? as u64, r.get(1)?)))?
-        .collect::<rusqlite::Result<_>>()?;
+    let raw = load_columns(&mut stmt, params![session_id, domain.as_str()])?.columns.pop().unwrap_or_default();
     let series = CounterSeries::from_samples(&raw, resolution);
     Ok((!series.is_empty()).then_some(series))
 }
@@ -851,29 +849,22 @@ fn write_step_energy(conn: &Connection, session_id: i64, resolutions: &[(Domain,
     conn.execute_batch("CREATE INDEX IF NOT EXISTS rapl_samples_by_domain ON rapl_samples(session_id, domain, ts_ns)")?;
     let series = |d: Domain| -> rusqlite::Result<(bool, Option<CounterSeries>)> {
         match resolutions.iter().find(|(x, _)| *x == d) {
-            Some(&(_, res)) => Ok((true, load_series(conn, session_id, d, res)?)),
+            Some(&(_, res)) => Ok((true, domain_series(conn, session_id, d, res)?)),
             None => Ok((false, None)),
         }
     };
     let (cpu_read, cpu) = series(Domain::Package)?;
     let (dram_read, dram) = series(Domain::Dram)?;
 
-    let mut steps =
-        conn.prepare("SELECT label, step, start_ns, end_ns FROM steps WHERE session_id = ?1 ORDER BY label, step")?;
-    let steps: Vec<(String, i64, i64, Option<i64>)> = steps
-        .query_map([session_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
-        .collect::<rusqlite::Result<_>>()?;
     let mut insert = conn.prepare(
-        "INSERT OR REPLACE INTO step_energy(session_id, label, step, cpu_energy_j, dram_energy_j, cpu_power_w,
-                                            dram_power_w, cpu_energy_error_j, dram_energy_error_j, below_resolution,
-                                            note)
+        "INSERT INTO step_energy(session_id, label, step, cpu_energy_j, dram_energy_j, cpu_power_w, dram_power_w,
+                                 cpu_energy_error_j, dram_energy_error_j, below_resolution, note)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
     )?;
-    for (label, step, start, end) in steps {
-        let (c, d, note) = match end {
+    for StepSpan { label, step, start_ns: start, end_ns } in step_spans(conn, session_id)? {
+        let (c, d, note) = match end_ns {
             None => (None, None, Some("step never ended")),
             Some(end) => {
-                let (start, end) = (start as u64, end as u64);
                 let c = cpu.as_ref().and_then(|s| interval_energy(s, start, end));
                 let d = dram.as_ref().and_then(|s| interval_energy(s, start, end));
                 // Only reasons that belong to this step; a domain that is not
@@ -907,9 +898,12 @@ fn write_step_energy(conn: &Connection, session_id: i64, resolutions: &[(Domain,
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-    use crate::store::{SessionEnd, SessionStart, StepRow, Store};
+    use crate::{
+        samplers::testing::{capabilities, end, open_store},
+        store::StepRow,
+    };
 
     const MS: u64 = 1_000_000;
 
@@ -1163,49 +1157,6 @@ pub(crate) mod tests {
         }
     }
 
-    fn table_exists(conn: &Connection, name: &str) -> bool {
-        conn.query_row("SELECT count(*) FROM sqlite_master WHERE name = ?1", [name], |r| r.get::<_, i64>(0))
-            .map(|n| n > 0)
-            .unwrap_or(false)
-    }
-
-    /// Opens a store and creates this module's tables if the migrations do not yet.
-    pub(crate) fn store_with_schema(path: &Path, schemas: &[(&str, &str)]) -> (Store, i64) {
-        let store = Store::open(path).expect("open store");
-        let conn = Connection::open(path).expect("second connection");
-        for (table, schema) in schemas {
-            if !table_exists(&conn, table) {
-                conn.execute_batch(schema).expect("schema");
-            }
-        }
-        drop(conn);
-        let id = store
-            .begin_session(&SessionStart {
-                pid: 1,
-                command: "trainer".into(),
-                exe: None,
-                mode: "attach",
-                launch_mode: "all",
-                step_symbol: None,
-                started_ns: 0,
-                unix_offset_ns: 0,
-                hostname: None,
-                kernel_release: None,
-            })
-            .expect("session");
-        (store, id)
-    }
-
-    pub(crate) fn end() -> SessionEnd {
-        SessionEnd {
-            ended_ns: 10_000 * MS,
-            end_reason: "target-exited".into(),
-            lost_events: 0,
-            total_launches: 0,
-            unmatched_returns: 0,
-        }
-    }
-
     #[test]
     fn steps_get_package_and_dram_energy_within_the_bound_across_a_wrap() {
         // Two packages (package-1's counter wraps at 0.33 s and every 0.5 s after), DRAM on
@@ -1256,7 +1207,7 @@ pub(crate) mod tests {
         let reader = open(Some(root)).expect("open fake tree");
 
         let db = tempfile::tempdir().expect("tempdir");
-        let (store, id) = store_with_schema(&db.path().join("p.db"), &[("rapl_samples", SCHEMA)]);
+        let (store, id) = open_store(&db.path().join("p.db"));
         let writer = store.spawn_writer(id);
         let mut sampler = RaplSampler::new(Ok(reader), writer.sender());
         // Ticks every 20 ms for 2 s, at the sampler thread's cadence.
@@ -1389,22 +1340,16 @@ pub(crate) mod tests {
         }
         let last_pkg = series.iter().filter(|(x, _)| x == "package").map(|&(_, j)| j).next_back().expect("pkg");
         assert!((last_pkg - truth(&pkg, 0, 2000)).abs() < 1e-3, "{last_pkg}");
-        let caps: Vec<(String, bool, String)> = conn
-            .prepare("SELECT metric, available, reason FROM capabilities WHERE source = 'rapl' ORDER BY metric")
-            .expect("prepare")
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-            .expect("q")
-            .collect::<rusqlite::Result<_>>()
-            .expect("rows");
+        let caps = capabilities(&conn, "rapl");
         assert_eq!(caps.len(), 4);
-        assert!(caps.iter().all(|(_, ok, _)| *ok), "{caps:?}");
-        assert!(caps[0].2.contains("intel-rapl:0 + intel-rapl:1"), "{caps:?}");
+        assert!(caps.iter().all(|(_, ok, why)| *ok && why.is_some()), "{caps:?}");
+        assert!(caps[0].2.as_deref().is_some_and(|w| w.contains("intel-rapl:0 + intel-rapl:1")), "{caps:?}");
     }
 
     #[test]
     fn without_rapl_steps_are_null_and_the_reason_is_recorded() {
         let db = tempfile::tempdir().expect("tempdir");
-        let (store, id) = store_with_schema(&db.path().join("p.db"), &[("rapl_samples", SCHEMA)]);
+        let (store, id) = open_store(&db.path().join("p.db"));
         let writer = store.spawn_writer(id);
         let err = open_with(&db.path().join("none"), &db.path().join("none")).err().expect("no RAPL");
         let line = err.to_string();
@@ -1432,15 +1377,9 @@ pub(crate) mod tests {
         assert_eq!((cpu, dram, note), (None, None, None));
         let n: i64 = conn.query_row("SELECT count(*) FROM rapl_samples", [], |r| r.get(0)).expect("q");
         assert_eq!(n, 0);
-        let reasons: Vec<(String, bool, String)> = conn
-            .prepare("SELECT metric, available, reason FROM capabilities WHERE source = 'rapl'")
-            .expect("prepare")
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-            .expect("q")
-            .collect::<rusqlite::Result<_>>()
-            .expect("rows");
+        let reasons = capabilities(&conn, "rapl");
         assert_eq!(reasons.len(), 4);
-        assert!(reasons.iter().all(|(_, ok, why)| !ok && *why == line), "{reasons:?}");
+        assert!(reasons.iter().all(|(_, ok, why)| !ok && why.as_deref() == Some(line.as_str())), "{reasons:?}");
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use procfs::{CpuTime, Current, CurrentSI, KernelStats, Meminfo, process::Process};
 use rusqlite::{Connection, params, types::Value};
 
-use super::{CapabilityLog, Sampler};
+use super::{CapabilityLog, SampleSeries, Sampler, load_columns, step_spans};
 use crate::{
     correlate::GaugeSeries,
     store::{FinishHook, Insert, RowSender, StoreMsg},
@@ -224,14 +224,6 @@ impl SystemSampler {
         }
     }
 
-    /// Records a metric's availability the first time it is known.
-    fn note<T>(&mut self, metric: &str, r: &Result<T, String>) {
-        match r {
-            Ok(_) => self.caps.record(metric, true, None),
-            Err(why) => self.caps.record(metric, false, Some(why.clone())),
-        }
-    }
-
     /// Reads everything once; `now_ns` is the sample's time and the end of
     /// the rates' interval.
     pub fn sample(&mut self, now_ns: u64) -> SystemSample {
@@ -245,13 +237,13 @@ impl SystemSampler {
             }
             self.prev_cpu = Some(cur.clone());
         } else {
-            self.note("cpu_usage_pct", &cpu);
+            self.caps.note("cpu_usage_pct", &cpu);
         }
 
         let ram = Meminfo::current()
             .map_err(|e| format!("/proc/meminfo: {e}"))
             .and_then(|m| ram_usage(&m).ok_or_else(|| "/proc/meminfo has no MemAvailable (kernel < 3.14)".to_owned()));
-        self.note("ram_usage_pct", &ram);
+        self.caps.note("ram_usage_pct", &ram);
         if let Ok((gb, pct)) = ram {
             (s.ram_used_gb, s.ram_usage_pct) = (Some(gb), Some(pct));
         }
@@ -273,7 +265,7 @@ impl SystemSampler {
                 // The target exits before the session ends: NULLs from then on.
                 Err(_) => self.prev_process = None,
             }
-            self.note("process_rss_gb", &stat);
+            self.caps.note("process_rss_gb", &stat);
         }
 
         let path = match (&self.disk_path, &self.process) {
@@ -286,7 +278,7 @@ impl SystemSampler {
             disk_usage(v.f_blocks, v.f_bfree, v.f_bavail, v.f_frsize)
                 .ok_or_else(|| format!("{}: a filesystem without blocks", path.display()))
         });
-        self.note("disk_usage_pct", &disk);
+        self.caps.note("disk_usage_pct", &disk);
         if let Ok((gb, pct)) = disk {
             (s.disk_used_gb, s.disk_usage_pct) = (Some(gb), Some(pct));
         }
@@ -320,44 +312,33 @@ pub(crate) fn write_step_system(conn: &Connection, session_id: i64) -> rusqlite:
                 disk_usage_pct
          FROM system_samples WHERE session_id = ?1 ORDER BY ts_ns",
     )?;
-    let rows: Vec<(u64, [Option<f64>; 7])> = stmt
-        .query_map([session_id], |r| {
-            let mut v = [None; 7];
-            for (k, slot) in v.iter_mut().enumerate() {
-                *slot = r.get(k + 1)?;
-            }
-            Ok((r.get::<_, i64>(0)? as u64, v))
-        })?
-        .collect::<rusqlite::Result<_>>()?;
+    let SampleSeries { ts, columns } = load_columns(&mut stmt, [session_id])?;
     // Two sampling intervals: a value further from the step's end than that
     // describes another moment, and is left NULL.
-    let max_gap = crate::correlate::median(rows.windows(2).map(|w| w[1].0 - w[0].0).collect()) * 2;
-    let columns: Vec<GaugeSeries> =
-        (0..7).map(|k| GaugeSeries { points: rows.iter().filter_map(|(t, v)| Some((*t, v[k]?))).collect() }).collect();
-    let times = GaugeSeries { points: rows.iter().map(|&(t, _)| (t, t as f64)).collect() };
+    let max_gap = crate::correlate::median(ts.windows(2).map(|w| w[1] - w[0]).collect()) * 2;
+    let columns: Vec<GaugeSeries> = columns.into_iter().map(|points| GaugeSeries { points }).collect();
+    // Which sample a level is read from, by the levels' rule: its index
+    // (exact as f64) stands in for the value, so ts_ns stays an integer.
+    let samples = GaugeSeries { points: ts.iter().enumerate().map(|(i, &t)| (t, i as f64)).collect() };
 
-    let mut steps = conn.prepare("SELECT label, step, end_ns FROM steps WHERE session_id = ?1 ORDER BY label, step")?;
-    let steps: Vec<(String, i64, Option<i64>)> =
-        steps.query_map([session_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?.collect::<rusqlite::Result<_>>()?;
     let mut insert = conn.prepare(
-        "INSERT OR REPLACE INTO step_system(session_id, label, step, ts_ns, cpu_usage_pct, process_cpu_pct,
-                                             ram_used_gb, ram_usage_pct, process_rss_gb, disk_used_gb, disk_usage_pct)
+        "INSERT INTO step_system(session_id, label, step, ts_ns, cpu_usage_pct, process_cpu_pct,
+                                 ram_used_gb, ram_usage_pct, process_rss_gb, disk_used_gb, disk_usage_pct)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
     )?;
-    for (label, step, end) in steps {
+    for s in step_spans(conn, session_id)? {
         // A step that never ended has no end to read the values at: all NULL.
-        let end = end.map(|e| e as u64);
         // Columns 0, 1 are rates, the rest levels.
         let v: Vec<Option<f64>> = columns
             .iter()
             .enumerate()
             .map(|(k, g)| {
-                let end = end?;
+                let end = s.end_ns?;
                 if k < 2 { covering(&g.points, end, max_gap) } else { g.at(end, max_gap) }
             })
             .collect();
-        let ts = end.and_then(|end| times.at(end, max_gap)).map(|t| t as i64);
-        insert.execute(params![session_id, label, step, ts, v[0], v[1], v[2], v[3], v[4], v[5], v[6]])?;
+        let ts_ns = s.end_ns.and_then(|end| samples.at(end, max_gap)).map(|i| ts[i as usize] as i64);
+        insert.execute(params![session_id, s.label, s.step, ts_ns, v[0], v[1], v[2], v[3], v[4], v[5], v[6]])?;
     }
     Ok(())
 }
@@ -366,7 +347,7 @@ pub(crate) fn write_step_system(conn: &Connection, session_id: i64) -> rusqlite:
 mod tests {
     use super::*;
     use crate::{
-        samplers::rapl,
+        samplers::testing::{capabilities, end, open_store},
         store::{StepRow, StoreMsg},
     };
     use procfs::{ExplicitSystemInfo, FromRead, FromReadSI, process::Stat};
@@ -474,29 +455,18 @@ mod tests {
     fn with_store(body: impl FnOnce(RowSender)) -> (tempfile::TempDir, Connection) {
         let db = tempfile::tempdir().expect("tempdir");
         let path = db.path().join("p.db");
-        let (store, id) =
-            rapl::tests::store_with_schema(&path, &[("rapl_samples", rapl::SCHEMA), ("system_samples", SCHEMA)]);
+        let (store, id) = open_store(&path);
         let writer = store.spawn_writer(id);
         body(writer.sender());
-        writer.finish(rapl::tests::end(), Vec::new()).expect("finish");
+        writer.finish(end(), Vec::new()).expect("finish");
         let conn = Connection::open(&path).expect("reopen");
         (db, conn)
-    }
-
-    /// (metric, available, reason) recorded by the system sampler.
-    fn capabilities(conn: &Connection) -> Vec<(String, bool, Option<String>)> {
-        conn.prepare("SELECT metric, available, reason FROM capabilities WHERE source = 'system'")
-            .expect("prepare")
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-            .expect("q")
-            .collect::<rusqlite::Result<_>>()
-            .expect("rows")
     }
 
     #[test]
     fn live_sample_agrees_with_what_the_test_reads_itself() {
         let (_db, conn) = with_store(live_sample_checks);
-        let caps = capabilities(&conn);
+        let caps = capabilities(&conn, "system");
         for m in ["cpu_usage_pct", "process_cpu_pct", "ram_usage_pct", "process_rss_gb", "disk_usage_pct"] {
             assert!(caps.iter().any(|(c, ok, _)| c == m && *ok), "{m} recorded as available: {caps:?}");
         }
@@ -563,7 +533,7 @@ mod tests {
             assert_eq!(target, (None, None, None, None));
             assert!(a.ram_used_gb.is_some() && b.cpu_usage_pct.is_some(), "system values do not depend on the target");
         });
-        let caps = capabilities(&conn);
+        let caps = capabilities(&conn, "system");
         for m in ["process_cpu_pct", "process_rss_gb", "disk_usage_pct"] {
             let found =
                 caps.iter().any(|(x, ok, why)| x == m && !ok && why.as_deref().is_some_and(|w| w.contains("/proc/")));
@@ -576,8 +546,7 @@ mod tests {
     fn steps_get_the_values_at_their_end_and_the_view_names_them() {
         let db = tempfile::tempdir().expect("tempdir");
         let path = db.path().join("p.db");
-        let (store, id) =
-            rapl::tests::store_with_schema(&path, &[("rapl_samples", rapl::SCHEMA), ("system_samples", SCHEMA)]);
+        let (store, id) = open_store(&path);
         let writer = store.spawn_writer(id);
         let sample = |k: u64| SystemSample {
             ts_ns: k * 100 * MS,
@@ -609,7 +578,7 @@ mod tests {
             step(3, 300, Some(2_000)),
         ]));
         let rapl_hook: FinishHook = Box::new(|_, _| Ok(()));
-        let stats = writer.finish(rapl::tests::end(), vec![rapl_hook, Box::new(write_step_system)]).expect("finish");
+        let stats = writer.finish(end(), vec![rapl_hook, Box::new(write_step_system)]).expect("finish");
         assert_eq!((stats.failed_rows, stats.first_error), (0, None));
 
         let conn = Connection::open(&path).expect("reopen");
@@ -673,5 +642,34 @@ mod tests {
             (Some(30.0), Some(3.0), Some(40.0))
         );
         assert_eq!(value("cpu_energy"), None, "no step_energy row: NULL, not absent");
+    }
+
+    #[test]
+    fn step_system_ts_is_exact_past_2_pow_53_ns() {
+        let db = tempfile::tempdir().expect("tempdir");
+        let path = db.path().join("p.db");
+        let (store, id) = open_store(&path);
+        let writer = store.spawn_writer(id);
+        // An odd nanosecond count above 2^53, which an f64 cannot hold.
+        let base = (1u64 << 53) + 1;
+        let rows = (0..3).map(|k| SystemSample { ts_ns: base + k * 100 * MS, ..Default::default() }.row()).collect();
+        writer.send(StoreMsg::Insert(Insert { sql: INSERT_SAMPLE, rows }));
+        writer.send(StoreMsg::Steps(vec![StepRow {
+            sync_wait_ns: None,
+            label: "train".into(),
+            step: 0,
+            tid: 1,
+            start_ns: base,
+            end_ns: Some(base + 150 * MS),
+            inter_step_ns: None,
+            launches: None,
+        }]));
+        let stats = writer.finish(end(), vec![Box::new(write_step_system)]).expect("finish");
+        assert_eq!((stats.failed_rows, stats.first_error), (0, None));
+        let conn = Connection::open(&path).expect("reopen");
+        let ts: i64 = conn
+            .query_row("SELECT ts_ns FROM step_system WHERE session_id = ?1 AND step = 0", [id], |r| r.get(0))
+            .expect("row");
+        assert_eq!(ts as u64, base + 100 * MS, "the level sample at or before the end, to the nanosecond");
     }
 }
