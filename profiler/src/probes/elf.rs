@@ -1,7 +1,7 @@
 //! Function symbols of an ELF file, with the file offsets a uprobe needs.
 //!
 //! No I/O here: callers hand in the file's bytes, so tests run on fixtures.
-use object::{Object, ObjectSegment, ObjectSymbol, SymbolKind};
+use object::{Object, ObjectSegment, ObjectSymbol, SegmentFlags, SymbolKind, elf::PF_X};
 
 /// A defined function symbol.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -21,11 +21,53 @@ pub enum ElfError {
     Parse(#[from] object::Error),
 }
 
+/// A loadable (`PT_LOAD`) segment: where the loader maps which part of the file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadSegment {
+    /// `p_vaddr`.
+    pub address: u64,
+    /// `p_memsz`: the file's bytes and the zero-filled tail after them.
+    pub mem_size: u64,
+    /// `p_offset`.
+    pub file_offset: u64,
+    /// `p_flags` (`PF_X`, `PF_W`, `PF_R`).
+    pub flags: u32,
+}
+
+impl LoadSegment {
+    pub fn executable(&self) -> bool {
+        self.flags & PF_X != 0
+    }
+
+    /// `address - p_vaddr + p_offset` when the segment's memory image holds
+    /// `address`. The zero-filled tail (past `p_filesz`) counts: a variable
+    /// there still resolves through the file's mapping of its partial page.
+    pub fn file_offset(&self, address: u64) -> Option<u64> {
+        let delta = address.checked_sub(self.address).filter(|&d| d < self.mem_size)?;
+        Some(self.file_offset + delta)
+    }
+}
+
+/// The loadable segments of a parsed file, in program-header order.
+pub fn load_segments<'data>(file: &impl Object<'data>) -> Vec<LoadSegment> {
+    file.segments()
+        .map(|s| LoadSegment {
+            address: s.address(),
+            mem_size: s.size(),
+            file_offset: s.file_range().0,
+            flags: match s.flags() {
+                SegmentFlags::Elf { p_flags } => p_flags,
+                _ => 0,
+            },
+        })
+        .collect()
+}
+
 /// Every defined function symbol of `data` (`.symtab` and `.dynsym`), with its
 /// file offset. Symbols outside any loadable segment are skipped.
 pub fn function_symbols(data: &[u8]) -> Result<Vec<FunctionSymbol>, ElfError> {
     let file = object::File::parse(data)?;
-    let segments: Vec<(u64, u64, u64)> = file.segments().map(|s| (s.address(), s.size(), s.file_range().0)).collect();
+    let segments = load_segments(&file);
     let mut out: Vec<FunctionSymbol> = Vec::new();
     for sym in file.symbols().chain(file.dynamic_symbols()) {
         if sym.kind() != SymbolKind::Text || sym.is_undefined() || sym.address() == 0 {
@@ -34,11 +76,8 @@ pub fn function_symbols(data: &[u8]) -> Result<Vec<FunctionSymbol>, ElfError> {
         let Ok(name) = sym.name() else { continue };
         let name = name.split('@').next().unwrap_or(name);
         let address = sym.address();
-        let Some(&(seg_addr, _, seg_off)) = segments.iter().find(|(a, size, _)| address >= *a && address < a + size)
-        else {
-            continue;
-        };
-        out.push(FunctionSymbol { name: name.to_owned(), address, file_offset: address - seg_addr + seg_off });
+        let Some(file_offset) = segments.iter().find_map(|s| s.file_offset(address)) else { continue };
+        out.push(FunctionSymbol { name: name.to_owned(), address, file_offset });
     }
     out.sort_by(|a, b| (a.name.as_str(), a.address).cmp(&(b.name.as_str(), b.address)));
     out.dedup_by(|a, b| a.name == b.name && a.address == b.address);
@@ -123,6 +162,22 @@ mod tests {
         use object::ObjectSection;
         let (sec_off, _) = section.file_range().expect("in file");
         assert_eq!(main.file_offset, main.address - section.address() + sec_off);
+    }
+
+    #[test]
+    fn segment_file_offsets_cover_the_memory_image_only() {
+        let s = LoadSegment { address: 0x60_3000, mem_size: 0x800, file_offset: 0x2000, flags: 6 };
+        assert!(!s.executable());
+        assert_eq!(s.file_offset(0x60_3000), Some(0x2000));
+        assert_eq!(s.file_offset(0x60_37ff), Some(0x27ff));
+        assert_eq!(s.file_offset(0x60_3800), None);
+        assert_eq!(s.file_offset(0x60_2fff), None);
+        assert_eq!(s.file_offset(u64::MAX), None);
+        let exe = std::env::current_exe().expect("current exe");
+        let data = std::fs::read(exe).expect("read exe");
+        let segments = load_segments(&object::File::parse(&*data).expect("parse"));
+        assert!(segments.iter().any(LoadSegment::executable), "{segments:?}");
+        assert!(segments.iter().any(|s| !s.executable()), "{segments:?}");
     }
 
     #[test]

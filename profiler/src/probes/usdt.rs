@@ -2,25 +2,27 @@
 //! probe's file offset and its semaphore's, and the x86-64 argument specs
 //! decoded into the `pt_regs` locations the eBPF side reads.
 //!
-//! No I/O here: callers hand in the file's bytes, so tests run on fixtures.
+//! No I/O here: callers hand in the file (bytes or parsed), so tests run on fixtures.
 //! Attaching lives in [`attach`], CPython's probes in [`python`].
 pub mod attach;
 pub mod python;
 
-use std::fmt;
+use std::{collections::HashMap, fmt};
 
 use object::{
-    FileKind, Object, ObjectSymbol,
-    elf::{FileHeader32, FileHeader64, PT_LOAD, SHT_NOTE},
-    read::elf::{FileHeader, ProgramHeader, SectionHeader},
+    Endianness, Object, ObjectSymbol,
+    elf::SHT_NOTE,
+    endian::{U32, U64},
+    read::elf::{ElfFile, FileHeader, SectionHeader},
 };
 use profiler_common::{USDT_MAX_ARGS, USDT_NO_REG, UsdtArgKind, UsdtArgSpec, UsdtProbeSpec};
+
+use super::elf::load_segments;
 
 /// `NT_STAPSDT`: the note type of SDT v3 probe descriptors (sys/sdt.h).
 const NT_STAPSDT: u32 = 3;
 const STAPSDT_OWNER: &[u8] = b"stapsdt";
 const STAPSDT_BASE_SECTION: &[u8] = b".stapsdt.base";
-const PF_X: u32 = 1;
 
 /// One probe site as the notes describe it, with addresses corrected and
 /// translated to file offsets.
@@ -421,10 +423,17 @@ fn resolve_symbols(
 }
 
 /// Every USDT probe in `data`'s `.note.stapsdt` notes (none: an empty list).
+#[cfg(test)]
 pub fn parse_notes(data: &[u8]) -> Result<Vec<UsdtProbe>, UsdtError> {
-    match FileKind::parse(data)? {
-        FileKind::Elf32 => parse_elf::<FileHeader32<object::Endianness>>(data),
-        FileKind::Elf64 => parse_elf::<FileHeader64<object::Endianness>>(data),
+    notes(&object::File::parse(data)?)
+}
+
+/// Every USDT probe in `file`'s `.note.stapsdt` notes (none: an empty list).
+/// The caller parses the file, and may read more of it.
+pub fn notes(file: &object::File<'_>) -> Result<Vec<UsdtProbe>, UsdtError> {
+    match file {
+        object::File::Elf32(f) => elf_notes(f),
+        object::File::Elf64(f) => elf_notes(f),
         _ => Err(UsdtError::NotElf),
     }
 }
@@ -434,49 +443,31 @@ pub fn find<'a>(probes: &'a [UsdtProbe], provider: &str, name: &str) -> impl Ite
     probes.iter().filter(move |p| p.provider == provider && p.name == name)
 }
 
-struct Segment {
-    address: u64,
-    mem_size: u64,
-    offset: u64,
-    flags: u32,
-}
-
-fn parse_elf<Elf: FileHeader<Endian = object::Endianness>>(data: &[u8]) -> Result<Vec<UsdtProbe>, UsdtError> {
-    let header = Elf::parse(data)?;
-    let endian = header.endian()?;
-    let sections = header.sections(endian, data)?;
-    let segments: Vec<Segment> = header
-        .program_headers(endian, data)?
-        .iter()
-        .filter(|p| p.p_type(endian) == PT_LOAD)
-        .map(|p| Segment {
-            address: p.p_vaddr(endian).into(),
-            mem_size: p.p_memsz(endian).into(),
-            offset: p.p_offset(endian).into(),
-            flags: p.p_flags(endian),
-        })
-        .collect();
+fn elf_notes<'data, Elf: FileHeader<Endian = Endianness>>(
+    file: &ElfFile<'data, Elf>,
+) -> Result<Vec<UsdtProbe>, UsdtError> {
+    let (endian, data) = (file.endian(), file.data());
+    let sections = file.elf_section_table();
+    let segments = load_segments(file);
     let base_section: Option<u64> =
         sections.section_by_name(endian, STAPSDT_BASE_SECTION).map(|(_, s)| s.sh_addr(endian).into());
-    let x86_64 = header.e_machine(endian) == object::elf::EM_X86_64;
-    let machine = header.e_machine(endian);
-    let addr_size = if header.is_class_64() { 8 } else { 4 };
+    let machine = file.elf_header().e_machine(endian);
+    let is_64 = file.elf_header().is_class_64();
 
-    // Symbols are only needed for `sym(%rip)` operands, which are rare: read lazily.
-    let mut symbols: Option<Vec<(String, u64)>> = None;
+    // Symbols are only needed for `sym(%rip)` operands, which are rare: indexed
+    // on first use, `.symtab` before `.dynsym`.
+    let mut symbols: Option<HashMap<&'data str, u64>> = None;
     let mut lookup = |name: &str| -> Option<u64> {
         let table = symbols.get_or_insert_with(|| {
-            object::File::parse(data)
-                .map(|f| {
-                    f.symbols()
-                        .chain(f.dynamic_symbols())
-                        .filter(|s| !s.is_undefined())
-                        .filter_map(|s| Some((s.name().ok()?.to_owned(), s.address())))
-                        .collect()
-                })
-                .unwrap_or_default()
+            let mut table = HashMap::new();
+            for s in file.symbols().chain(file.dynamic_symbols()).filter(|s| !s.is_undefined()) {
+                if let Ok(n) = s.name() {
+                    table.entry(n).or_insert(s.address());
+                }
+            }
+            table
         });
-        table.iter().find(|(n, _)| n == name).map(|(_, a)| *a)
+        table.get(name).copied()
     };
 
     let mut out = Vec::new();
@@ -486,7 +477,7 @@ fn parse_elf<Elf: FileHeader<Endian = object::Endianness>>(data: &[u8]) -> Resul
             if note.name() != STAPSDT_OWNER || note.n_type(endian) != NT_STAPSDT {
                 continue;
             }
-            let raw = parse_desc(note.desc(), addr_size, endian)?;
+            let raw = parse_desc(note.desc(), is_64, endian)?;
             // Prelinking moves the file without rewriting the notes (they are
             // not loaded), but it moves `.stapsdt.base` with everything else:
             // the difference is how far every address in the note moved. libbpf
@@ -499,16 +490,24 @@ fn parse_elf<Elf: FileHeader<Endian = object::Endianness>>(data: &[u8]) -> Resul
             let address = raw.pc.wrapping_add(delta);
             let semaphore = (raw.semaphore != 0).then(|| raw.semaphore.wrapping_add(delta));
             let label = format!("{}:{}", raw.provider, raw.name);
-            let file_offset = segment_file_offset(&segments, address, |s| s.flags & PF_X != 0)
+            // The probe is code; the semaphore is data, which the kernel
+            // finds through the file's writable mapping in each process.
+            let file_offset = segments
+                .iter()
+                .filter(|s| s.executable())
+                .find_map(|s| s.file_offset(address))
                 .ok_or_else(|| UsdtError::ProbeNotMapped { probe: label.clone(), address })?;
             let semaphore_file_offset = match semaphore {
                 Some(a) => Some(
-                    segment_file_offset(&segments, a, |s| s.flags & PF_X == 0)
+                    segments
+                        .iter()
+                        .filter(|s| !s.executable())
+                        .find_map(|s| s.file_offset(a))
                         .ok_or(UsdtError::SemaphoreNotMapped { probe: label, address: a })?,
                 ),
                 None => None,
             };
-            let args = if x86_64 {
+            let args = if machine == object::elf::EM_X86_64 {
                 parse_arguments(&raw.args).and_then(|a| resolve_symbols(a, address, &mut lookup))
             } else {
                 Err(ArgSpecError::UnsupportedMachine(machine))
@@ -529,18 +528,6 @@ fn parse_elf<Elf: FileHeader<Endian = object::Endianness>>(data: &[u8]) -> Resul
     Ok(out)
 }
 
-/// `address - p_vaddr + p_offset` of the loadable segment holding `address`.
-/// A semaphore may sit in the zero-filled tail of the data segment (past
-/// p_filesz): the kernel still finds it through the file's writable mapping,
-/// which covers the partial page, so the whole p_memsz counts.
-fn segment_file_offset(segments: &[Segment], address: u64, kind: impl Fn(&Segment) -> bool) -> Option<u64> {
-    segments
-        .iter()
-        .filter(|s| kind(s))
-        .find(|s| address >= s.address && address - s.address < s.mem_size)
-        .map(|s| address - s.address + s.offset)
-}
-
 struct RawNote {
     pc: u64,
     base: u64,
@@ -552,38 +539,25 @@ struct RawNote {
 
 /// The descriptor: three addresses (pc, base, semaphore) of the file's class,
 /// then provider, name and argument string, each NUL-terminated.
-fn parse_desc(desc: &[u8], addr_size: usize, endian: object::Endianness) -> Result<RawNote, UsdtError> {
-    use object::Endian as _;
-    if desc.len() < 3 * addr_size {
-        return Err(UsdtError::Malformed("descriptor shorter than its three addresses"));
-    }
-    let addr = |i: usize| -> u64 {
-        let b = &desc[i * addr_size..(i + 1) * addr_size];
-        if addr_size == 8 {
-            let mut a = [0u8; 8];
-            a.copy_from_slice(b);
-            if endian.is_big_endian() { u64::from_be_bytes(a) } else { u64::from_le_bytes(a) }
-        } else {
-            let mut a = [0u8; 4];
-            a.copy_from_slice(b);
-            u64::from(if endian.is_big_endian() { u32::from_be_bytes(a) } else { u32::from_le_bytes(a) })
-        }
+fn parse_desc(desc: &[u8], is_64: bool, endian: Endianness) -> Result<RawNote, UsdtError> {
+    let short = || UsdtError::Malformed("descriptor shorter than its three addresses");
+    let ([pc, base, semaphore], strings) = if is_64 {
+        let (a, rest) = object::pod::from_bytes::<[U64<Endianness>; 3]>(desc).map_err(|()| short())?;
+        (a.map(|v| v.get(endian)), rest)
+    } else {
+        let (a, rest) = object::pod::from_bytes::<[U32<Endianness>; 3]>(desc).map_err(|()| short())?;
+        (a.map(|v| u64::from(v.get(endian))), rest)
     };
-    let mut strings = desc[3 * addr_size..].split(|&b| b == 0);
-    let mut next = |what: &'static str| -> Result<String, UsdtError> {
-        strings.next().map(|s| String::from_utf8_lossy(s).into_owned()).ok_or(UsdtError::Malformed(what))
-    };
-    let provider = next("no provider")?;
-    let name = next("no probe name")?;
-    let args = next("no argument string")?;
-    // Three strings need three NULs; split() yields a last piece after the third.
-    if desc[3 * addr_size..].iter().filter(|&&b| b == 0).count() < 3 {
+    // Three strings need three NULs: then splitting yields a fourth piece.
+    let pieces: Vec<&[u8]> = strings.splitn(4, |&b| b == 0).collect();
+    let [provider, name, args, _] = pieces[..] else {
         return Err(UsdtError::Malformed("strings not NUL-terminated"));
-    }
+    };
     if provider.is_empty() || name.is_empty() {
         return Err(UsdtError::Malformed("empty provider or probe name"));
     }
-    Ok(RawNote { pc: addr(0), base: addr(1), semaphore: addr(2), provider, name, args })
+    let text = |s: &[u8]| String::from_utf8_lossy(s).into_owned();
+    Ok(RawNote { pc, base, semaphore, provider: text(provider), name: text(name), args: text(args) })
 }
 
 #[cfg(test)]

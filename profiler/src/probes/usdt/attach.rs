@@ -18,11 +18,6 @@ use std::{
     },
     path::{Path, PathBuf},
 };
-#[cfg(test)]
-use std::{
-    fs::File,
-    os::unix::fs::{FileExt, MetadataExt},
-};
 
 use perf_event_open_sys::bindings::{PERF_FLAG_FD_CLOEXEC, perf_event_attr};
 
@@ -188,80 +183,8 @@ fn link_perf_event(program: BorrowedFd<'_>, perf_event: BorrowedFd<'_>, cookie: 
 }
 
 #[cfg(test)]
-/// One mapping of a file in a process (a line of /proc/PID/maps).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct FileMapping {
-    pub start: u64,
-    pub end: u64,
-    /// Offset in the file of `start`.
-    pub offset: u64,
-    pub writable: bool,
-}
-
-#[cfg(test)]
-/// Where the byte at `file_offset` of a file is in the process, given that
-/// file's mappings. Like the kernel for a reference counter, only private
-/// writable mappings count: the read-only ones of the same page are the
-/// file's bytes, not the process's copy.
-pub fn file_offset_to_address(mappings: &[FileMapping], file_offset: u64) -> Option<u64> {
-    mappings
-        .iter()
-        .filter(|m| m.writable)
-        .find(|m| file_offset >= m.offset && file_offset - m.offset < m.end - m.start)
-        .map(|m| m.start + (file_offset - m.offset))
-}
-
-#[cfg(test)]
-/// Reads the `unsigned short` semaphore at `file_offset` of `file` (a path
-/// this process can open) in process `pid`: how many tracers have enabled the
-/// probe. For diagnostics and tests; the profiler never writes it.
-pub fn read_semaphore(pid: u32, file: &Path, file_offset: u64) -> io::Result<u16> {
-    let meta = std::fs::metadata(file)?;
-    let dev = (libc::major(meta.dev()) as i32, libc::minor(meta.dev()) as i32);
-    let maps = procfs::process::Process::new(pid as i32)
-        .and_then(|p| p.maps())
-        .map_err(|e| io::Error::other(e.to_string()))?;
-    let mappings: Vec<FileMapping> = maps
-        .iter()
-        .filter(|m| m.inode == meta.ino() && m.dev == dev)
-        .map(|m| FileMapping {
-            start: m.address.0,
-            end: m.address.1,
-            offset: m.offset,
-            writable: m.perms.contains(procfs::process::MMPermissions::WRITE),
-        })
-        .collect();
-    let addr = file_offset_to_address(&mappings, file_offset).ok_or_else(|| {
-        io::Error::new(
-            io::ErrorKind::NotFound,
-            format!("{} offset {file_offset:#x} not mapped writable", file.display()),
-        )
-    })?;
-    let mem = File::open(format!("/proc/{pid}/mem"))?;
-    let mut buf = [0u8; 2];
-    mem.read_exact_at(&mut buf, addr)?;
-    Ok(u16::from_ne_bytes(buf))
-}
-
-#[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn file_offsets_resolve_through_the_writable_mapping_only() {
-        // python3.11 (non-PIE): the data segment's page 0x684000 is mapped
-        // twice, read-only (RELRO) and then writable.
-        let maps = [
-            FileMapping { start: 0xa83000, end: 0xa84000, offset: 0x683000, writable: false },
-            FileMapping { start: 0xa84000, end: 0xa85000, offset: 0x684000, writable: true },
-        ];
-        assert_eq!(file_offset_to_address(&maps, 0x684260), Some(0xa84260));
-        assert_eq!(file_offset_to_address(&maps, 0x683010), None);
-        assert_eq!(file_offset_to_address(&maps, 0x685000), None);
-        // A PIE library: the load bias shows up in start - offset.
-        let lib = [FileMapping { start: 0x7f00_0000_3000, end: 0x7f00_0000_5000, offset: 0x2000, writable: true }];
-        assert_eq!(file_offset_to_address(&lib, 0x2ffe), Some(0x7f00_0000_3ffe));
-    }
 
     #[test]
     fn link_attr_matches_the_kernel_layout() {

@@ -16,7 +16,7 @@
 use std::{
     fmt,
     num::NonZeroU32,
-    os::fd::{AsFd, OwnedFd},
+    os::fd::{AsFd, BorrowedFd, OwnedFd},
     path::{Path, PathBuf},
 };
 
@@ -26,12 +26,13 @@ use aya::{
     programs::{ProgramError, UProbe},
 };
 use object::{Object, ObjectSection, ObjectSymbol};
-use profiler_common::{PY_MAX_TARGETS, PY_NAME_CAP, PyTarget, USDT_MAX_SPECS, maps as map_names, programs};
+use profiler_common::{
+    PY_MAX_TARGETS, PY_NAME_CAP, PyTarget, USDT_MAX_SPECS, UsdtProbeSpec, maps as map_names, programs,
+};
 
 use super::{
     ArgLocation, UsdtError, UsdtProbe,
     attach::{AttachError, UsdtLink, attach_usdt, open_uprobe},
-    parse_notes,
 };
 use crate::probes::maps::MappedFile;
 
@@ -168,8 +169,8 @@ pub struct TracingSwitch {
 
 /// The CPython version a file was built as, from its `Py_Version` symbol
 /// (`PY_VERSION_HEX`, exported since 3.11). None: older, or not CPython.
-pub fn python_version(data: &[u8]) -> Option<(u8, u8)> {
-    let file = object::File::parse(data).ok()?;
+pub fn python_version(file: &object::File<'_>) -> Option<(u8, u8)> {
+    // Exported, so in `.dynsym`; a stripped interpreter has no `.symtab`.
     let sym = file.dynamic_symbols().chain(file.symbols()).find(|s| s.name() == Ok("Py_Version"))?;
     let section = file.section_by_index(sym.section_index()?).ok()?;
     let bytes = section.data_range(sym.address(), 4).ok()??;
@@ -244,9 +245,10 @@ pub fn resolve<B: AsRef<[u8]>>(
 ) -> Result<PythonProbes, PythonProbeError> {
     for path in candidates {
         let Some(bytes) = open(path) else { continue };
-        let notes = match parse_notes(bytes.as_ref()) {
+        // Not ELF (a script?) or unreadable: not where the probes are.
+        let Ok(file) = object::File::parse(bytes.as_ref()) else { continue };
+        let notes = match super::notes(&file) {
             Ok(n) => n,
-            // Not ELF (a script?) or unreadable notes: not where the probes are.
             Err(UsdtError::Parse(_) | UsdtError::NotElf) => continue,
             Err(source) => return Err(PythonProbeError::Notes { path: path.clone(), source }),
         };
@@ -265,7 +267,7 @@ pub fn resolve<B: AsRef<[u8]>>(
         if count > USDT_MAX_SPECS as usize {
             return Err(PythonProbeError::TooManySites { path: path.clone(), count, max: USDT_MAX_SPECS });
         }
-        let version = python_version(bytes.as_ref());
+        let version = python_version(&file);
         let tracing_switch = if entry_needs_tracing(version) {
             Some(tracing_switch(&notes).ok_or_else(|| PythonProbeError::NoTracingSwitch { path: path.clone() })?)
         } else {
@@ -282,8 +284,8 @@ pub fn resolve<B: AsRef<[u8]>>(
 }
 
 /// The probes pass (filename, funcname, lineno): the first two must be
-/// pointer-sized, and decodable into the eBPF side's layout.
-fn check_args(path: &Path, p: &UsdtProbe) -> Result<(), PythonProbeError> {
+/// pointer-sized, and decodable into the eBPF side's layout, which is returned.
+fn check_args(path: &Path, p: &UsdtProbe) -> Result<UsdtProbeSpec, PythonProbeError> {
     let err = |reason: String| PythonProbeError::Args {
         path: path.to_owned(),
         probe: p.to_string(),
@@ -298,8 +300,7 @@ fn check_args(path: &Path, p: &UsdtProbe) -> Result<(), PythonProbeError> {
     if let Some(a) = args[..2].iter().find(|a| a.size != 8 || matches!(a.location, ArgLocation::Constant(_))) {
         return Err(err(format!("'{}' is not a pointer", a.text)));
     }
-    p.bpf_spec().map_err(|e| err(e.to_string()))?;
-    Ok(())
+    p.bpf_spec().map_err(|e| err(e.to_string()))
 }
 
 /// Finds CPython's probes for process `pid` from its executable and maps
@@ -335,8 +336,10 @@ pub enum PythonAttachError {
     Program { name: &'static str, source: ProgramError },
     #[error("{probe}: {source}")]
     Attach { probe: String, source: AttachError },
-    #[error("{0}")]
-    Spec(String),
+    /// A site whose arguments the programs cannot read: only possible when
+    /// `probes` did not come from [`resolve`], which checks the same.
+    #[error(transparent)]
+    Probe(#[from] PythonProbeError),
 }
 
 /// The Python step probes attached to one process. Dropping it detaches
@@ -385,21 +388,15 @@ impl PythonSteps {
                     .map_err(|source| PythonAttachError::Map { name: map_names::PY_TARGETS, source })?;
             }
         }
-        // One USDT_ARGS slot per probe site; the slot travels as the cookie.
-        let sites: Vec<(&'static str, &UsdtProbe)> = probes
-            .entry
-            .iter()
-            .map(|p| (programs::PYTHON_ENTRY, p))
-            .chain(probes.ret.iter().map(|p| (programs::PYTHON_RETURN, p)))
-            .collect();
+        // One USDT_ARGS slot per probe site, entries then returns; the slot
+        // travels as the cookie.
         {
             let map = ebpf.map_mut(map_names::USDT_ARGS).ok_or(PythonAttachError::Missing(map_names::USDT_ARGS))?;
-            let mut array: Array<_, profiler_common::UsdtProbeSpec> =
+            let mut array: Array<_, UsdtProbeSpec> =
                 Array::try_from(map).map_err(|source| PythonAttachError::Map { name: map_names::USDT_ARGS, source })?;
-            for (slot, (_, p)) in sites.iter().enumerate() {
-                let spec = p.bpf_spec().map_err(|e| PythonAttachError::Spec(format!("{p}: {e}")))?;
+            for (slot, p) in probes.entry.iter().chain(&probes.ret).enumerate() {
                 array
-                    .set(slot as u32, spec, 0)
+                    .set(slot as u32, check_args(&probes.path, p)?, 0)
                     .map_err(|source| PythonAttachError::Map { name: map_names::USDT_ARGS, source })?;
             }
         }
@@ -413,16 +410,12 @@ impl PythonSteps {
                 prog.load().map_err(|source| PythonAttachError::Program { name, source })?;
             }
         }
+        let (entry, ret) = (program_fd(ebpf, programs::PYTHON_ENTRY)?, program_fd(ebpf, programs::PYTHON_RETURN)?);
+        let sites = probes.entry.iter().map(|p| (entry, p)).chain(probes.ret.iter().map(|p| (ret, p)));
         let path = crate::probes::in_target_root(pid.get(), &probes.path);
-        let mut links = Vec::with_capacity(sites.len());
-        for (slot, (name, p)) in sites.iter().enumerate() {
-            let prog: &UProbe = ebpf
-                .program(name)
-                .ok_or(PythonAttachError::Missing(name))?
-                .try_into()
-                .map_err(|source| PythonAttachError::Program { name, source })?;
-            let fd = prog.fd().map_err(|source| PythonAttachError::Program { name, source })?;
-            let link = attach_usdt(fd.as_fd(), &path, p.file_offset, p.semaphore_file_offset, pid.get(), slot as u64)
+        let mut links = Vec::with_capacity(probes.entry.len() + probes.ret.len());
+        for (slot, (program, p)) in sites.enumerate() {
+            let link = attach_usdt(program, &path, p.file_offset, p.semaphore_file_offset, pid.get(), slot as u64)
                 .map_err(|source| PythonAttachError::Attach { probe: p.to_string(), source })?;
             links.push(link);
         }
@@ -453,6 +446,16 @@ impl PythonSteps {
         drop(tracing_switch);
         drop(links);
     }
+}
+
+/// The descriptor of `ebpf`'s loaded uprobe program `name`.
+fn program_fd<'e>(ebpf: &'e Ebpf, name: &'static str) -> Result<BorrowedFd<'e>, PythonAttachError> {
+    let prog: &UProbe = ebpf
+        .program(name)
+        .ok_or(PythonAttachError::Missing(name))?
+        .try_into()
+        .map_err(|source| PythonAttachError::Program { name, source })?;
+    Ok(prog.fd().map_err(|source| PythonAttachError::Program { name, source })?.as_fd())
 }
 
 impl crate::probes::Probes {

@@ -4,9 +4,11 @@
 //! `cargo test -p profiler usdt -- --ignored --nocapture --test-threads 1`.
 use std::{
     collections::BTreeMap,
+    fs::File,
+    io,
     num::NonZeroU32,
     os::fd::AsFd,
-    os::unix::fs::FileExt,
+    os::unix::fs::{FileExt, MetadataExt},
     path::{Path, PathBuf},
     process::{Child, Command},
     time::{Duration, Instant},
@@ -16,7 +18,7 @@ use aya::{maps::MapData, programs::UProbe};
 use profiler_common::programs;
 
 use super::{
-    attach::{FileMapping, UsdtLink, attach_usdt, file_offset_to_address, open_uprobe, read_semaphore},
+    attach::{UsdtLink, attach_usdt, open_uprobe},
     python::{PythonProbes, PythonStepSpec, PythonSteps, PythonTarget, find_in_process},
 };
 use crate::{
@@ -120,6 +122,78 @@ fn read_truth(dir: &Path) -> Truth {
         }
     }
     t
+}
+
+/// One mapping of a file in a process (a line of /proc/PID/maps).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FileMapping {
+    start: u64,
+    end: u64,
+    /// Offset in the file of `start`.
+    offset: u64,
+    writable: bool,
+}
+
+/// Every mapping of `file` (a path this process can open) in process `pid`,
+/// matched by device and inode.
+fn file_mappings(pid: u32, file: &Path) -> io::Result<Vec<FileMapping>> {
+    let meta = std::fs::metadata(file)?;
+    let dev = (libc::major(meta.dev()) as i32, libc::minor(meta.dev()) as i32);
+    let maps = procfs::process::Process::new(pid as i32)
+        .and_then(|p| p.maps())
+        .map_err(|e| io::Error::other(e.to_string()))?;
+    Ok(maps
+        .iter()
+        .filter(|m| m.inode == meta.ino() && m.dev == dev)
+        .map(|m| FileMapping {
+            start: m.address.0,
+            end: m.address.1,
+            offset: m.offset,
+            writable: m.perms.contains(procfs::process::MMPermissions::WRITE),
+        })
+        .collect())
+}
+
+/// Where the byte at `file_offset` of a file is in the process, given that
+/// file's mappings. Like the kernel for a reference counter, only private
+/// writable mappings count: the read-only ones of the same page are the
+/// file's bytes, not the process's copy.
+fn file_offset_to_address(mappings: &[FileMapping], file_offset: u64) -> Option<u64> {
+    mappings
+        .iter()
+        .filter(|m| m.writable)
+        .find(|m| file_offset >= m.offset && file_offset - m.offset < m.end - m.start)
+        .map(|m| m.start + (file_offset - m.offset))
+}
+
+/// Reads the `unsigned short` semaphore at `file_offset` of `file` in
+/// process `pid`: how many uprobes the kernel has counted into it.
+fn read_semaphore(pid: u32, file: &Path, file_offset: u64) -> io::Result<u16> {
+    let addr = file_offset_to_address(&file_mappings(pid, file)?, file_offset).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("{} offset {file_offset:#x} not mapped writable", file.display()),
+        )
+    })?;
+    let mut buf = [0u8; 2];
+    File::open(format!("/proc/{pid}/mem"))?.read_exact_at(&mut buf, addr)?;
+    Ok(u16::from_ne_bytes(buf))
+}
+
+#[test]
+fn file_offsets_resolve_through_the_writable_mapping_only() {
+    // python3.11 (non-PIE): the data segment's page 0x684000 is mapped
+    // twice, read-only (RELRO) and then writable.
+    let maps = [
+        FileMapping { start: 0xa83000, end: 0xa84000, offset: 0x683000, writable: false },
+        FileMapping { start: 0xa84000, end: 0xa85000, offset: 0x684000, writable: true },
+    ];
+    assert_eq!(file_offset_to_address(&maps, 0x684260), Some(0xa84260));
+    assert_eq!(file_offset_to_address(&maps, 0x683010), None);
+    assert_eq!(file_offset_to_address(&maps, 0x685000), None);
+    // A PIE library: the load bias shows up in start - offset.
+    let lib = [FileMapping { start: 0x7f00_0000_3000, end: 0x7f00_0000_5000, offset: 0x2000, writable: true }];
+    assert_eq!(file_offset_to_address(&lib, 0x2ffe), Some(0x7f00_0000_3ffe));
 }
 
 /// The entry probe's semaphore and (CPython 3.11) the line probe's.
@@ -394,22 +468,10 @@ fn the_semaphore_follows_attachments() {
 /// Sets semaphores (file offsets in `python.path`) by hand, with no uprobe:
 /// what the interpreter's own work behind them costs.
 fn poke_semaphores(pid: NonZeroU32, python: &PythonProbes, offsets: &[u64]) {
-    let maps = procfs::process::Process::new(pid.get() as i32).and_then(|p| p.maps()).expect("maps");
-    let path = in_target_root(pid.get(), &python.path);
-    let meta = std::fs::metadata(&path).expect("stat");
-    let mappings: Vec<FileMapping> = maps
-        .iter()
-        .filter(|m| std::os::unix::fs::MetadataExt::ino(&meta) == m.inode)
-        .map(|m| FileMapping {
-            start: m.address.0,
-            end: m.address.1,
-            offset: m.offset,
-            writable: m.perms.contains(procfs::process::MMPermissions::WRITE),
-        })
-        .collect();
+    let mappings = file_mappings(pid.get(), &in_target_root(pid.get(), &python.path)).expect("mappings");
     let mem = std::fs::OpenOptions::new().write(true).open(format!("/proc/{pid}/mem")).expect("open mem");
     for &off in offsets {
-        let addr = file_offset_to_address(&mappings, off).expect("mapped");
+        let addr = file_offset_to_address(&mappings, off).expect("semaphore mapped writable");
         mem.write_all_at(&1u16.to_ne_bytes(), addr).expect("write semaphore");
     }
 }
