@@ -122,18 +122,6 @@ fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-fn command_line(pid: u32) -> String {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|b| {
-            b.split(|c| *c == 0)
-                .filter(|s| !s.is_empty())
-                .map(|s| String::from_utf8_lossy(s).into_owned())
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .unwrap_or_default()
-}
-
 fn ldconfig_cache() -> String {
     ["/sbin/ldconfig", "/usr/sbin/ldconfig", "ldconfig"]
         .iter()
@@ -142,17 +130,14 @@ fn ldconfig_cache() -> String {
         .unwrap_or_default()
 }
 
-fn target_env(pid: u32, key: &str) -> Option<String> {
-    let raw = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    raw.split(|c| *c == 0).find_map(|kv| {
-        let kv = String::from_utf8_lossy(kv);
-        kv.strip_prefix(&format!("{key}=")).map(str::to_owned)
-    })
-}
-
 /// Runs a whole session. Errors before the session row exists are the user's
 /// one-line errors; after that, everything collected is flushed whatever happens.
 pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summary> {
+    // For `attach`, the target's process (its maps) and environment, read once.
+    let mut attached: Option<(
+        procfs::process::Process,
+        std::collections::HashMap<std::ffi::OsString, std::ffi::OsString>,
+    )> = None;
     let (pid, mut child, exe, command, mode) = match target {
         Target::Attach(pid) => {
             let process = procfs::process::Process::new(pid as i32)
@@ -163,7 +148,10 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
             privileges::check().map_err(anyhow::Error::msg)?;
             let exe =
                 process.exe().with_context(|| format!("cannot read /proc/{pid}/exe (has the process exited?)"))?;
-            (pid, None, exe, command_line(pid), "attach")
+            let command = process.cmdline().map(|args| args.join(" ")).unwrap_or_default();
+            let env = process.environ().unwrap_or_default();
+            attached = Some((process, env));
+            (pid, None, exe, command, "attach")
         }
         Target::Run(c) => {
             let c = *c;
@@ -172,20 +160,21 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         }
     };
     let nz_pid = NonZeroU32::new(pid).context("PID 0 cannot be profiled")?;
-    let target_var = |key: &str| if mode == "attach" { target_env(pid, key) } else { std::env::var(key).ok() };
+    let target_var = |key: &str| match &attached {
+        Some((_, env)) => env.get(std::ffi::OsStr::new(key)).map(|v| v.to_string_lossy().into_owned()),
+        None => std::env::var(key).ok(),
+    };
 
     let store = Store::open(&cfg.output)?;
 
     // The step functions, before anything is attached: a typo costs nothing.
     // Both kinds are searched in the executable and the files it maps (in
     // `run`, the target is still the exec gate: only what it will exec).
-    let mapped = if mode == "attach" && !(cfg.steps.is_empty() && cfg.python_steps.is_empty()) {
-        let maps = procfs::process::Process::new(pid as i32)
-            .and_then(|p| p.maps())
-            .with_context(|| format!("cannot read /proc/{pid}/maps"))?;
-        maps::mapped_files(&maps)
-    } else {
-        Vec::new()
+    let mapped = match &attached {
+        Some((process, _)) if !(cfg.steps.is_empty() && cfg.python_steps.is_empty()) => {
+            maps::mapped_files(&process.maps().with_context(|| format!("cannot read /proc/{pid}/maps"))?)
+        }
+        _ => Vec::new(),
     };
     let open_in_target = |p: &Path| probes::open_in_target(pid, p);
     let mut resolved_steps = Vec::new();
@@ -806,7 +795,7 @@ impl Consumer {
                     self.last_step_ns = Some(s.end_ns - s.start_ns);
                     self.steps.push(StepRow {
                         sync_wait_ns: Some(s.sync_wait_ns),
-                        label: s.label,
+                        label: s.label.to_owned(),
                         step: s.step,
                         tid: s.tid,
                         start_ns: s.start_ns,
@@ -901,7 +890,7 @@ impl Consumer {
         for s in self.tracker.open_steps() {
             self.steps.push(StepRow {
                 sync_wait_ns: None,
-                label: s.label,
+                label: s.label.to_owned(),
                 step: s.step,
                 tid: s.tid,
                 start_ns: s.start_ns,

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 /// A finished step.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CompletedStep {
-    pub label: String,
+    pub label: &'static str,
     pub step: u64,
     pub tid: u32,
     pub start_ns: u64,
@@ -26,7 +26,7 @@ pub struct CompletedStep {
 /// A step that had begun but not ended when the session stopped.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OpenStep {
-    pub label: String,
+    pub label: &'static str,
     pub step: u64,
     pub tid: u32,
     pub start_ns: u64,
@@ -48,7 +48,7 @@ pub struct StepTracker {
     /// Open outermost steps per thread, innermost last: a launch belongs to
     /// the most recently begun step still open on its thread.
     open_by_thread: HashMap<u32, Vec<(u32, u64)>>,
-    next_step: HashMap<String, u64>,
+    next_step: HashMap<&'static str, u64>,
     /// Returns seen with no matching entry (the kernel drops uretprobes nested
     /// deeper than 64 frames), or from an unknown source.
     pub unmatched_returns: u64,
@@ -73,7 +73,7 @@ impl StepTracker {
     /// Entry of a step function. Returns the new step's number when this is
     /// an outermost call.
     pub fn enter(&mut self, tid: u32, probe: u32, ts_ns: u64, thread_launches: u64) -> Option<u64> {
-        let label = self.label(probe)?.to_owned();
+        let label = self.label(probe)?;
         let s = self.per_source.entry((tid, probe)).or_default();
         s.depth += 1;
         if s.depth > 1 {
@@ -107,7 +107,7 @@ impl StepTracker {
             stack.retain(|&(p, st)| !(p == probe && st == step));
         }
         Some(CompletedStep {
-            label: self.label(probe)?.to_owned(),
+            label: self.label(probe)?,
             step,
             tid,
             start_ns,
@@ -142,7 +142,7 @@ impl StepTracker {
             .filter_map(|(&(tid, probe), s)| {
                 let (step, start_ns, _) = s.open?;
                 Some(OpenStep {
-                    label: self.label(probe)?.to_owned(),
+                    label: self.label(probe)?,
                     step,
                     tid,
                     start_ns,
@@ -150,7 +150,7 @@ impl StepTracker {
                 })
             })
             .collect();
-        v.sort_by(|a, b| (&a.label, a.step).cmp(&(&b.label, b.step)));
+        v.sort_by_key(|s| (s.label, s.step));
         v
     }
 }
@@ -172,7 +172,7 @@ mod tests {
         assert_eq!(
             s0,
             CompletedStep {
-                label: "train".into(),
+                label: "train",
                 step: 0,
                 tid: 1,
                 start_ns: 100,
@@ -219,17 +219,17 @@ mod tests {
     fn labels_count_separately_and_sources_can_share_a_label() {
         let mut t = tracker();
         assert_eq!(t.enter(1, 0, 10, 0), Some(0));
-        assert_eq!(t.exit(1, 0, 20, 0).map(|s| s.label), Some("train".into()));
+        assert_eq!(t.exit(1, 0, 20, 0).map(|s| s.label), Some("train"));
         assert_eq!(t.enter(1, 1, 30, 0), Some(0), "validate counts from 0");
         // A validate step inside which another source's train step runs: the
         // launch goes to the innermost.
         assert_eq!(t.enter(1, 2, 31, 0), Some(1), "source 2 shares the train counter");
         assert_eq!(t.current_step(1), Some(("train", 1)));
         let inner = t.exit(1, 2, 32, 4).expect("closes");
-        assert_eq!((inner.label.as_str(), inner.step, inner.launches), ("train", 1, 4));
+        assert_eq!((inner.label, inner.step, inner.launches), ("train", 1, 4));
         assert_eq!(t.current_step(1), Some(("validate", 0)));
         let outer = t.exit(1, 1, 40, 6).expect("closes");
-        assert_eq!((outer.label.as_str(), outer.launches), ("validate", 6));
+        assert_eq!((outer.label, outer.launches), ("validate", 6));
     }
 
     #[test]
@@ -268,8 +268,8 @@ mod tests {
         assert_eq!(
             open,
             vec![
-                OpenStep { label: "train".into(), step: 1, tid: 1, start_ns: 25, inter_step_ns: Some(5) },
-                OpenStep { label: "validate".into(), step: 0, tid: 3, start_ns: 26, inter_step_ns: None }
+                OpenStep { label: "train", step: 1, tid: 1, start_ns: 25, inter_step_ns: Some(5) },
+                OpenStep { label: "validate", step: 0, tid: 3, start_ns: 26, inter_step_ns: None }
             ]
         );
     }
