@@ -211,6 +211,20 @@ pub fn profiler_output(args: &[&str]) -> (Option<i32>, String) {
     (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
+/// Asserts a failed run printed exactly one line containing `error`; returns it.
+pub fn the_error_line(code: Option<i32>, stderr: &str) -> &str {
+    assert_ne!(code, Some(0), "must fail: {stderr}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.contains("error")).collect();
+    assert_eq!(errors.len(), 1, "exactly one error line: {stderr}");
+    errors[0]
+}
+
+/// Asserts a failed run printed exactly one error line, and that it says `needle`.
+pub fn one_error_line(code: Option<i32>, stderr: &str, needle: &str) {
+    let line = the_error_line(code, stderr);
+    assert!(line.contains(needle), "'{needle}' not in: {stderr}");
+}
+
 #[derive(Clone, Debug)]
 pub struct DbStep {
     pub step: i64,
@@ -311,14 +325,18 @@ impl BoundaryErrors {
     }
 }
 
-/// Asserts `db` steps equal `truth` steps one for one (same thread, same
-/// launches, boundaries within `tolerance_ns`, the probe's entry before the
-/// trainer's own first stamp and its return after the last one).
+/// Asserts `db` steps equal `truth` steps one for one, in order (same thread,
+/// same label, same launches, boundaries within `tolerance_ns`, the probe's
+/// entry before the trainer's own first stamp and its return after the last
+/// one). Because each truth step must lie inside its database step, and one
+/// thread's steps do not overlap, a pairing shifted by one step fails whatever
+/// `tolerance_ns` is: truth k+1 starts after database step k ends.
 pub fn assert_steps_match(truth: &[TruthStep], db: &[DbStep], tolerance_ns: i64) -> BoundaryErrors {
     assert_eq!(db.len(), truth.len(), "step count: database {} vs ground truth {}", db.len(), truth.len());
     let mut errs = BoundaryErrors { start: Vec::new(), end: Vec::new() };
     for (t, d) in truth.iter().zip(db) {
         assert_eq!(d.tid, t.tid, "thread of step {d:?} vs {t:?}");
+        assert_eq!(d.label, t.label, "label of step {d:?} vs {t:?}");
         assert_eq!(d.launches, Some(t.launches), "launches of step {} (tid {})", d.step, d.tid);
         let end = d.end_ns.expect("completed step has an end");
         let ds = t.start_ns as i64 - d.start_ns as i64;

@@ -111,7 +111,7 @@ fn step_energy_from_rapl_is_within_its_bound_across_a_wrap() {
         .collect::<Result<_, _>>()
         .expect("rows: energy for every step");
     assert_eq!(rows.len(), 90);
-    let (mut worst, mut total, mut truth_total) = (0.0f64, 0.0, 0.0);
+    let (mut rel, mut total, mut truth_total) = (Vec::new(), 0.0, 0.0);
     for &(step, secs, cpu, cpu_err, dram, dram_err) in &rows {
         assert!(cpu >= 0.0 && dram >= 0.0, "step {step}: negative energy across a wrap");
         let (cpu_truth, dram_truth) = (CPU_W * secs, DRAM_W * secs);
@@ -123,14 +123,25 @@ fn step_energy_from_rapl_is_within_its_bound_across_a_wrap() {
             (dram - dram_truth).abs() <= dram_err,
             "step {step}: DRAM {dram:.4} J vs {dram_truth:.4} J (bound {dram_err:.4})"
         );
-        worst = worst.max((cpu - cpu_truth).abs() / cpu_truth);
+        rel.push((cpu - cpu_truth).abs() / cpu_truth);
         total += cpu;
         truth_total += cpu_truth;
     }
+    rel.sort_by(f64::total_cmp);
+    let (median, p90, worst) = (rel[rel.len() / 2], rel[rel.len() * 9 / 10], rel[rel.len() - 1]);
     println!(
-        "RAPL per step: worst CPU error {:.2}%, steps' CPU energy {total:.3} J vs true {truth_total:.3} J",
+        "RAPL per step: CPU relative error median {:.3}%, p90 {:.3}%, worst {:.2}%, steps' CPU energy {total:.3} J vs true {truth_total:.3} J",
+        100.0 * median,
+        100.0 * p90,
         100.0 * worst
     );
+    // The fake counters advance every ~1 ms from a thread of this test, so each
+    // boundary is read up to ~1 ms stale: ~0.7–0.9 % median error on a 40 ms
+    // step (README: worst 2.4 %). A late tick of that thread or of the sampler
+    // on a loaded 2-core machine made the worst step 9.9 %, within its bound
+    // (checked above), so the figure asserted is the median; a wrong domain or
+    // psys added in is off by far more.
+    assert!(median < 0.03, "median per-step CPU energy error {:.3}%", 100.0 * median);
     // psys (200 W) is never added to the packages: 50 W, not 250 W.
     assert!((total / truth_total - 1.0).abs() < 0.02, "{total} vs {truth_total}");
     // The cumulative series is monotone across the wraps.

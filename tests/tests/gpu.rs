@@ -74,22 +74,34 @@ fn per_step_gpu_energy_is_within_its_bound_and_gpus_follow_cuda_visible_devices(
         .collect::<Result<_, _>>()
         .expect("rows");
     assert_eq!(rows.len(), 60, "30 steps × 2 GPUs");
-    let (mut worst, mut bound_sum, mut err_sum) = (0.0f64, 0.0, 0.0);
+    let (mut rel, mut bound_sum, mut err_sum) = (Vec::new(), 0.0, 0.0);
     for &(gpu, nvml, energy, bound, secs, below, step) in &rows {
         let truth = power_w(nvml) * secs;
         let err = (energy - truth).abs();
         assert!(err <= bound, "step {step} GPU {gpu}: {energy:.3} J vs true {truth:.3} J, bound {bound:.3} J");
         assert_eq!(below, 0, "40 ms steps are longer than the 20 ms counter period");
-        worst = worst.max(err / truth);
+        rel.push(err / truth);
         bound_sum += bound;
         err_sum += err;
     }
+    rel.sort_by(f64::total_cmp);
+    let (median, p90, worst) = (rel[rel.len() / 2], rel[rel.len() * 9 / 10], rel[rel.len() - 1]);
     println!(
-        "GPU energy per step: worst relative error {:.2}%, mean error {:.3} J, mean bound {:.3} J",
+        "GPU energy per step: relative error median {:.3}%, p90 {:.3}%, worst {:.2}%, mean error {:.3} J, mean bound {:.3} J",
+        100.0 * median,
+        100.0 * p90,
         100.0 * worst,
         err_sum / rows.len() as f64,
         bound_sum / rows.len() as f64
     );
+    // Constant power and a sampler on an absolute schedule: the counter is seen
+    // with the same lag at both boundaries, which cancels (README: worst 0.2 %,
+    // measured 0.08–0.18 % on an idle machine). A late sampler tick breaks the
+    // cancellation for the steps around it: on a loaded 2-core machine the worst
+    // step reached 7.9 %, within its bound (checked above), which allows for that
+    // lag. The median step is not moved by a few late ticks (≤ 0.04 % measured
+    // under load), and a wrong power, GPU or interval is off by far more than 1 %.
+    assert!(median < 0.01, "median per-step GPU energy error {:.3}%", 100.0 * median);
     let period: f64 = conn
         .query_row("SELECT energy_update_period_ms FROM gpus WHERE session_id = ?1 AND gpu = 0", [s.id], |r| r.get(0))
         .expect("period");
@@ -208,8 +220,5 @@ fn genuine_nvml_without_a_driver_is_one_clear_line() {
     assert!(reason.contains("NVIDIA driver not loaded"), "{reason}");
     // --require-gpu makes it an error.
     let (code, stderr) = profiler_output(&["run", "-o", &db_s, "--require-gpu", "--nvml-lib", &lib, "--", "/bin/true"]);
-    assert_ne!(code, Some(0));
-    let errors: Vec<&str> = stderr.lines().filter(|l| l.contains("error")).collect();
-    assert_eq!(errors.len(), 1, "{stderr}");
-    assert!(errors[0].contains("NVIDIA driver not loaded"), "{stderr}");
+    one_error_line(code, &stderr, "NVIDIA driver not loaded");
 }

@@ -180,15 +180,22 @@ fn report_matches_sql_and_ground_truth() {
     close(f(&l["step_time_ms"]["mean"]), mean_ms, "step time mean");
     close(f(&l["steps_per_s"]), n as f64 / ((last - first) as f64 / 1e9), "steps/s");
 
-    // Against the trainer's own clock: the same steps' median, within the probes' boundary error.
-    let mut by_start = truth.steps.clone();
-    by_start.sort_by_key(|t| t.start_ns);
+    // Against the trainer's own clock: the median of the very steps the report
+    // used (each database step paired with its truth step, the first SKIP by
+    // start left out as the report does), within the probes' boundary error
+    // (p99 ~20 µs; 0.3 ms leaves room for a preempted probe on a loaded machine).
+    let db_steps = steps(&db, session.id);
+    assert_steps_match(&truth.steps, &db_steps, 20_000_000);
+    let mut pairs: Vec<(&DbStep, &TruthStep)> = db_steps.iter().zip(&truth.steps).collect();
+    pairs.sort_by_key(|(d, _)| (d.start_ns, d.step));
     let mut truth_ms: Vec<f64> =
-        by_start.iter().skip(SKIP as usize).map(|t| (t.end_ns - t.start_ns) as f64 / 1e6).collect();
+        pairs.iter().skip(SKIP as usize).map(|(_, t)| (t.end_ns - t.start_ns) as f64 / 1e6).collect();
+    assert_eq!(truth_ms.len() as i64, 50 - SKIP);
     truth_ms.sort_by(f64::total_cmp);
     let truth_p50 = truth_ms[(50 * truth_ms.len()).div_ceil(100) - 1];
     let p50 = f(&l["step_time_ms"]["p50"]);
-    assert!((p50 - truth_p50).abs() < 2.0, "step p50 {p50} ms vs the trainer's {truth_p50} ms");
+    println!("step p50: report {p50:.4} ms, trainer {truth_p50:.4} ms, Δ {:.1} µs", 1e3 * (p50 - truth_p50));
+    assert!((p50 - truth_p50).abs() < 0.3, "step p50 {p50} ms vs the trainer's {truth_p50} ms");
 
     // Sync wait: only where the profile records it.
     if has_column(&conn, "steps", "sync_wait_ns") {
@@ -589,21 +596,34 @@ fn perfetto_export_is_well_formed_and_matches_the_database() {
     assert!(err.contains("no table or view 'nope'") && err.contains("steps"), "{err}");
 }
 
-/// Peak RSS (KiB) of `profiler ARGS`, from wait4's rusage.
+/// Peak RSS (KiB) of `profiler ARGS` alone (the whole process: its binary's
+/// touched pages, libraries, heap), from wait4's rusage, and its run time.
+///
+/// A child's `ru_maxrss` is never below the RSS of the process it was forked
+/// from when it exec'd (exec keeps the old address space's high-water mark),
+/// so spawned from here it would count this test too. A small shell starts
+/// the profiler in the background and exits; the orphan comes to this
+/// process, a subreaper for the while, which reaps it with wait4.
 fn peak_rss_kib(args: &[&str]) -> (i64, Duration) {
     let t0 = Instant::now();
-    #[expect(clippy::zombie_processes, reason = "reaped by wait4 below, which also returns its rusage")]
-    let child = Command::new(profiler_bin())
+    // SAFETY: prctl on this process with plain integer arguments.
+    assert_eq!(unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1) }, 0, "PR_SET_CHILD_SUBREAPER");
+    let out = Command::new("/bin/sh")
+        .arg("-c")
+        .arg(r#""$@" >/dev/null 2>&1 </dev/null & echo $!"#)
+        .arg("sh")
+        .arg(profiler_bin())
         .args(args)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("start profiler");
+        .output()
+        .expect("start profiler through sh");
+    let pid: i32 = String::from_utf8_lossy(&out.stdout).trim().parse().expect("the profiler's PID from sh");
     let mut status = 0;
-    // SAFETY: waiting for our own child; rusage is plain data the kernel fills in.
+    // SAFETY: waiting for our own (adopted) child; rusage is plain data the kernel fills in.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    let r = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
-    assert_eq!(r, child.id() as i32, "wait4");
+    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    // SAFETY: as above.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 0) };
+    assert_eq!(r, pid, "wait4: {}", std::io::Error::last_os_error());
     assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "profiler {args:?} failed: status {status}");
     (usage.ru_maxrss, t0.elapsed())
 }
@@ -611,7 +631,11 @@ fn peak_rss_kib(args: &[&str]) -> (i64, Duration) {
 #[test]
 fn a_large_session_exports_in_bounded_memory() {
     const EXTRA: i64 = 2_000_000;
-    const LIMIT_KIB: i64 = 100 * 1024;
+    // The README: "a 2-million-launch session exports in under 10 MiB of
+    // memory" (whole-process peak RSS; ~9 MiB measured, ~7.4 MiB for a tiny
+    // session). `report` is not covered by that sentence (~11 MiB measured).
+    const EXPORT_LIMIT_KIB: i64 = 10 * 1024;
+    const REPORT_LIMIT_KIB: i64 = 16 * 1024;
     let dir = workdir("large");
     let db = dir.join("big.db");
     profile_into(&dir, &db, &["--steps", "10", "--launches", "100"], &[]);
@@ -692,8 +716,12 @@ fn a_large_session_exports_in_bounded_memory() {
         report_kib as f64 / 1024.0,
         report_t.as_secs_f64()
     );
-    for (what, kib) in [("perfetto export", perfetto_kib), ("CSV export", csv_kib), ("report", report_kib)] {
-        assert!(kib < LIMIT_KIB, "{what}: peak RSS {kib} KiB, over {LIMIT_KIB} KiB");
+    for (what, kib, limit) in [
+        ("perfetto export", perfetto_kib, EXPORT_LIMIT_KIB),
+        ("CSV export", csv_kib, EXPORT_LIMIT_KIB),
+        ("report", report_kib, REPORT_LIMIT_KIB),
+    ] {
+        assert!(kib < limit, "{what}: peak RSS {kib} KiB, over {limit} KiB");
     }
 }
 
@@ -738,10 +766,9 @@ fn doctor_on_this_machine() {
     assert!(fix_of(&out, "NVML").contains("--nvml-lib"));
     // This VM has no RAPL: no perf power PMU, no powercap zones.
     assert!(!Path::new("/sys/bus/event_source/devices/power").exists(), "this test expects a machine without RAPL");
-    assert!(check(&out, "RAPL perf PMU").0.starts_with("! "), "{out}");
-    assert!(fix_of(&out, "RAPL perf PMU").contains("modprobe"));
-    assert!(check(&out, "RAPL powercap").0.starts_with("! "), "{out}");
-    assert!(!fix_of(&out, "RAPL powercap").is_empty());
+    let rapl = check(&out, "RAPL").0;
+    assert!(rapl.starts_with("! ") && rapl.contains("RAPL unavailable"), "{out}");
+    assert!(fix_of(&out, "RAPL").contains("modprobe"));
     assert!(out.trim_end().ends_with("attach would work; some figures will be absent (warnings above)"), "{out}");
 
     // With the stand-in NVML (3 GPUs) and a powercap tree this test writes.
@@ -750,6 +777,7 @@ fn doctor_on_this_machine() {
         std::fs::create_dir_all(powercap.join(zone)).expect("zone");
         std::fs::write(powercap.join(zone).join("name"), format!("{name}\n")).expect("name");
         std::fs::write(powercap.join(zone).join("energy_uj"), format!("{uj}\n")).expect("energy");
+        std::fs::write(powercap.join(zone).join("max_energy_range_uj"), "262143328850\n").expect("range");
     }
     let (code, out) = doctor(
         &["--nvml-lib", &stand_in_nvml(), "--powercap-root", &powercap.display().to_string()],
@@ -758,9 +786,10 @@ fn doctor_on_this_machine() {
     assert_eq!(code, Some(0), "{out}");
     let nvml = check(&out, "NVML").0;
     assert!(nvml.starts_with("✓ ") && nvml.contains("3 GPUs"), "{out}");
-    let rapl = check(&out, "RAPL powercap").0;
+    // What the RAPL sampler itself would read: both domains of the zones above.
+    let rapl = check(&out, "RAPL").0;
     assert!(
-        rapl.starts_with("✓ ") && rapl.contains("package-0 (intel-rapl:0)") && rapl.contains("dram (intel-rapl:0:0)"),
+        rapl.starts_with("✓ ") && rapl.contains(&powercap.display().to_string()) && rapl.contains("package, dram"),
         "{out}"
     );
 
@@ -768,7 +797,7 @@ fn doctor_on_this_machine() {
     let genuine = fixtures().join("nvidia/lib/libnvidia-ml.so.1");
     let (code, out) = doctor(&["--nvml-lib", &genuine.display().to_string()], &[]);
     assert_eq!(code, Some(0), "{out}");
-    assert!(check(&out, "NVML").0.contains("does not initialise"), "{out}");
+    assert!(check(&out, "NVML").0.contains("did not initialise"), "{out}");
     assert!(fix_of(&out, "NVML").contains("driver"));
 }
 
@@ -809,14 +838,14 @@ fn doctor_for_a_process() {
     }
     drop(trainer);
 
-    // Debian's python3.11 is built with --with-dtrace: its probes are counted as readelf counts them.
+    // Debian's python3.11 is built with --with-dtrace: its function probe sites
+    // are counted as readelf counts them.
     let python = Path::new("/usr/bin/python3.11");
     let readelf = Command::new("readelf").arg("--notes").arg(python).output().expect("readelf");
-    let probes = String::from_utf8_lossy(&readelf.stdout)
-        .lines()
-        .filter(|l| l.trim_start().starts_with("Provider: python"))
-        .count();
-    assert!(probes > 0, "readelf finds no USDT probes in {}", python.display());
+    let notes = String::from_utf8_lossy(&readelf.stdout).into_owned();
+    let sites = |name: &str| notes.lines().filter(|l| l.trim() == format!("Name: {name}")).count();
+    let (entries, returns) = (sites("function__entry"), sites("function__return"));
+    assert!(entries > 0 && returns > 0, "readelf finds no function probes in {}", python.display());
     let mut child = Command::new(python).args(["-c", "import time; time.sleep(30)"]).spawn().expect("python");
     std::thread::sleep(Duration::from_millis(300));
     let (code, out) = doctor(&[&child.id().to_string()], &[]);
@@ -824,7 +853,8 @@ fn doctor_for_a_process() {
     let _ = child.wait();
     assert_eq!(code, Some(0), "{out}");
     let line = check(&out, "CPython").0;
-    assert!(line.starts_with("✓ ") && line.contains(&format!("has {probes} USDT probes, function__entry")), "{out}");
+    let want = format!("/usr/bin/python3.11 (CPython 3.11): {entries} function__entry and {returns} function__return");
+    assert!(line.starts_with("✓ ") && line.contains(&want) && line.contains("python:line semaphore"), "{out}");
 
     // A PID that is not there: attaching would fail.
     let (code, out) = doctor(&["999999999"], &[]);
