@@ -17,7 +17,7 @@ use clap::{Args, ValueEnum};
 use rusqlite::types::ValueRef;
 use serde::{Serialize, Serializer, ser::SerializeMap};
 
-use super::report::{ProfileDb, kernel_display, reader_went_away};
+use super::report::{ProfileDb, kernel_display, kernel_names, reader_went_away};
 
 #[derive(Args, Debug)]
 pub struct ExportArgs {
@@ -115,6 +115,88 @@ struct Event<'a, A: Serialize> {
     args: A,
 }
 
+/// Where a session's events go: the target's process, timed in µs since the
+/// session started.
+#[derive(Clone, Copy)]
+struct Timeline {
+    pid: i64,
+    started_ns: i64,
+}
+
+impl Timeline {
+    /// A profile's timestamp (ns) as trace time.
+    fn us(self, ns: i64) -> f64 {
+        (ns - self.started_ns) as f64 / 1e3
+    }
+
+    /// Metadata: the name of the process (`tid` = pid) or of a thread.
+    fn meta<'a>(self, what: &'a str, tid: i64, name: &'a str) -> Event<'a, NameArgs<'a>> {
+        Event {
+            name: what,
+            ph: "M",
+            cat: None,
+            ts: 0.0,
+            dur: None,
+            pid: self.pid,
+            tid,
+            s: None,
+            args: NameArgs { name },
+        }
+    }
+
+    /// A slice on thread `tid`'s track. One still running at the end has a
+    /// beginning and no end: a "B" without its "E", which viewers show as not
+    /// ended.
+    fn span<'a, A: Serialize>(
+        self,
+        name: &'a str,
+        cat: &'static str,
+        tid: i64,
+        start_ns: i64,
+        end_ns: Option<i64>,
+        args: A,
+    ) -> Event<'a, A> {
+        Event {
+            name,
+            ph: if end_ns.is_some() { "X" } else { "B" },
+            cat: Some(cat),
+            ts: self.us(start_ns),
+            dur: end_ns.map(|e| (e - start_ns) as f64 / 1e3),
+            pid: self.pid,
+            tid,
+            s: None,
+            args,
+        }
+    }
+
+    /// An instant on thread `tid`'s track.
+    fn instant<'a, A: Serialize>(
+        self,
+        name: &'a str,
+        cat: &'static str,
+        tid: i64,
+        ts_ns: i64,
+        args: A,
+    ) -> Event<'a, A> {
+        Event { name, ph: "i", cat: Some(cat), ts: self.us(ts_ns), dur: None, pid: self.pid, tid, s: Some("t"), args }
+    }
+
+    /// One value of the counter track `name`.
+    fn counter<'a>(self, name: &'a str, unit: &'a str, ts_ns: i64, value: f64) -> Event<'a, CounterValue<'a>> {
+        Event {
+            name,
+            ph: "C",
+            cat: None,
+            ts: self.us(ts_ns),
+            dur: None,
+            pid: self.pid,
+            tid: self.pid,
+            s: None,
+            args: CounterValue { unit, value },
+        }
+    }
+}
+
 #[derive(Serialize)]
 struct NameArgs<'a> {
     name: &'a str,
@@ -147,8 +229,6 @@ struct LaunchArgs<'a> {
 #[derive(Serialize)]
 struct SyncArgs {
     step: Option<i64>,
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    unfinished: bool,
 }
 
 /// A counter's one series: `{"<unit>": value}`, so the track is named
@@ -212,7 +292,7 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
         [session],
         |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
     )?;
-    let us = |ns: i64| (ns - started_ns) as f64 / 1e3;
+    let t = Timeline { pid, started_ns };
     let mut w = TraceWriter::new(out)?;
     let mut counts = EventCounts::default();
 
@@ -222,23 +302,10 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
         .or_else(|| command.split_whitespace().next())
         .and_then(|p| Path::new(p).file_name())
         .map_or_else(|| "target".to_string(), |n| n.to_string_lossy().into_owned());
-    let process_name = format!("{program} (pid {pid})");
-    w.event(&Event {
-        name: "process_name",
-        ph: "M",
-        cat: None,
-        ts: 0.0,
-        dur: None,
-        pid,
-        tid: pid,
-        s: None,
-        args: NameArgs { name: &process_name },
-    })?;
+    w.event(&t.meta("process_name", pid, &format!("{program} (pid {pid})")))?;
     let has_syncs = db.has_table("syncs");
-    let mut tid_sql = "SELECT tid FROM steps WHERE session_id = ?1".to_string();
-    if db.has_table("launches") {
-        tid_sql.push_str(" UNION SELECT tid FROM launches WHERE session_id = ?1");
-    }
+    let mut tid_sql =
+        "SELECT tid FROM steps WHERE session_id = ?1 UNION SELECT tid FROM launches WHERE session_id = ?1".to_string();
     if has_syncs {
         tid_sql.push_str(" UNION SELECT tid FROM syncs WHERE session_id = ?1");
     }
@@ -248,25 +315,15 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
         while let Some(r) = rows.next()? {
             let tid: i64 = r.get(0)?;
             let name = if tid == pid { format!("main thread {tid}") } else { format!("thread {tid}") };
-            w.event(&Event {
-                name: "thread_name",
-                ph: "M",
-                cat: None,
-                ts: 0.0,
-                dur: None,
-                pid,
-                tid,
-                s: None,
-                args: NameArgs { name: &name },
-            })?;
+            w.event(&t.meta("thread_name", tid, &name))?;
         }
     }
 
     // Steps. One thread runs one step at a time (a step is the outermost
     // call), so a thread's step slices never overlap.
     {
-        let label = db.label_expr("steps")?;
-        let sync = if db.has_column("steps", "sync_wait_ns")? { "sync_wait_ns" } else { "NULL" };
+        let label = db.label_expr("steps");
+        let sync = if db.has_column("steps", "sync_wait_ns") { "sync_wait_ns" } else { "NULL" };
         let mut q = db.conn.prepare(&format!(
             "SELECT {label}, step, tid, start_ns, end_ns, launches, {sync} FROM steps WHERE session_id = ?1
              ORDER BY tid, start_ns"
@@ -281,65 +338,33 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
             name.push_str(&label);
             name.push_str(" #");
             name.push_str(&step.to_string());
-            let start: i64 = r.get(3)?;
-            w.event(&Event {
-                name: &name,
-                // A step still running at the end has a beginning and no end:
-                // a "B" without its "E", which viewers show as not ended.
-                ph: if end.is_some() { "X" } else { "B" },
-                cat: Some("step"),
-                ts: us(start),
-                dur: end.map(|e| (e - start) as f64 / 1e3),
-                pid,
-                tid: r.get(2)?,
-                s: None,
-                args: StepArgs {
-                    label: &label,
-                    step,
-                    launches: r.get(5)?,
-                    sync_wait_ms: r.get::<_, Option<i64>>(6)?.map(|n| n as f64 / 1e6),
-                    unfinished: end.is_none(),
-                },
-            })?;
+            let args = StepArgs {
+                label: &label,
+                step,
+                launches: r.get(5)?,
+                sync_wait_ms: r.get::<_, Option<i64>>(6)?.map(|n| n as f64 / 1e6),
+                unfinished: end.is_none(),
+            };
+            w.event(&t.span(&name, "step", r.get(2)?, r.get(3)?, end, args))?;
             counts.steps += 1;
         }
     }
 
-    // Host sync waits: inside the step that waited, on the same thread.
+    // Host sync waits: inside the step that waited, on the same thread. A
+    // sync is stored once it returned, so each has an end.
     if has_syncs {
-        let api = if db.has_table("apis") {
-            "COALESCE((SELECT name FROM apis WHERE id = s.api), CAST(s.api AS TEXT))"
-        } else {
-            "CAST(s.api AS TEXT)"
-        };
-        let step = if db.has_column("syncs", "step")? { "s.step" } else { "NULL" };
-        let mut q = db.conn.prepare(&format!(
-            "SELECT {api}, s.tid, s.start_ns, s.end_ns, {step} FROM syncs s WHERE s.session_id = ?1"
-        ))?;
+        let mut q = db.conn.prepare("SELECT api, tid, start_ns, end_ns, step FROM syncs WHERE session_id = ?1")?;
         let mut rows = q.query([session])?;
         while let Some(r) = rows.next()? {
-            let name: String = r.get(0)?;
-            let start: i64 = r.get(2)?;
-            let end: Option<i64> = r.get(3)?;
-            w.event(&Event {
-                name: &name,
-                ph: if end.is_some() { "X" } else { "B" },
-                cat: Some("sync"),
-                ts: us(start),
-                dur: end.map(|e| (e - start) as f64 / 1e3),
-                pid,
-                tid: r.get(1)?,
-                s: None,
-                args: SyncArgs { step: r.get(4)?, unfinished: end.is_none() },
-            })?;
+            let api: String = r.get(0)?;
+            let args = SyncArgs { step: r.get(4)? };
+            w.event(&t.span(&api, "sync", r.get(1)?, r.get(2)?, Some(r.get(3)?), args))?;
             counts.syncs += 1;
         }
     }
 
-    if db.has_table("launches") {
-        counts.launches = write_launches(db, session, pid, started_ns, &mut w)?;
-    }
-    counts.counters = write_counters(db, session, pid, started_ns, &mut w)?;
+    counts.launches = write_launches(db, session, t, &mut w)?;
+    counts.counters = write_counters(db, session, t, &mut w)?;
 
     counts.total = w.events;
     let mut out = w.finish(&OtherData {
@@ -353,36 +378,13 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
 }
 
 /// Launch instants, named by kernel where the profile knows the name.
-fn write_launches<W: Write>(
-    db: &ProfileDb,
-    session: i64,
-    pid: i64,
-    started_ns: i64,
-    w: &mut TraceWriter<W>,
-) -> anyhow::Result<u64> {
-    let api = if db.has_table("apis") { "(SELECT name FROM apis WHERE id = l.api)" } else { "CAST(l.api AS TEXT)" };
-    let label = if db.has_column("launches", "label")? { "l.label" } else { "NULL" };
-    // One name per handle (a handle could be named twice, e.g. a module
-    // loaded again); a join on the raw table would repeat the launch.
-    let (kernel_join, kname, kdem) =
-        if db.has_table("kernels") && db.has_column("kernels", "function")? && db.has_column("kernels", "name")? {
-            let dem = if db.has_column("kernels", "demangled_name")? { "min(demangled_name)" } else { "NULL" };
-            let by_session = if db.has_column("kernels", "session_id")? { "WHERE session_id = ?1" } else { "" };
-            (
-                format!(
-                    "LEFT JOIN (SELECT function, min(name) AS name, {dem} AS demangled_name FROM kernels {by_session}
-                     GROUP BY function) k ON k.function = l.function"
-                ),
-                "k.name",
-                "k.demangled_name",
-            )
-        } else {
-            (String::new(), "NULL", "NULL")
-        };
+fn write_launches<W: Write>(db: &ProfileDb, session: i64, t: Timeline, w: &mut TraceWriter<W>) -> anyhow::Result<u64> {
+    let label = if db.has_column("launches", "label") { "l.label" } else { "NULL" };
+    let (names, kernels) = kernel_names(db, "l.function");
     let sql = format!(
-        "SELECT l.ts_ns, l.tid, l.function, {api}, {kname}, {kdem}, l.grid_x, l.grid_y, l.grid_z,
+        "SELECT l.ts_ns, l.tid, l.function, a.name, {names}, l.grid_x, l.grid_y, l.grid_z,
                 l.block_x, l.block_y, l.block_z, l.shared_mem_bytes, l.stream, {label}, l.step
-         FROM launches l {kernel_join} WHERE l.session_id = ?1"
+         FROM launches l LEFT JOIN apis a ON a.id = l.api {kernels} WHERE l.session_id = ?1"
     );
     let mut q = db.conn.prepare(&sql)?;
     let mut rows = q.query([session])?;
@@ -394,27 +396,17 @@ fn write_launches<W: Write>(
         let kdem: Option<String> = r.get(5)?;
         let label: Option<String> = r.get(14)?;
         let name = kernel_display(kname.as_deref(), kdem.as_deref(), api.as_deref(), function);
-        let ts: i64 = r.get(0)?;
-        w.event(&Event {
-            name: &name,
-            ph: "i",
-            cat: Some("launch"),
-            ts: (ts - started_ns) as f64 / 1e3,
-            dur: None,
-            pid,
-            tid: r.get(1)?,
-            s: Some("t"),
-            args: LaunchArgs {
-                api: api.as_deref(),
-                function: format!("{function:#x}"),
-                grid: [r.get(6)?, r.get(7)?, r.get(8)?],
-                block: [r.get(9)?, r.get(10)?, r.get(11)?],
-                shared_mem_bytes: r.get(12)?,
-                stream: format!("{:#x}", r.get::<_, i64>(13)?),
-                label: label.as_deref(),
-                step: r.get(15)?,
-            },
-        })?;
+        let args = LaunchArgs {
+            api: api.as_deref(),
+            function: format!("{function:#x}"),
+            grid: [r.get(6)?, r.get(7)?, r.get(8)?],
+            block: [r.get(9)?, r.get(10)?, r.get(11)?],
+            shared_mem_bytes: r.get(12)?,
+            stream: format!("{:#x}", r.get::<_, i64>(13)?),
+            label: label.as_deref(),
+            step: r.get(15)?,
+        };
+        w.event(&t.instant(&name, "launch", r.get(1)?, r.get(0)?, args))?;
         n += 1;
     }
     Ok(n)
@@ -422,64 +414,22 @@ fn write_launches<W: Write>(
 
 /// GPU samples, RAPL power and system usage as counter tracks; a reading
 /// the profile does not have is left out, never drawn as zero.
-fn write_counters<W: Write>(
-    db: &ProfileDb,
-    session: i64,
-    pid: i64,
-    started_ns: i64,
-    w: &mut TraceWriter<W>,
-) -> anyhow::Result<u64> {
-    let mut n = 0;
-    let mut counter = |w: &mut TraceWriter<W>, name: &str, unit: &str, ts_ns: i64, value: f64| -> anyhow::Result<()> {
-        n += 1;
-        w.event(&Event {
-            name,
-            ph: "C",
-            cat: None,
-            ts: (ts_ns - started_ns) as f64 / 1e3,
-            dur: None,
-            pid,
-            tid: pid,
-            s: None,
-            args: CounterValue { unit, value },
-        })
-    };
-
-    // (column, counter name after the GPU, unit)
-    const GPU: [(&str, &str, &str); 4] = [
-        ("utilization_gpu_pct", "utilization", "%"),
-        ("power_w", "power", "W"),
-        ("memory_used_mib", "memory used", "MiB"),
-        ("temperature_gpu_c", "temperature", "°C"),
-    ];
-    if db.has_table("gpu_samples") {
-        let cols = db.columns("gpu_samples")?;
-        let present: Vec<&(&str, &str, &str)> = GPU.iter().filter(|(c, ..)| cols.iter().any(|x| x == c)).collect();
-        if !present.is_empty() {
-            let list: Vec<&str> = present.iter().map(|(c, ..)| *c).collect();
-            let mut q = db
-                .conn
-                .prepare(&format!("SELECT gpu, ts_ns, {} FROM gpu_samples WHERE session_id = ?1", list.join(", ")))?;
-            let mut rows = q.query([session])?;
-            let mut names: Vec<(i64, Vec<String>)> = Vec::new();
-            while let Some(r) = rows.next()? {
-                let gpu: i64 = r.get(0)?;
-                let ts: i64 = r.get(1)?;
-                let idx = match names.iter().position(|(g, _)| *g == gpu) {
-                    Some(i) => i,
-                    None => {
-                        names.push((gpu, present.iter().map(|(_, what, _)| format!("GPU {gpu} {what}")).collect()));
-                        names.len() - 1
-                    }
-                };
-                for (i, (_, _, unit)) in present.iter().enumerate() {
-                    if let Some(v) = r.get::<_, Option<f64>>(2 + i)? {
-                        counter(w, &names[idx].1[i], unit, ts, v)?;
-                    }
-                }
-            }
-        }
-    }
+fn write_counters<W: Write>(db: &ProfileDb, session: i64, t: Timeline, w: &mut TraceWriter<W>) -> anyhow::Result<u64> {
+    let before = w.events;
+    sample_counters(
+        db,
+        session,
+        t,
+        w,
+        "gpu_samples",
+        Some("gpu"),
+        &[
+            ("utilization_gpu_pct", "utilization", "%"),
+            ("power_w", "power", "W"),
+            ("memory_used_mib", "memory used", "MiB"),
+            ("temperature_gpu_c", "temperature", "°C"),
+        ],
+    )?;
 
     // RAPL counters are cumulative joules per domain: the power over each
     // interval is drawn from the interval's start.
@@ -502,38 +452,73 @@ fn write_counters<W: Write>(
                     "dram" => "DRAM power".to_string(),
                     other => format!("RAPL {other} power"),
                 };
-                counter(w, &name, "W", *t0, (e - e0) / ((ts - t0) as f64 / 1e9))?;
+                w.event(&t.counter(&name, "W", *t0, (e - e0) / ((ts - t0) as f64 / 1e9)))?;
             }
             prev = Some((domain, ts, e));
         }
     }
 
-    const SYSTEM: [(&str, &str, &str); 4] = [
-        ("cpu_usage_pct", "system CPU", "%"),
-        ("process_cpu_pct", "target CPU", "%"),
-        ("ram_used_gb", "RAM used", "GB"),
-        ("process_rss_gb", "target RSS", "GB"),
-    ];
-    if db.has_table("system_samples") {
-        let cols = db.columns("system_samples")?;
-        let present: Vec<&(&str, &str, &str)> = SYSTEM.iter().filter(|(c, ..)| cols.iter().any(|x| x == c)).collect();
-        if !present.is_empty() && cols.iter().any(|c| c == "ts_ns") {
-            let list: Vec<&str> = present.iter().map(|(c, ..)| *c).collect();
-            let mut q = db
-                .conn
-                .prepare(&format!("SELECT ts_ns, {} FROM system_samples WHERE session_id = ?1", list.join(", ")))?;
-            let mut rows = q.query([session])?;
-            while let Some(r) = rows.next()? {
-                let ts: i64 = r.get(0)?;
-                for (i, (_, name, unit)) in present.iter().enumerate() {
-                    if let Some(v) = r.get::<_, Option<f64>>(1 + i)? {
-                        counter(w, name, unit, ts, v)?;
-                    }
-                }
+    sample_counters(
+        db,
+        session,
+        t,
+        w,
+        "system_samples",
+        None,
+        &[
+            ("cpu_usage_pct", "system CPU", "%"),
+            ("process_cpu_pct", "target CPU", "%"),
+            ("ram_used_gb", "RAM used", "GB"),
+            ("process_rss_gb", "target RSS", "GB"),
+        ],
+    )?;
+    Ok(w.events - before)
+}
+
+/// Counter tracks from a table of samples (`ts_ns` and one column per
+/// reading): for each (column, track name, unit) of `series` the file has,
+/// one value per sample that has it. With `gpu`, the column telling the
+/// GPU, tracks are per GPU: "GPU <n> <track name>".
+fn sample_counters<W: Write>(
+    db: &ProfileDb,
+    session: i64,
+    t: Timeline,
+    w: &mut TraceWriter<W>,
+    table: &str,
+    gpu: Option<&str>,
+    series: &[(&str, &str, &str)],
+) -> anyhow::Result<()> {
+    let present: Vec<&(&str, &str, &str)> = series.iter().filter(|(c, ..)| db.has_column(table, c)).collect();
+    if present.is_empty() {
+        return Ok(());
+    }
+    let list: Vec<&str> = present.iter().map(|(c, ..)| *c).collect();
+    let mut q = db.conn.prepare(&format!(
+        "SELECT {}, ts_ns, {} FROM {table} WHERE session_id = ?1",
+        gpu.unwrap_or("NULL"),
+        list.join(", ")
+    ))?;
+    let mut rows = q.query([session])?;
+    // Track names, per GPU (one entry, for no GPU, otherwise).
+    let mut names: Vec<(Option<i64>, Vec<String>)> = Vec::new();
+    while let Some(r) = rows.next()? {
+        let g: Option<i64> = r.get(0)?;
+        let ts: i64 = r.get(1)?;
+        let idx = match names.iter().position(|(x, _)| *x == g) {
+            Some(i) => i,
+            None => {
+                let track = |what: &str| g.map_or_else(|| what.to_string(), |g| format!("GPU {g} {what}"));
+                names.push((g, present.iter().map(|(_, what, _)| track(what)).collect()));
+                names.len() - 1
+            }
+        };
+        for (i, (_, _, unit)) in present.iter().enumerate() {
+            if let Some(v) = r.get::<_, Option<f64>>(2 + i)? {
+                w.event(&t.counter(&names[idx].1[i], unit, ts, v))?;
             }
         }
     }
-    Ok(n)
+    Ok(())
 }
 
 /// Writes `table` (a table or view) as CSV: a header, then the session's rows
@@ -546,7 +531,7 @@ pub fn export_csv(db: &ProfileDb, session: i64, table: &str, out: impl Write) ->
             db.tables().collect::<Vec<_>>().join(", ")
         );
     }
-    let cols = db.columns(table)?;
+    let cols = db.columns(table);
     // The name is one of the file's own tables (checked above); quoting keeps
     // odd names intact.
     let quoted = format!("\"{}\"", table.replace('"', "\"\""));

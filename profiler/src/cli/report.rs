@@ -17,7 +17,7 @@ use std::{
 
 use anyhow::{Context, anyhow, bail};
 use clap::{Args, ValueEnum};
-use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, params};
+use rusqlite::{Connection, ErrorCode, OpenFlags};
 use serde::Serialize;
 
 /// Version of the JSON shape below; bumped only when a field changes meaning
@@ -93,11 +93,12 @@ pub(super) fn reader_went_away(e: &anyhow::Error) -> bool {
     })
 }
 
-/// A profile opened read-only, with the names of its tables and views.
+/// A profile opened read-only, with its tables and views and their columns.
 pub(super) struct ProfileDb {
     pub conn: Connection,
     pub path: PathBuf,
-    tables: BTreeSet<String>,
+    /// Table or view → its columns, in order; read once at open.
+    tables: BTreeMap<String, Vec<String>>,
 }
 
 impl ProfileDb {
@@ -112,39 +113,35 @@ impl ProfileDb {
         let conn =
             Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
                 .map_err(|e| anyhow!("cannot open {} ({e})", path.display()))?;
-        let names: rusqlite::Result<BTreeSet<String>> = conn
-            .prepare("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")
-            .and_then(|mut q| q.query_map([], |r| r.get(0))?.collect());
-        let tables = match names {
+        let tables = match read_schema(&conn) {
             Ok(t) => t,
             Err(e) if e.sqlite_error_code() == Some(ErrorCode::NotADatabase) => {
                 bail!("{} is not a SQLite database; pass a profile written by `profiler attach/run -o`", path.display())
             }
             Err(e) => bail!("cannot read {} ({e})", path.display()),
         };
-        if !tables.contains("sessions") || !tables.contains("steps") {
+        if !tables.contains_key("sessions") || !tables.contains_key("steps") {
             bail!("{} is a SQLite database but not a profile (it has no sessions and steps tables)", path.display());
         }
         Ok(Self { conn, path: path.to_owned(), tables })
     }
 
     pub fn has_table(&self, name: &str) -> bool {
-        self.tables.contains(name)
+        self.tables.contains_key(name)
     }
 
     /// Tables and views, sorted.
     pub fn tables(&self) -> impl Iterator<Item = &str> {
-        self.tables.iter().map(String::as_str)
+        self.tables.keys().map(String::as_str)
     }
 
     /// Column names of a table or view (none if it does not exist).
-    pub fn columns(&self, table: &str) -> rusqlite::Result<Vec<String>> {
-        let mut q = self.conn.prepare("SELECT name FROM pragma_table_info(?1)")?;
-        q.query_map([table], |r| r.get(0))?.collect()
+    pub fn columns(&self, table: &str) -> &[String] {
+        self.tables.get(table).map_or(&[], Vec::as_slice)
     }
 
-    pub fn has_column(&self, table: &str, column: &str) -> rusqlite::Result<bool> {
-        Ok(self.columns(table)?.iter().any(|c| c == column))
+    pub fn has_column(&self, table: &str, column: &str) -> bool {
+        self.columns(table).iter().any(|c| c == column)
     }
 
     /// The session asked for, or the latest.
@@ -166,9 +163,44 @@ impl ProfileDb {
 
     /// The expression for a step's label in `table`: profiles written before
     /// labels existed only had training steps.
-    pub fn label_expr(&self, table: &str) -> rusqlite::Result<&'static str> {
-        Ok(if self.has_column(table, "label")? { "label" } else { "'train'" })
+    pub fn label_expr(&self, table: &str) -> &'static str {
+        if self.has_column(table, "label") { "label" } else { "'train'" }
     }
+}
+
+/// Every table and view with its columns, in one query. A view that no
+/// longer compiles fails that query; then each is read on its own, and such a
+/// view has no columns.
+fn read_schema(conn: &Connection) -> rusqlite::Result<BTreeMap<String, Vec<String>>> {
+    let mut tables: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let all = conn
+        .prepare(
+            "SELECT m.name, p.name FROM sqlite_master m, pragma_table_info(m.name) p
+             WHERE m.type IN ('table', 'view') ORDER BY m.name, p.cid",
+        )
+        .and_then(|mut q| q.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<rusqlite::Result<Vec<_>>>());
+    match all {
+        Ok(pairs) => {
+            for (table, column) in pairs {
+                tables.entry(table).or_default().push(column);
+            }
+        }
+        Err(e) if e.sqlite_error_code() == Some(ErrorCode::NotADatabase) => return Err(e),
+        Err(_) => {
+            let names: Vec<String> = conn
+                .prepare("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")?
+                .query_map([], |r| r.get(0))?
+                .collect::<rusqlite::Result<_>>()?;
+            for name in names {
+                let columns = conn
+                    .prepare("SELECT name FROM pragma_table_info(?1) ORDER BY cid")
+                    .and_then(|mut q| q.query_map([&name], |r| r.get(0))?.collect())
+                    .unwrap_or_default();
+                tables.insert(name, columns);
+            }
+        }
+    }
+    Ok(tables)
 }
 
 /// "1, 2, 3" or "1–40 (40 sessions)".
@@ -524,8 +556,8 @@ fn session_info(db: &ProfileDb, session: i64) -> anyhow::Result<SessionInfo> {
 /// Every step of the session, each label's in start order (the order
 /// `--skip` counts in).
 fn load_steps(db: &ProfileDb, session: i64) -> anyhow::Result<Vec<StepRow>> {
-    let label = db.label_expr("steps")?;
-    let sync = if db.has_column("steps", "sync_wait_ns")? { "sync_wait_ns" } else { "NULL" };
+    let label = db.label_expr("steps");
+    let sync = if db.has_column("steps", "sync_wait_ns") { "sync_wait_ns" } else { "NULL" };
     let sql = format!(
         "SELECT {label}, step, start_ns, end_ns, duration_ns, inter_step_ns, launches, {sync}
          FROM steps WHERE session_id = ?1 ORDER BY 1, start_ns, step"
@@ -583,13 +615,13 @@ fn label_figures(name: &str, rows: &[StepRow], used: &[&StepRow], skip: u64) -> 
 /// How a per-step table's rows name their step: with a label column, or by
 /// number alone (files from before labels), which is only unambiguous when
 /// the session has a single label. None: the rows cannot be matched.
-fn step_key(db: &ProfileDb, table: &str, labels_in_session: usize) -> rusqlite::Result<Option<&'static str>> {
-    if db.has_column(table, "label")? {
-        Ok(Some("label"))
+fn step_key(db: &ProfileDb, table: &str, labels_in_session: usize) -> Option<&'static str> {
+    if db.has_column(table, "label") {
+        Some("label")
     } else if labels_in_session <= 1 {
-        Ok(Some("NULL"))
+        Some("NULL")
     } else {
-        Ok(None)
+        None
     }
 }
 
@@ -609,11 +641,10 @@ fn gpu_energy(
     if !db.has_table("step_gpu") {
         return Ok(None);
     }
-    let Some(label) = step_key(db, "step_gpu", labels_in_session)? else {
+    let Some(label) = step_key(db, "step_gpu", labels_in_session) else {
         return Ok(None);
     };
-    let cols = db.columns("step_gpu")?;
-    let col = |c: &str| if cols.iter().any(|x| x == c) { c.to_string() } else { "NULL".into() };
+    let col = |c: &'static str| if db.has_column("step_gpu", c) { c } else { "NULL" };
     let sql = format!(
         "SELECT {label}, step, gpu, {}, {}, {} FROM step_gpu WHERE session_id = ?1",
         col("energy_j"),
@@ -658,11 +689,10 @@ fn cpu_dram_energy(
     if !db.has_table("step_energy") {
         return Ok((None, None));
     }
-    let Some(label) = step_key(db, "step_energy", labels_in_session)? else {
+    let Some(label) = step_key(db, "step_energy", labels_in_session) else {
         return Ok((None, None));
     };
-    let cols = db.columns("step_energy")?;
-    let col = |c: &str| if cols.iter().any(|x| x == c) { c.to_string() } else { "NULL".into() };
+    let col = |c: &'static str| if db.has_column("step_energy", c) { c } else { "NULL" };
     let sql = format!(
         "SELECT {label}, step, {}, {}, {}, {}, {} FROM step_energy WHERE session_id = ?1",
         col("cpu_energy_j"),
@@ -697,51 +727,45 @@ fn cpu_dram_energy(
 /// The most launched kernels of the whole session; None when launch rows were
 /// not kept.
 fn top_kernels(db: &ProfileDb, session: i64, launch_mode: &str) -> anyhow::Result<Option<Vec<KernelRow>>> {
-    if launch_mode == "count" || !db.has_table("launches") {
+    if launch_mode == "count" {
         return Ok(None);
     }
-    let (api, apis) =
-        if db.has_table("apis") { ("a.name", "LEFT JOIN apis a ON a.id = t.api") } else { ("CAST(t.api AS TEXT)", "") };
+    let (names, kernels) = kernel_names(db, "t.function");
     let sql = format!(
-        "SELECT t.function, t.n, t.total, {api} FROM (
+        "SELECT t.function, t.n, t.total, a.name, {names} FROM (
              SELECT function, count(*) AS n, sum(count(*)) OVER () AS total, min(api) AS api
              FROM launches WHERE session_id = ?1 GROUP BY function ORDER BY n DESC, function LIMIT {TOP_KERNELS}
-         ) t {apis} ORDER BY t.n DESC, t.function"
+         ) t LEFT JOIN apis a ON a.id = t.api {kernels} ORDER BY t.n DESC, t.function"
     );
     let mut q = db.conn.prepare(&sql)?;
-    let mut rows: Vec<KernelRow> = q
+    let rows = q
         .query_map([session], |r| {
             let n: i64 = r.get(1)?;
             let total: i64 = r.get(2)?;
             Ok(KernelRow {
                 function: r.get(0)?,
-                name: None,
-                demangled_name: None,
+                name: r.get(4)?,
+                demangled_name: r.get(5)?,
                 api: r.get(3)?,
                 launches: n,
                 share: n as f64 / total.max(1) as f64,
             })
         })?
         .collect::<rusqlite::Result<_>>()?;
-    if db.has_table("kernels") && db.has_column("kernels", "function")? && db.has_column("kernels", "name")? {
-        let demangled = if db.has_column("kernels", "demangled_name")? { "demangled_name" } else { "NULL" };
-        // Without a session column the names hold for every session; `?1` stays bound either way.
-        let by_session =
-            if db.has_column("kernels", "session_id")? { "session_id = ?1 AND" } else { "?1 IS NOT NULL AND" };
-        let mut q = db
-            .conn
-            .prepare(&format!("SELECT name, {demangled} FROM kernels WHERE {by_session} function = ?2 LIMIT 1"))?;
-        for k in &mut rows {
-            if let Some((name, dem)) = q
-                .query_row(params![session, k.function], |r| Ok((r.get::<_, Option<String>>(0)?, r.get(1)?)))
-                .optional()?
-            {
-                k.name = name;
-                k.demangled_name = dem;
-            }
-        }
-    }
     Ok(Some(rows))
+}
+
+/// The names of the kernel handle in `function` (a column), for a query
+/// whose `?1` is the session: the two columns `name, demangled_name`, and the
+/// join that provides them (none in files from before kernel names). The
+/// kernels table holds one name per handle and session, so the join never
+/// repeats a row.
+pub(super) fn kernel_names(db: &ProfileDb, function: &str) -> (&'static str, String) {
+    if db.has_table("kernels") {
+        ("k.name, k.demangled_name", format!("LEFT JOIN kernels k ON k.session_id = ?1 AND k.function = {function}"))
+    } else {
+        ("NULL, NULL", String::new())
+    }
 }
 
 /// How a kernel is shown: its (demangled) name, else its handle and entry point.
@@ -1094,6 +1118,8 @@ mod tests {
              CREATE TABLE steps (session_id INTEGER, step INTEGER, tid INTEGER, start_ns INTEGER, end_ns INTEGER,
                  duration_ns INTEGER, inter_step_ns INTEGER, launches INTEGER);
              CREATE TABLE launches (session_id INTEGER, ts_ns INTEGER, tid INTEGER, api INTEGER, function INTEGER);
+             CREATE TABLE apis (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, layer TEXT NOT NULL);
+             INSERT INTO apis VALUES (1, 'cuLaunchKernel', 'driver');
              INSERT INTO sessions VALUES (1, 9, 'x', NULL, 'run', 'all', 's', 0, 4000000000, 'target-exited',
                  0, 3, 3, 0, 0, NULL, NULL, '0.1.0');
              INSERT INTO steps VALUES (1, 0, 9, 0, 1000000000, 1000000000, NULL, 1),
@@ -1113,10 +1139,32 @@ mod tests {
         assert!(l.gpus.is_none() && l.cpu.is_none() && l.dram.is_none() && l.sync_wait_share.is_none());
         assert!(l.energy_per_step_j.is_none());
         let k = r.top_kernels.as_ref().expect("launch rows kept");
-        assert_eq!((k[0].function, k[0].launches, k[0].api.as_deref()), (16, 2, Some("1")));
+        assert_eq!((k[0].function, k[0].launches, k[0].api.as_deref()), (16, 2, Some("cuLaunchKernel")));
         let json = serde_json::to_value(&r).expect("serialises");
         assert!(json["labels"][0]["gpus"].is_null());
         assert!(render_table(&r).lines().all(|line| line.chars().count() <= WIDTH));
+    }
+
+    /// The columns are read once at open; a view that no longer compiles
+    /// (its table changed under it) leaves the rest readable.
+    #[test]
+    fn schema_is_read_at_open_despite_a_broken_view() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("p.db");
+        Connection::open(&path)
+            .expect("create")
+            .execute_batch(
+                "CREATE TABLE sessions (id INTEGER PRIMARY KEY);
+                 CREATE TABLE steps (session_id INTEGER, step INTEGER, label TEXT);
+                 CREATE VIEW broken AS SELECT gone FROM steps;",
+            )
+            .expect("schema");
+        let db = ProfileDb::open(&path).expect("a profile");
+        assert_eq!(db.columns("steps"), ["session_id", "step", "label"]);
+        assert!(db.has_column("sessions", "id") && !db.has_column("steps", "sync_wait_ns"));
+        assert!(db.has_table("broken") && db.columns("broken").is_empty());
+        assert!(db.columns("missing").is_empty() && !db.has_table("missing"));
+        assert_eq!(db.label_expr("steps"), "label");
     }
 
     #[test]
