@@ -521,10 +521,7 @@ fn step_gpu(conn: &Connection, session: i64, gpus: &[u32], max_gap_ns: u64) -> r
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{
-        samplers::testing::{end, open_store},
-        store::StepRow,
-    };
+    use crate::samplers::testing::{end, open_store, step_row};
 
     const MS: u64 = 1_000_000;
 
@@ -597,16 +594,7 @@ mod tests {
             })
             .collect();
         writer.send(StoreMsg::Insert(Insert { sql: SAMPLE_SQL, rows }));
-        let step = |n: u64, start: u64, end: Option<u64>| StepRow {
-            sync_wait_ns: None,
-            label: "train".into(),
-            step: n,
-            tid: 1,
-            start_ns: start * MS,
-            end_ns: end.map(|e| e * MS),
-            inter_step_ns: None,
-            launches: None,
-        };
+        let step = |n: u64, start: u64, end: Option<u64>| step_row(n, start * MS, end.map(|e| e * MS));
         writer.send(StoreMsg::Steps(vec![step(0, 20, Some(60)), step(1, 70, None)]));
         let hook: FinishHook = Box::new(|conn, session| step_gpu(conn, session, &[0], 20 * MS + 1));
         let stats = writer.finish(end(), vec![hook]).expect("finish");

@@ -179,7 +179,7 @@ pub(crate) mod testing {
 
     use rusqlite::Connection;
 
-    use crate::store::{SessionEnd, SessionStart, Store};
+    use crate::store::{SessionEnd, SessionStart, StepRow, Store};
 
     const MS: u64 = 1_000_000;
 
@@ -210,6 +210,20 @@ pub(crate) mod testing {
             lost_events: 0,
             total_launches: 0,
             unmatched_returns: 0,
+        }
+    }
+
+    /// Step `step` of label `train` on thread 1, from `start_ns` to `end_ns` (None: never ended).
+    pub(crate) fn step_row(step: u64, start_ns: u64, end_ns: Option<u64>) -> StepRow {
+        StepRow {
+            sync_wait_ns: None,
+            label: "train".into(),
+            step,
+            tid: 1,
+            start_ns,
+            end_ns,
+            inter_step_ns: None,
+            launches: None,
         }
     }
 

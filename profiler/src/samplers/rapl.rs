@@ -901,7 +901,7 @@ fn write_step_energy(conn: &Connection, session_id: i64, resolutions: &[(Domain,
 mod tests {
     use super::*;
     use crate::{
-        samplers::testing::{capabilities, end, open_store},
+        samplers::testing::{capabilities, end, open_store, step_row},
         store::StepRow,
     };
 
@@ -1223,38 +1223,11 @@ mod tests {
         let mut rows: Vec<StepRow> = bounds_ms
             .windows(2)
             .enumerate()
-            .map(|(k, w)| StepRow {
-                sync_wait_ns: None,
-                label: "train".into(),
-                step: k as u64,
-                tid: 1,
-                start_ns: t0 + w[0] * MS,
-                end_ns: Some(t0 + w[1] * MS),
-                inter_step_ns: None,
-                launches: None,
-            })
+            .map(|(k, w)| step_row(k as u64, t0 + w[0] * MS, Some(t0 + w[1] * MS)))
             .collect();
         let n = rows.len() as u64;
-        rows.push(StepRow {
-            sync_wait_ns: None,
-            label: "train".into(),
-            step: n,
-            tid: 1,
-            start_ns: t0 + 1950 * MS,
-            end_ns: None,
-            inter_step_ns: None,
-            launches: None,
-        });
-        rows.push(StepRow {
-            sync_wait_ns: None,
-            label: "train".into(),
-            step: n + 1,
-            tid: 1,
-            start_ns: t0 / 2,
-            end_ns: Some(t0 + 50 * MS),
-            inter_step_ns: None,
-            launches: None,
-        });
+        rows.push(step_row(n, t0 + 1950 * MS, None));
+        rows.push(step_row(n + 1, t0 / 2, Some(t0 + 50 * MS)));
         writer.send(StoreMsg::Steps(rows));
         let hook = sampler.finish().expect("hook");
         let stats = writer.finish(end(), vec![hook]).expect("finish");
@@ -1356,16 +1329,7 @@ mod tests {
         let mut sampler = RaplSampler::new(Err(err), writer.sender());
         sampler.tick(100 * MS);
         sampler.tick(200 * MS);
-        writer.send(StoreMsg::Steps(vec![StepRow {
-            sync_wait_ns: None,
-            label: "train".into(),
-            step: 0,
-            tid: 1,
-            start_ns: 100 * MS,
-            end_ns: Some(200 * MS),
-            inter_step_ns: None,
-            launches: None,
-        }]));
+        writer.send(StoreMsg::Steps(vec![step_row(0, 100 * MS, Some(200 * MS))]));
         let hook = sampler.finish().expect("hook");
         writer.finish(end(), vec![hook]).expect("finish");
         let conn = Connection::open(db.path().join("p.db")).expect("reopen");

@@ -347,8 +347,8 @@ pub(crate) fn write_step_system(conn: &Connection, session_id: i64) -> rusqlite:
 mod tests {
     use super::*;
     use crate::{
-        samplers::testing::{capabilities, end, open_store},
-        store::{StepRow, StoreMsg},
+        samplers::testing::{capabilities, end, open_store, step_row},
+        store::StoreMsg,
     };
     use procfs::{ExplicitSystemInfo, FromRead, FromReadSI, process::Stat};
 
@@ -560,16 +560,7 @@ mod tests {
         };
         let rows: Vec<Vec<Value>> = (0..=6).map(|k| sample(k).row()).collect();
         writer.send(StoreMsg::Insert(Insert { sql: INSERT_SAMPLE, rows }));
-        let step = |n: u64, start: u64, end: Option<u64>| StepRow {
-            sync_wait_ns: None,
-            label: "train".into(),
-            step: n,
-            tid: 1,
-            start_ns: start * MS,
-            end_ns: end.map(|e| e * MS),
-            inter_step_ns: None,
-            launches: None,
-        };
+        let step = |n: u64, start: u64, end: Option<u64>| step_row(n, start * MS, end.map(|e| e * MS));
         // Ends: 250 ms (between samples 2 and 3), 300 ms (on sample 3), never, and 2 s (past the last sample).
         writer.send(StoreMsg::Steps(vec![
             step(0, 10, Some(250)),
@@ -654,16 +645,7 @@ mod tests {
         let base = (1u64 << 53) + 1;
         let rows = (0..3).map(|k| SystemSample { ts_ns: base + k * 100 * MS, ..Default::default() }.row()).collect();
         writer.send(StoreMsg::Insert(Insert { sql: INSERT_SAMPLE, rows }));
-        writer.send(StoreMsg::Steps(vec![StepRow {
-            sync_wait_ns: None,
-            label: "train".into(),
-            step: 0,
-            tid: 1,
-            start_ns: base,
-            end_ns: Some(base + 150 * MS),
-            inter_step_ns: None,
-            launches: None,
-        }]));
+        writer.send(StoreMsg::Steps(vec![step_row(0, base, Some(base + 150 * MS))]));
         let stats = writer.finish(end(), vec![Box::new(write_step_system)]).expect("finish");
         assert_eq!((stats.failed_rows, stats.first_error), (0, None));
         let conn = Connection::open(&path).expect("reopen");
