@@ -349,8 +349,11 @@ struct LaunchConfig {
 #[inline(always)]
 fn fill_from_config(ctx: &ProbeContext, r: &mut LaunchRecord) {
     // SAFETY: bpf_probe_read_user tolerates any address.
-    let c = unsafe { bpf_probe_read_user(reg(ctx, 0) as *const LaunchConfig) }
-        .unwrap_or(LaunchConfig { dims: [0; 6], shared_mem_bytes: 0, stream: 0 });
+    let c = unsafe { bpf_probe_read_user(reg(ctx, 0) as *const LaunchConfig) }.unwrap_or(LaunchConfig {
+        dims: [0; 6],
+        shared_mem_bytes: 0,
+        stream: 0,
+    });
     r.function = reg(ctx, 1);
     r.grid = [c.dims[0], c.dims[1], c.dims[2]];
     r.block = [c.dims[3], c.dims[4], c.dims[5]];

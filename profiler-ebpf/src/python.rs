@@ -21,10 +21,7 @@
 
 use aya_ebpf::{
     EbpfContext,
-    helpers::{
-        bpf_probe_read_kernel, bpf_probe_read_user,
-        generated::bpf_probe_read_user_str,
-    },
+    helpers::{bpf_probe_read_kernel, bpf_probe_read_user, generated::bpf_probe_read_user_str},
     macros::{map, uprobe},
     maps::{Array, PerCpuArray},
     programs::ProbeContext,
