@@ -134,23 +134,34 @@ impl LaunchApi {
         }
     }
 
-    /// The eBPF program that handles this entry point's argument layout
-    /// (see `profiler-ebpf`); the entry point itself travels as the attach cookie.
-    pub fn program(self) -> &'static str {
+    /// The eBPF program for this entry point when the function pushed
+    /// `stack_adjust` bytes before the probe point. Each entry point has a
+    /// program of its own, named after it, with its id built in (reading the id
+    /// from the attach cookie would cost every launch a helper call). Only an
+    /// entry point that takes arguments on the stack, probed after pushes, goes
+    /// to its argument shape's shared program, which reads the id and the
+    /// pushed bytes from the cookie.
+    pub fn program(self, stack_adjust: u64) -> &'static str {
+        if stack_adjust == 0 {
+            return self.symbol();
+        }
         match self {
             Self::CuLaunchKernel
             | Self::CuLaunchKernelPtsz
             | Self::CuLaunchCooperativeKernel
-            | Self::CuLaunchCooperativeKernelPtsz => "launch_driver_classic",
-            Self::CuLaunchKernelEx | Self::CuLaunchKernelExPtsz => "launch_driver_ex",
-            Self::CuGraphLaunch | Self::CuGraphLaunchPtsz => "launch_driver_graph",
+            | Self::CuLaunchCooperativeKernelPtsz => programs::LAUNCH_DRIVER_PUSHED,
             Self::CudaLaunchKernel
             | Self::CudaLaunchKernelPtsz
             | Self::CudaLaunchCooperativeKernel
-            | Self::CudaLaunchCooperativeKernelPtsz => "launch_runtime_classic",
-            Self::CudaLaunchKernelExC | Self::CudaLaunchKernelExCPtsz => "launch_runtime_ex",
-            Self::CudaGraphLaunch | Self::CudaGraphLaunchPtsz => "launch_runtime_graph",
+            | Self::CudaLaunchCooperativeKernelPtsz => programs::LAUNCH_RUNTIME_PUSHED,
+            // Every argument is in a register.
+            _ => self.symbol(),
         }
+    }
+
+    /// Every launch program, each once.
+    pub fn programs() -> impl Iterator<Item = &'static str> {
+        Self::ALL.into_iter().map(Self::symbol).chain([programs::LAUNCH_DRIVER_PUSHED, programs::LAUNCH_RUNTIME_PUSHED])
     }
 
     pub fn layer(self) -> ApiLayer {
@@ -435,6 +446,11 @@ pub mod maps {
 
 /// Names of the programs that are not per launch layout.
 pub mod programs {
+    /// The driver's and the runtime's stack-argument launches probed after
+    /// `push`es (cookie: the `LaunchApi` id | pushed bytes << 32). Every other
+    /// launch probe runs the program named after its entry point.
+    pub const LAUNCH_DRIVER_PUSHED: &str = "launch_driver_classic";
+    pub const LAUNCH_RUNTIME_PUSHED: &str = "launch_runtime_classic";
     /// uretprobe on every runtime launch entry point.
     pub const RUNTIME_RETURN: &str = "launch_runtime_return";
     pub const STEP_ENTER: &str = "step_enter";

@@ -26,8 +26,8 @@ use aya_ebpf::{
     programs::{ProbeContext, RetProbeContext},
 };
 use profiler_common::{
-    ApiLayer, KernelNameRecord, LaunchRecord, LaunchStage, RecordHeader, RecordKind, STAGE_LEN, STAGES, StepRecord,
-    name_call,
+    ApiLayer, KernelNameRecord, LaunchApi, LaunchRecord, LaunchStage, RecordHeader, RecordKind, STAGE_LEN, STAGES,
+    StepRecord, name_call,
 };
 
 /// bpf_probe_read_user and bpf_get_attach_cookie are GPL-only helpers.
@@ -146,11 +146,11 @@ fn bump(counter: &PerCpuArray<u64>) {
     add(counter, 1);
 }
 
-/// The attach cookie: for launch probes, the `LaunchApi` id in the low 32
-/// bits and, in the high 32, how many bytes the function pushed before the
-/// probe point (the agent may move a probe past `push`es to an instruction
-/// the kernel emulates; see `probes::placement`); for the others, the id of
-/// what fired.
+/// The attach cookie: for the launch shapes' shared programs, the `LaunchApi`
+/// id in the low 32 bits and, in the high 32, how many bytes the function
+/// pushed before the probe point (the agent may move a probe past `push`es to
+/// an instruction the kernel emulates; see `probes::placement`); for the
+/// others, the id of what fired.
 #[inline(always)]
 pub(crate) fn cookie(ctx: &impl EbpfContext) -> u64 {
     // SAFETY: the helper only reads the attach cookie of the running program.
@@ -237,13 +237,41 @@ fn thread_launches(tid: u32) -> u64 {
     }
 }
 
+/// How a launch program learns which entry point fired and how many bytes
+/// the function pushed before the probe point.
+#[derive(Clone, Copy)]
+enum Site {
+    /// A program of the entry point's own: its id is built in, and nothing
+    /// was pushed (or the arguments are all in registers).
+    Fixed(LaunchApi),
+    /// The shared program of an argument shape: both travel in the attach
+    /// cookie, the id in the low 32 bits, the pushed bytes in the high 32.
+    Cookie,
+}
+
+impl Site {
+    /// (`LaunchApi` id, pushed bytes). Every helper call costs the traced
+    /// thread a kernel function call and return (≈55 ns each on the bench
+    /// host, with its return-stack mitigation), which is why each entry point
+    /// has a program of its own rather than reading its id from the cookie.
+    #[inline(always)]
+    fn resolve(self, ctx: &ProbeContext) -> (u32, u64) {
+        match self {
+            Self::Fixed(api) => (api as u32, 0),
+            Self::Cookie => {
+                let c = cookie(ctx);
+                (c as u32, c >> 32)
+            }
+        }
+    }
+}
+
 /// Counts the launch and, unless only counting, writes its record into the
 /// thread's stage (or, without one, a reserved ring record): the header here,
 /// the arguments by `fill` (given how many bytes the function pushed before
-/// the probe point). Every helper call costs the traced thread a kernel
-/// function return, so the attach cookie is read only when a record is written.
+/// the probe point).
 #[inline(always)]
-fn emit_launch(ctx: &ProbeContext, tid: u32, fill: impl FnOnce(&mut LaunchRecord, u64)) {
+fn emit_launch(ctx: &ProbeContext, tid: u32, site: Site, fill: impl FnOnce(&mut LaunchRecord, u64)) {
     count_launch(tid);
     // SAFETY: plain read of a loader-set global.
     if unsafe { core::ptr::read_volatile(&EMIT_LAUNCHES) } == 0 {
@@ -255,7 +283,7 @@ fn emit_launch(ctx: &ProbeContext, tid: u32, fill: impl FnOnce(&mut LaunchRecord
         let stage = unsafe { &mut *stage };
         let len = stage.len as usize;
         if let Some(record) = stage.records.get_mut(len) {
-            write_launch(ctx, tid, record, fill);
+            write_launch(ctx, tid, site, record, fill);
             stage.len = (len + 1) as u32;
             if len + 1 == STAGE_LEN {
                 flush_stage(stage);
@@ -268,18 +296,24 @@ fn emit_launch(ctx: &ProbeContext, tid: u32, fill: impl FnOnce(&mut LaunchRecord
         return;
     };
     // SAFETY: the reserved record is ours until submitted.
-    write_launch(ctx, tid, unsafe { &mut *entry.as_mut_ptr() }, fill);
+    write_launch(ctx, tid, site, unsafe { &mut *entry.as_mut_ptr() }, fill);
     entry.submit(submit_flags());
 }
 
 /// Writes a launch record: the header and `api` here, the rest by `fill`.
 #[inline(always)]
-fn write_launch(ctx: &ProbeContext, tid: u32, record: &mut LaunchRecord, fill: impl FnOnce(&mut LaunchRecord, u64)) {
-    let cookie = cookie(ctx);
+fn write_launch(
+    ctx: &ProbeContext,
+    tid: u32,
+    site: Site,
+    record: &mut LaunchRecord,
+    fill: impl FnOnce(&mut LaunchRecord, u64),
+) {
+    let (api, pushed) = site.resolve(ctx);
     // SAFETY: a helper without preconditions.
     record.header = RecordHeader { kind: RecordKind::Launch as u32, tid, ts_ns: unsafe { bpf_ktime_get_ns() } };
-    record.api = cookie as u32;
-    fill(record, cookie >> 32);
+    record.api = api;
+    fill(record, pushed);
 }
 
 #[inline(always)]
@@ -314,21 +348,20 @@ fn reg(ctx: &ProbeContext, n: usize) -> u64 {
 /// **kernelParams, void **extra)` and `cuLaunchCooperativeKernel` (same up to
 /// `kernelParams`): six register arguments, then blockZ, sharedMemBytes and
 /// hStream on the stack.
-#[uprobe]
-pub fn launch_driver_classic(ctx: ProbeContext) -> u32 {
-    let Some(tid) = target_tid() else { return 0 };
+#[inline(always)]
+fn driver_classic(ctx: &ProbeContext, site: Site) {
+    let Some(tid) = target_tid() else { return };
     if in_runtime_launch(tid) {
-        return 0;
+        return;
     }
-    emit_launch(&ctx, tid, |r, adjust| {
-        let [block_z, shared, stream] = stack_args::<3>(&ctx, adjust);
-        r.function = reg(&ctx, 0);
-        r.grid = [reg(&ctx, 1) as u32, reg(&ctx, 2) as u32, reg(&ctx, 3) as u32];
-        r.block = [reg(&ctx, 4) as u32, reg(&ctx, 5) as u32, block_z as u32];
+    emit_launch(ctx, tid, site, |r, pushed| {
+        let [block_z, shared, stream] = stack_args::<3>(ctx, pushed);
+        r.function = reg(ctx, 0);
+        r.grid = [reg(ctx, 1) as u32, reg(ctx, 2) as u32, reg(ctx, 3) as u32];
+        r.block = [reg(ctx, 4) as u32, reg(ctx, 5) as u32, block_z as u32];
         r.shared_mem_bytes = shared as u32;
         r.stream = stream;
     });
-    0
 }
 
 /// The launch-config struct of `cuLaunchKernelEx` (`CUlaunchConfig`) and of
@@ -363,14 +396,13 @@ fn fill_from_config(ctx: &ProbeContext, r: &mut LaunchRecord) {
 
 /// `CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f,
 /// void **kernelParams, void **extra)`.
-#[uprobe]
-pub fn launch_driver_ex(ctx: ProbeContext) -> u32 {
-    let Some(tid) = target_tid() else { return 0 };
+#[inline(always)]
+fn driver_ex(ctx: &ProbeContext, site: Site) {
+    let Some(tid) = target_tid() else { return };
     if in_runtime_launch(tid) {
-        return 0;
+        return;
     }
-    emit_launch(&ctx, tid, |r, _| fill_from_config(&ctx, r));
-    0
+    emit_launch(ctx, tid, site, |r, _| fill_from_config(ctx, r));
 }
 
 /// Fills a graph launch's record: the executable graph and the stream.
@@ -384,14 +416,13 @@ fn fill_graph(ctx: &ProbeContext, r: &mut LaunchRecord) {
 }
 
 /// `CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)`.
-#[uprobe]
-pub fn launch_driver_graph(ctx: ProbeContext) -> u32 {
-    let Some(tid) = target_tid() else { return 0 };
+#[inline(always)]
+fn driver_graph(ctx: &ProbeContext, site: Site) {
+    let Some(tid) = target_tid() else { return };
     if in_runtime_launch(tid) {
-        return 0;
+        return;
     }
-    emit_launch(&ctx, tid, |r, _| fill_graph(&ctx, r));
-    0
+    emit_launch(ctx, tid, site, |r, _| fill_graph(ctx, r));
 }
 
 #[inline(always)]
@@ -408,38 +439,87 @@ fn leave_runtime_launch(tid: u32) {
 /// blockDim, void **args, size_t sharedMem, cudaStream_t stream)` and
 /// `cudaLaunchCooperativeKernel` (same). A `dim3` (12 bytes) is passed in two
 /// registers: x | y << 32, then z.
-#[uprobe]
-pub fn launch_runtime_classic(ctx: ProbeContext) -> u32 {
-    let Some(tid) = target_tid() else { return 0 };
+#[inline(always)]
+fn runtime_classic(ctx: &ProbeContext, site: Site) {
+    let Some(tid) = target_tid() else { return };
     enter_runtime_launch(tid);
-    emit_launch(&ctx, tid, |r, adjust| {
-        let (g, gz, b, bz) = (reg(&ctx, 1), reg(&ctx, 2), reg(&ctx, 3), reg(&ctx, 4));
-        let [shared, stream] = stack_args::<2>(&ctx, adjust);
-        r.function = reg(&ctx, 0);
+    emit_launch(ctx, tid, site, |r, pushed| {
+        let (g, gz, b, bz) = (reg(ctx, 1), reg(ctx, 2), reg(ctx, 3), reg(ctx, 4));
+        let [shared, stream] = stack_args::<2>(ctx, pushed);
+        r.function = reg(ctx, 0);
         r.grid = [g as u32, (g >> 32) as u32, gz as u32];
         r.block = [b as u32, (b >> 32) as u32, bz as u32];
         r.shared_mem_bytes = shared as u32;
         r.stream = stream;
     });
-    0
 }
 
 /// `cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const
 /// void *func, void **args)`.
-#[uprobe]
-pub fn launch_runtime_ex(ctx: ProbeContext) -> u32 {
-    let Some(tid) = target_tid() else { return 0 };
+#[inline(always)]
+fn runtime_ex(ctx: &ProbeContext, site: Site) {
+    let Some(tid) = target_tid() else { return };
     enter_runtime_launch(tid);
-    emit_launch(&ctx, tid, |r, _| fill_from_config(&ctx, r));
-    0
+    emit_launch(ctx, tid, site, |r, _| fill_from_config(ctx, r));
 }
 
 /// `cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream)`.
-#[uprobe]
-pub fn launch_runtime_graph(ctx: ProbeContext) -> u32 {
-    let Some(tid) = target_tid() else { return 0 };
+#[inline(always)]
+fn runtime_graph(ctx: &ProbeContext, site: Site) {
+    let Some(tid) = target_tid() else { return };
     enter_runtime_launch(tid);
-    emit_launch(&ctx, tid, |r, _| fill_graph(&ctx, r));
+    emit_launch(ctx, tid, site, |r, _| fill_graph(ctx, r));
+}
+
+/// One program per launch entry point, named after it (`LaunchApi::program`),
+/// with its id built in.
+mod entry_points {
+    #![allow(non_snake_case)]
+
+    use super::*;
+
+    macro_rules! launch_programs {
+        ($($symbol:ident: $api:ident => $shape:ident;)*) => {$(
+            #[uprobe]
+            pub fn $symbol(ctx: ProbeContext) -> u32 {
+                $shape(&ctx, Site::Fixed(LaunchApi::$api));
+                0
+            }
+        )*};
+    }
+
+    launch_programs! {
+        cuLaunchKernel: CuLaunchKernel => driver_classic;
+        cuLaunchKernel_ptsz: CuLaunchKernelPtsz => driver_classic;
+        cuLaunchCooperativeKernel: CuLaunchCooperativeKernel => driver_classic;
+        cuLaunchCooperativeKernel_ptsz: CuLaunchCooperativeKernelPtsz => driver_classic;
+        cuLaunchKernelEx: CuLaunchKernelEx => driver_ex;
+        cuLaunchKernelEx_ptsz: CuLaunchKernelExPtsz => driver_ex;
+        cuGraphLaunch: CuGraphLaunch => driver_graph;
+        cuGraphLaunch_ptsz: CuGraphLaunchPtsz => driver_graph;
+        cudaLaunchKernel: CudaLaunchKernel => runtime_classic;
+        cudaLaunchKernel_ptsz: CudaLaunchKernelPtsz => runtime_classic;
+        cudaLaunchCooperativeKernel: CudaLaunchCooperativeKernel => runtime_classic;
+        cudaLaunchCooperativeKernel_ptsz: CudaLaunchCooperativeKernelPtsz => runtime_classic;
+        cudaLaunchKernelExC: CudaLaunchKernelExC => runtime_ex;
+        cudaLaunchKernelExC_ptsz: CudaLaunchKernelExCPtsz => runtime_ex;
+        cudaGraphLaunch: CudaGraphLaunch => runtime_graph;
+        cudaGraphLaunch_ptsz: CudaGraphLaunchPtsz => runtime_graph;
+    }
+}
+
+/// The driver's stack-argument entry points where the probe sits after
+/// `push`es: id and pushed bytes from the cookie.
+#[uprobe]
+pub fn launch_driver_classic(ctx: ProbeContext) -> u32 {
+    driver_classic(&ctx, Site::Cookie);
+    0
+}
+
+/// As `launch_driver_classic`, for the runtime's.
+#[uprobe]
+pub fn launch_runtime_classic(ctx: ProbeContext) -> u32 {
+    runtime_classic(&ctx, Site::Cookie);
     0
 }
 

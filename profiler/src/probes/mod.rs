@@ -161,7 +161,7 @@ impl Probes {
             .override_global(globals::THREAD_SLOT_MASK, &slot_mask, true)
             .map_max_entries(map_names::THREAD_SLOTS, slots)
             .load(EBPF_OBJECT)?;
-        let mut names: Vec<&'static str> = LaunchApi::ALL.iter().map(|a| a.program()).collect();
+        let mut names: Vec<&'static str> = LaunchApi::programs().collect();
         names.extend([
             programs::RUNTIME_RETURN,
             programs::STEP_ENTER,
@@ -172,8 +172,6 @@ impl Probes {
             programs::NAME_ENTER,
             programs::NAME_EXIT,
         ]);
-        names.sort_unstable();
-        names.dedup();
         for name in names {
             let prog: &mut UProbe = ebpf
                 .program_mut(name)
@@ -252,7 +250,8 @@ impl Probes {
             };
             let ProbePoint { offset, stack_adjust, keeps_return, reason } = self.probe_point(&data, sym);
             // The program reads stack arguments `stack_adjust` bytes further
-            // up when pushes ran before the probe; it travels in the cookie.
+            // up when pushes ran before the probe; the shared program that
+            // does takes it from the cookie.
             let cookie = api as u64 | (stack_adjust << 32);
             if layer == ApiLayer::Runtime {
                 // The return probe goes in first: an entry that marks its
@@ -265,7 +264,7 @@ impl Probes {
                 self.attach(programs::RUNTIME_RETURN, path, sym.file_offset + ret_at, api as u64)?;
                 placed.push(PlacedProbe { symbol: api.symbol(), offset: ret_at, reason: "return probe".into() });
             }
-            self.attach(api.program(), path, sym.file_offset + offset, cookie)?;
+            self.attach(api.program(stack_adjust), path, sym.file_offset + offset, cookie)?;
             placed.push(PlacedProbe { symbol: api.symbol(), offset, reason });
         }
         // Host synchronisation calls: not hot, so at their entry; return probe
@@ -340,7 +339,7 @@ impl Probes {
     pub fn detach(self) -> StagedLaunches {
         let Self { mut ebpf, stages, .. } = self;
         let mut order: Vec<&'static str> = vec![programs::STEP_EXIT, programs::STEP_ENTER];
-        order.extend(LaunchApi::ALL.iter().map(|a| a.program()));
+        order.extend(LaunchApi::programs());
         order.extend([
             programs::SYNC_ENTER,
             programs::SYNC_EXIT,
@@ -349,8 +348,7 @@ impl Probes {
             programs::RUNTIME_RETURN,
             programs::BARE,
         ]);
-        let mut done = HashSet::new();
-        for name in order.into_iter().filter(|n| done.insert(*n)) {
+        for name in order {
             let prog: Option<&mut UProbe> = ebpf.program_mut(name).and_then(|p| p.try_into().ok());
             if let Some(prog) = prog
                 && let Err(e) = prog.unload()
@@ -400,5 +398,44 @@ mod tests {
         assert_eq!(thread_slots(Some(4_194_304)), MAX_THREAD_SLOTS);
         assert_eq!(thread_slots(Some(0)), 2);
         assert_eq!(thread_slots(None), MAX_THREAD_SLOTS);
+    }
+
+    /// Every launch probe goes to a program of its own, named after its entry
+    /// point, unless it reads stack arguments after pushes; and every program
+    /// so named is a uprobe in the eBPF object (the loader would fail
+    /// otherwise, but only at attach time and as root).
+    #[test]
+    fn launch_programs_exist_and_only_pushed_stack_readers_share_one() {
+        use object::{Object, ObjectSection, ObjectSymbol};
+        if EBPF_OBJECT.is_empty() {
+            return; // built without the eBPF object (see build.rs)
+        }
+        let obj = object::File::parse(EBPF_OBJECT).expect("eBPF object");
+        let uprobes: HashSet<&str> = obj
+            .symbols()
+            .filter(|s| {
+                s.section_index().and_then(|i| obj.section_by_index(i).ok()).is_some_and(|s| s.name() == Ok("uprobe"))
+            })
+            .filter_map(|s| s.name().ok())
+            .collect();
+        for name in LaunchApi::programs() {
+            assert!(uprobes.contains(name), "no uprobe program {name}");
+        }
+        for api in LaunchApi::ALL {
+            assert_eq!(api.program(0), api.symbol());
+        }
+        use LaunchApi::*;
+        for (api, pushed) in [
+            (CuLaunchKernel, programs::LAUNCH_DRIVER_PUSHED),
+            (CuLaunchCooperativeKernelPtsz, programs::LAUNCH_DRIVER_PUSHED),
+            (CudaLaunchKernel, programs::LAUNCH_RUNTIME_PUSHED),
+            (CudaLaunchCooperativeKernel, programs::LAUNCH_RUNTIME_PUSHED),
+            (CuLaunchKernelEx, "cuLaunchKernelEx"),
+            (CuGraphLaunchPtsz, "cuGraphLaunch_ptsz"),
+            (CudaLaunchKernelExC, "cudaLaunchKernelExC"),
+            (CudaGraphLaunch, "cudaGraphLaunch"),
+        ] {
+            assert_eq!(api.program(16), pushed, "{api:?}");
+        }
     }
 }
