@@ -22,6 +22,9 @@ pub enum RecordKind {
     SyncExit = 5,
     /// A [`KernelNameRecord`].
     KernelName = 6,
+    /// A bare [`RecordHeader`]: the dynamic loader changed the target's
+    /// libraries (`_dl_debug_state`, on every `dlopen` and `dlclose`).
+    LoaderChange = 7,
 }
 
 impl RecordKind {
@@ -33,6 +36,7 @@ impl RecordKind {
             4 => Some(Self::SyncEnter),
             5 => Some(Self::SyncExit),
             6 => Some(Self::KernelName),
+            7 => Some(Self::LoaderChange),
             _ => None,
         }
     }
@@ -457,6 +461,8 @@ pub mod programs {
     pub const STEP_EXIT: &str = "step_exit";
     /// An empty uprobe: the benchmark's floor.
     pub const BARE: &str = "bare_probe";
+    /// The dynamic loader's `_dl_debug_state`: a `LoaderChange` record.
+    pub const LOADER: &str = "loader_change";
     /// Entry/return of synchronisation calls (cookie: the `SyncApi` id).
     pub const SYNC_ENTER: &str = "sync_enter";
     pub const SYNC_EXIT: &str = "sync_exit";

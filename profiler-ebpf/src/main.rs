@@ -674,6 +674,28 @@ pub fn step_exit(ctx: RetProbeContext) -> u32 {
     0
 }
 
+/// The dynamic loader's `_dl_debug_state`, which it calls before and after
+/// each change to the loaded objects (the hook debuggers use): the agent
+/// reads the target's maps for new CUDA libraries when it sees the record,
+/// rather than polling them.
+#[uprobe]
+pub fn loader_change(_ctx: ProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    match EVENTS.reserve::<RecordHeader>(0) {
+        Some(mut entry) => {
+            // SAFETY: a helper without preconditions.
+            entry.write(RecordHeader {
+                kind: RecordKind::LoaderChange as u32,
+                tid,
+                ts_ns: unsafe { bpf_ktime_get_ns() },
+            });
+            entry.submit(submit_flags());
+        }
+        None => bump(&LOST),
+    }
+    0
+}
+
 /// Does nothing: the benchmark's floor, the cost of a bare uprobe.
 #[uprobe]
 pub fn bare_probe(_ctx: ProbeContext) -> u32 {

@@ -31,6 +31,10 @@ pub enum Event {
     SyncEnter(StepEvent),
     SyncExit(StepEvent),
     KernelName(KernelNameEvent),
+    /// The dynamic loader changed the target's libraries.
+    LoaderChange {
+        ts_ns: u64,
+    },
 }
 
 /// A handle the driver returned for a kernel, and its name.
@@ -52,6 +56,7 @@ impl Event {
             Self::Launch(l) => l.ts_ns,
             Self::StepEnter(s) | Self::StepExit(s) | Self::SyncEnter(s) | Self::SyncExit(s) => s.ts_ns,
             Self::KernelName(k) => k.ts_ns,
+            Self::LoaderChange { ts_ns } => *ts_ns,
         }
     }
 }
@@ -144,6 +149,10 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 name: String::from_utf8_lossy(&r.name[..len]).into_owned(),
             }))
         }
+        Some(RecordKind::LoaderChange) => {
+            exact::<RecordHeader>(bytes, header.kind)?;
+            Ok(Event::LoaderChange { ts_ns: header.ts_ns })
+        }
         None => Err(DecodeError::Kind(header.kind)),
     }
 }
@@ -182,6 +191,15 @@ mod tests {
                 shared_mem_bytes: 4096
             })
         );
+    }
+
+    #[test]
+    fn decodes_loader_change() {
+        let h = RecordHeader { kind: RecordKind::LoaderChange as u32, tid: 3, ts_ns: 77 };
+        assert_eq!(decode(&bytes_of(&h)), Ok(Event::LoaderChange { ts_ns: 77 }));
+        let mut long = bytes_of(&h);
+        long.extend([0u8; 8]);
+        assert_eq!(decode(&long), Err(DecodeError::Length { kind: 7, len: 24, expected: 16 }));
     }
 
     #[test]

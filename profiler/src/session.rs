@@ -273,9 +273,9 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
 
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer, labels, pid);
-    let mut watcher = LibraryWatcher { pid, seen: HashSet::new() };
+    let mut watcher = LibraryWatcher { pid, seen: HashSet::new(), loader: None };
     let attached =
-        attach_all(&cfg, pid, mode, &mut probes, &mut watcher, &resolved_steps, python.as_ref(), &target_var);
+        attach_all(&cfg, pid, mode, &exe, &mut probes, &mut watcher, &resolved_steps, python.as_ref(), &target_var);
     let mut python_steps = None;
     let outcome = match attached {
         Ok((libraries, py)) => {
@@ -356,6 +356,7 @@ fn attach_all(
     cfg: &SessionConfig,
     pid: u32,
     mode: &str,
+    exe: &Path,
     probes: &mut Probes,
     watcher: &mut LibraryWatcher,
     steps: &[step_symbol::ResolvedStep],
@@ -364,7 +365,32 @@ fn attach_all(
 ) -> anyhow::Result<(Vec<LibraryRow>, Option<usdt::python::PythonSteps>)> {
     let mut libraries: Vec<LibraryRow> = Vec::new();
     if mode == "attach" {
-        watcher.scan(probes, &mut libraries, cfg.quiet);
+        watcher.scan_into(probes, &mut libraries, cfg.quiet, "maps");
+    }
+    // The loader's hook: libraries loaded from now on are looked for as soon
+    // as it fires. In `run` the target has not exec'ed yet: the probe is on
+    // the file, and the kernel puts it in whatever maps it later.
+    match probes::loader_of(pid, exe) {
+        Some(loader) => match probes.attach_loader(&probes::in_target_root(pid, &loader)) {
+            Ok(Some(offset)) => {
+                libraries.push(LibraryRow {
+                    path: loader.display().to_string(),
+                    placed: Vec::new(),
+                    kind: "loader".into(),
+                    attached_ns: clock::monotonic_ns(),
+                    probes: 1,
+                    how: format!("{} at file offset {offset:#x}", probes::LOADER_HOOK),
+                });
+                watcher.loader = Some(loader);
+            }
+            Ok(None) => log::warn!(
+                "{} exports no {}: new CUDA libraries are found by polling the maps",
+                loader.display(),
+                probes::LOADER_HOOK
+            ),
+            Err(e) => log::warn!("could not probe the dynamic loader {}: {e}", loader.display()),
+        },
+        None => log::info!("{} has no dynamic loader: new CUDA libraries are found by polling the maps", exe.display()),
     }
     // Probe the driver library where the target would find it, before it loads
     // it: PyTorch initialises CUDA lazily, and the first launches follow at once.
@@ -462,7 +488,11 @@ async fn run_loop(
     // drains the ring buffer, and bounds the latency of everything else.
     let mut flush = tokio::time::interval(Duration::from_millis(20));
     flush.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut maps_tick = tokio::time::interval(cfg.maps_interval);
+    // With the loader's hook probed, the maps are read when it fires and
+    // polled only as a safety net (reading them costs the agent ≈1 ms per
+    // thousand mappings, and a PyTorch process has thousands).
+    let poll = if watcher.loader.is_some() { cfg.maps_interval.max(LOADER_SAFETY_NET) } else { cfg.maps_interval };
+    let mut maps_tick = tokio::time::interval(poll);
     maps_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut status_tick = tokio::time::interval(Duration::from_secs(1));
     status_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -486,18 +516,15 @@ async fn run_loop(
         tokio::select! {
             _ = flush.tick() => {
                 consumer.drain(ring);
+                if std::mem::take(&mut consumer.loader_changed) {
+                    watcher.scan(probes, consumer, cfg.quiet, "dlopen");
+                }
                 consumer.flush();
             }
             _ = status_tick.tick(), if status.enabled => {
                 status.show(consumer, probes.counters());
             }
-            _ = maps_tick.tick() => {
-                let mut rows = Vec::new();
-                if let Some(maps) = watcher.scan(probes, &mut rows, cfg.quiet) {
-                    consumer.stubs.remember(maps);
-                }
-                for r in rows { consumer.writer.send(StoreMsg::Library(r)); }
-            }
+            _ = maps_tick.tick() => watcher.scan(probes, consumer, cfg.quiet, "maps"),
             _ = sigint.recv() => {
                 if forward_to_child { forward(pid, libc::SIGINT); }
                 return Ok(("sigint".into(), None));
@@ -540,15 +567,33 @@ struct LibraryWatcher {
     pid: u32,
     /// Target-visible paths already handled.
     seen: HashSet<PathBuf>,
+    /// The dynamic loader whose hook is probed, if any.
+    loader: Option<PathBuf>,
 }
 
+/// How often the maps are polled when the loader's hook is probed.
+const LOADER_SAFETY_NET: Duration = Duration::from_secs(2);
+
 impl LibraryWatcher {
+    /// Probes new CUDA libraries (their rows say `how` they were found), and
+    /// leaves the maps with the stub symbolizer.
+    fn scan(&mut self, probes: &mut Probes, consumer: &mut Consumer, quiet: bool, how: &str) {
+        let mut rows = Vec::new();
+        if let Some(maps) = self.scan_into(probes, &mut rows, quiet, how) {
+            consumer.stubs.remember(maps);
+        }
+        for r in rows {
+            consumer.writer.send(StoreMsg::Library(r));
+        }
+    }
+
     /// Probes new CUDA libraries; returns the maps it read.
-    fn scan(
+    fn scan_into(
         &mut self,
         probes: &mut Probes,
         rows: &mut Vec<LibraryRow>,
         quiet: bool,
+        how: &str,
     ) -> Option<procfs::process::MemoryMaps> {
         let maps = procfs::process::Process::new(self.pid as i32).and_then(|p| p.maps()).ok()?;
         for (kind, file) in maps::cuda_libraries(&maps) {
@@ -564,7 +609,7 @@ impl LibraryWatcher {
                     } else {
                         say!(quiet, "probing {} ({} probes)", file.path.display(), placed.len());
                     }
-                    rows.push(library_row(&file.path, kind, placed, "maps"));
+                    rows.push(library_row(&file.path, kind, placed, how));
                 }
                 Err(e) => log::warn!("could not probe {}: {e}", file.path.display()),
             }
@@ -714,6 +759,8 @@ struct Consumer {
     last_step_ns: Option<u64>,
     /// Records stamped after this are dropped (see the end of [`profile`]).
     cutoff_ns: Option<u64>,
+    /// The dynamic loader changed the target's libraries since the last look.
+    loader_changed: bool,
 }
 
 const BATCH: usize = 16 * 1024;
@@ -737,6 +784,7 @@ impl Consumer {
             step_ns_total: 0,
             last_step_ns: None,
             cutoff_ns: None,
+            loader_changed: false,
         }
     }
 
@@ -785,6 +833,7 @@ impl Consumer {
                     self.flush_launches();
                 }
             }
+            Ok(Event::LoaderChange { .. }) => self.loader_changed = true,
             Ok(Event::StepEnter(e)) => {
                 self.tracker.enter(e.tid, e.probe, e.ts_ns, e.thread_launches);
             }

@@ -126,8 +126,9 @@ fn threads_sharing_a_counter_slot_keep_exact_counts() {
 
 #[test]
 fn runtime_launches_are_counted_once() {
-    // The runtime is found in the maps (its path is not predictable), so the
-    // trainer gives the watcher time before launching, as cuInit would.
+    // The runtime is found in the maps after the loader's hook reports its
+    // dlopen (its path is not predictable), so the trainer gives the agent
+    // time before launching, as cuInit would.
     let (db, truth, s) = attach_and_run(
         "runtime",
         &["--steps", "20", "--launches", "64", "--api", "all", "--after-dlopen-ms", "500"],
@@ -137,8 +138,11 @@ fn runtime_launches_are_counted_once() {
     assert_eq!(api_counts(&db, s.id), truth.apis, "per entry point, runtime launches not doubled by the driver probe");
     assert_eq!(s.total_launches, Some(truth.total as i64));
     assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
-    let runtime_lib =
-        count(&db, "SELECT count(*) FROM libraries WHERE session_id = ?1 AND kind = 'runtime' AND how = 'maps'", s.id);
+    let runtime_lib = count(
+        &db,
+        "SELECT count(*) FROM libraries WHERE session_id = ?1 AND kind = 'runtime' AND how = 'dlopen'",
+        s.id,
+    );
     assert_eq!(runtime_lib, 1);
 }
 
@@ -275,18 +279,21 @@ fn late_dlopen_of_the_driver_is_probed_before_it_loads() {
     assert_eq!(count(&db, "SELECT count(*) FROM libraries WHERE session_id = ?1 AND how = 'predicted'", s.id), 1);
 }
 
+/// A library loaded from a path nobody could predict is probed once the
+/// dynamic loader's hook reports the dlopen: polling the maps (every 10 s
+/// here) could not have found it before the trainer's launches, 200 ms later.
 #[test]
-fn late_dlopen_from_an_unpredictable_path_is_found_in_the_maps() {
+fn late_dlopen_from_an_unpredictable_path_is_found_through_the_loader_hook() {
     let dir = workdir("hidden");
     let db = dir.join("p.db");
     let hidden = fixtures().join("hidden/libcuda.so.1");
     let hidden = hidden.to_str().expect("utf-8 path");
     let mut trainer = Trainer::spawn_with(
         &dir,
-        &["--steps", "10", "--launches", "20", "--cuda", hidden, "--after-dlopen-ms", "500"],
+        &["--steps", "10", "--launches", "20", "--cuda", hidden, "--after-dlopen-ms", "200"],
         None,
     );
-    let agent = Agent::attach(trainer.pid(), &db, &["--step-symbol", "train_step"]);
+    let agent = Agent::attach(trainer.pid(), &db, &["--step-symbol", "train_step", "--maps-interval", "10000"]);
     trainer.go();
     assert!(trainer.wait().success());
     let (status, stderr) = agent.finish();
@@ -298,7 +305,11 @@ fn late_dlopen_from_an_unpredictable_path_is_found_in_the_maps() {
     let how: String = open(&db)
         .query_row("SELECT how FROM libraries WHERE session_id = ?1 AND kind = 'driver'", [s.id], |r| r.get(0))
         .expect("driver library row");
-    assert_eq!(how, "maps");
+    assert_eq!(how, "dlopen");
+    let loader: String = open(&db)
+        .query_row("SELECT how FROM libraries WHERE session_id = ?1 AND kind = 'loader'", [s.id], |r| r.get(0))
+        .expect("loader row");
+    assert!(loader.starts_with("_dl_debug_state at file offset 0x"), "{loader}");
 }
 
 #[test]
@@ -416,8 +427,8 @@ fn duration_zero_smoke_run_loads_and_attaches() {
     let probes = count(&db, "SELECT sum(probes) FROM libraries WHERE session_id = ?1", 1);
     assert_eq!(
         probes,
-        2 + 8 + 4 + 3,
-        "step entry+return, the 8 driver launch entry points, 4 sync calls and 3 kernel-naming calls"
+        2 + 8 + 4 + 3 + 1,
+        "step entry+return, the 8 driver launch entry points, 4 sync calls, 3 kernel-naming calls and the loader's hook"
     );
 }
 

@@ -65,7 +65,9 @@ pub struct TraceArgs {
     /// Stop tracing after this many seconds.
     #[arg(long, value_name = "SECS", value_parser = parse_secs)]
     duration: Option<Duration>,
-    /// How often to look for newly loaded CUDA libraries, in ms.
+    /// How often to read the target's maps for newly loaded CUDA libraries, in
+    /// ms, when its dynamic loader cannot be probed (with it probed, the maps
+    /// are read after each dlopen, and polled every 2 s at most).
     #[arg(long, value_name = "MS", default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=10_000))]
     maps_interval: u64,
     /// Print only errors and warnings.

@@ -63,6 +63,21 @@ pub fn load_segments<'data>(file: &impl Object<'data>) -> Vec<LoadSegment> {
         .collect()
 }
 
+/// The program interpreter (`PT_INTERP`) of a 64-bit ELF executable: the
+/// dynamic loader it runs under; None for a static executable.
+pub fn interpreter(data: &[u8]) -> Result<Option<std::path::PathBuf>, ElfError> {
+    use object::read::elf::{ElfFile64, ProgramHeader};
+    use std::os::unix::ffi::OsStrExt;
+    let file = ElfFile64::<object::Endianness>::parse(data)?;
+    let endian = file.endian();
+    for ph in file.elf_program_headers() {
+        if let Some(path) = ph.interpreter(endian, data)? {
+            return Ok(Some(std::ffi::OsStr::from_bytes(path).into()));
+        }
+    }
+    Ok(None)
+}
+
 /// Every defined function symbol of `data` (`.symtab` and `.dynsym`), with its
 /// file offset. Symbols outside any loadable segment are skipped.
 pub fn function_symbols(data: &[u8]) -> Result<Vec<FunctionSymbol>, ElfError> {
@@ -162,6 +177,19 @@ mod tests {
         use object::ObjectSection;
         let (sec_off, _) = section.file_range().expect("in file");
         assert_eq!(main.file_offset, main.address - section.address() + sec_off);
+    }
+
+    #[test]
+    fn interpreter_of_a_dynamic_executable_and_of_a_library() {
+        // This test binary is dynamically linked; its loader exports the hook.
+        let exe = std::fs::read(std::env::current_exe().expect("current exe")).expect("read exe");
+        let interp = interpreter(&exe).expect("parse").expect("a dynamic executable has PT_INTERP");
+        assert!(interp.is_absolute(), "{}", interp.display());
+        let loader = std::fs::read(&interp).expect("read the loader");
+        assert_eq!(interpreter(&loader).expect("parse"), None, "the loader itself has no interpreter");
+        let syms = function_symbols(&loader).expect("parse the loader");
+        let hook = crate::probes::LOADER_HOOK;
+        assert!(syms.iter().any(|s| s.name == hook), "{} exports {hook}", interp.display());
     }
 
     #[test]

@@ -167,6 +167,7 @@ impl Probes {
             programs::STEP_ENTER,
             programs::STEP_EXIT,
             programs::BARE,
+            programs::LOADER,
             programs::SYNC_ENTER,
             programs::SYNC_EXIT,
             programs::NAME_ENTER,
@@ -320,6 +321,22 @@ impl Probes {
         self.attach(programs::STEP_EXIT, path, file_offset, probe_id.into())
     }
 
+    /// Probes the dynamic loader at `path` (as the agent sees it) on its
+    /// [`LOADER_HOOK`], so that each `dlopen` and `dlclose` of the target
+    /// writes a `LoaderChange` record; returns the hook's file offset, or None
+    /// when the file does not export it.
+    pub fn attach_loader(&mut self, path: &Path) -> Result<Option<u64>, ProbeError> {
+        let data = map_file(path).map_err(|source| ProbeError::Read { path: path.to_owned(), source })?;
+        let symbols =
+            elf::function_symbols(&data).map_err(|source| ProbeError::Elf { path: path.to_owned(), source })?;
+        let Some(hook) = symbols.iter().find(|s| s.name == LOADER_HOOK) else {
+            return Ok(None);
+        };
+        // At the entry: it runs a few times per dlopen, never on a hot path.
+        self.attach(programs::LOADER, path, hook.file_offset, 0)?;
+        Ok(Some(hook.file_offset))
+    }
+
     /// The benchmark's floor: an empty program on `file_offset` of `path`.
     pub fn attach_bare(&mut self, path: &Path, file_offset: u64) -> Result<(), ProbeError> {
         self.attach(programs::BARE, path, file_offset, 0)
@@ -346,6 +363,7 @@ impl Probes {
             programs::NAME_ENTER,
             programs::NAME_EXIT,
             programs::RUNTIME_RETURN,
+            programs::LOADER,
             programs::BARE,
         ]);
         for name in order {
@@ -372,6 +390,16 @@ pub fn map_file(path: &Path) -> std::io::Result<memmap2::Mmap> {
     // SAFETY: a read-only private mapping of a file we only read; a concurrent
     // truncation could fault, which executable files in use do not see.
     unsafe { memmap2::Mmap::map(&f) }
+}
+
+/// The function glibc's and musl's dynamic loaders call before and after each
+/// change to the loaded objects, for debuggers (`r_debug.r_brk`).
+pub const LOADER_HOOK: &str = "_dl_debug_state";
+
+/// The dynamic loader `exe` (a path in the target's view) runs under, in the
+/// target's view; None for a static executable or an unreadable one.
+pub fn loader_of(pid: u32, exe: &Path) -> Option<PathBuf> {
+    elf::interpreter(&open_in_target(pid, exe)?).ok().flatten()
 }
 
 /// A file of the target's, mapped: through the target's root (its mount

@@ -269,7 +269,11 @@ fn run_traced(args: &[&str], specs: &[&str]) -> Traced {
                 tracker.enter(s.tid, s.probe, s.ts_ns, s.thread_launches);
             }
             Event::StepExit(s) => completed.extend(tracker.exit(s.tid, s.probe, s.ts_ns, s.thread_launches)),
-            Event::Launch(_) | Event::SyncEnter(_) | Event::SyncExit(_) | Event::KernelName(_) => {}
+            Event::Launch(_)
+            | Event::SyncEnter(_)
+            | Event::SyncExit(_)
+            | Event::KernelName(_)
+            | Event::LoaderChange { .. } => {}
         }
     }
     assert!(tracker.open_steps().is_empty(), "steps left open: {:?}", tracker.open_steps());
