@@ -144,7 +144,8 @@ impl LaunchApi {
     /// from the attach cookie would cost every launch a helper call). Only an
     /// entry point that takes arguments on the stack, probed after pushes, goes
     /// to its argument shape's shared program, which reads the id and the
-    /// pushed bytes from the cookie.
+    /// pushed bytes from the cookie. Every runtime entry point reads the stack
+    /// (its return address: see `profiler-ebpf`'s `in_runtime_launch`).
     pub fn program(self, stack_adjust: u64) -> &'static str {
         if stack_adjust == 0 {
             return self.symbol();
@@ -157,7 +158,9 @@ impl LaunchApi {
             Self::CudaLaunchKernel
             | Self::CudaLaunchKernelPtsz
             | Self::CudaLaunchCooperativeKernel
-            | Self::CudaLaunchCooperativeKernelPtsz => programs::LAUNCH_RUNTIME_PUSHED,
+            | Self::CudaLaunchCooperativeKernelPtsz => programs::LAUNCH_RUNTIME_PUSHED[0],
+            Self::CudaLaunchKernelExC | Self::CudaLaunchKernelExCPtsz => programs::LAUNCH_RUNTIME_PUSHED[1],
+            Self::CudaGraphLaunch | Self::CudaGraphLaunchPtsz => programs::LAUNCH_RUNTIME_PUSHED[2],
             // Every argument is in a register.
             _ => self.symbol(),
         }
@@ -165,7 +168,11 @@ impl LaunchApi {
 
     /// Every launch program, each once.
     pub fn programs() -> impl Iterator<Item = &'static str> {
-        Self::ALL.into_iter().map(Self::symbol).chain([programs::LAUNCH_DRIVER_PUSHED, programs::LAUNCH_RUNTIME_PUSHED])
+        Self::ALL
+            .into_iter()
+            .map(Self::symbol)
+            .chain([programs::LAUNCH_DRIVER_PUSHED])
+            .chain(programs::LAUNCH_RUNTIME_PUSHED)
     }
 
     pub fn layer(self) -> ApiLayer {
@@ -273,6 +280,10 @@ pub const STAGE_LEN: usize = 16;
 /// Stages (threads that stage their launches; the others write each record
 /// directly). A power of two: a thread's stage is `tid & (STAGES - 1)`.
 pub const STAGES: u32 = 256;
+
+/// How many executable mappings of runtime libraries the driver probes can
+/// tell their calls from (one per `libcudart` loaded, normally one or two).
+pub const RUNTIME_TEXTS: u32 = 8;
 
 /// Entry or return of the step function.
 #[repr(C)]
@@ -441,6 +452,9 @@ pub mod maps {
     pub const LAUNCH_STAGES: &str = "LAUNCH_STAGES";
     /// `Array<u32>[1]`: 1 once a runtime library is probed.
     pub const RUNTIME_PROBED: &str = "RUNTIME_PROBED";
+    /// `Array<[u64; 2]>[RUNTIME_TEXTS]`: `[start, end)` of the probed runtime
+    /// libraries' executable mappings; `end` 0 past the last.
+    pub const RUNTIME_TEXT: &str = "RUNTIME_TEXT";
     /// `Array<UsdtProbeSpec>[USDT_MAX_SPECS]`: argument specs of the attached
     /// USDT probe sites, indexed by the attach cookie.
     pub const USDT_ARGS: &str = "USDT_ARGS";
@@ -450,13 +464,13 @@ pub mod maps {
 
 /// Names of the programs that are not per launch layout.
 pub mod programs {
-    /// The driver's and the runtime's stack-argument launches probed after
-    /// `push`es (cookie: the `LaunchApi` id | pushed bytes << 32). Every other
-    /// launch probe runs the program named after its entry point.
+    /// The driver's stack-argument launches and the runtime's launches (by
+    /// argument shape: classic, ex, graph) probed after `push`es (cookie: the
+    /// `LaunchApi` id | pushed bytes << 32). Every other launch probe runs the
+    /// program named after its entry point.
     pub const LAUNCH_DRIVER_PUSHED: &str = "launch_driver_classic";
-    pub const LAUNCH_RUNTIME_PUSHED: &str = "launch_runtime_classic";
-    /// uretprobe on every runtime launch entry point.
-    pub const RUNTIME_RETURN: &str = "launch_runtime_return";
+    pub const LAUNCH_RUNTIME_PUSHED: [&str; 3] =
+        ["launch_runtime_classic", "launch_runtime_ex", "launch_runtime_graph"];
     pub const STEP_ENTER: &str = "step_enter";
     pub const STEP_EXIT: &str = "step_exit";
     /// An empty uprobe: the benchmark's floor.

@@ -26,8 +26,8 @@ use aya_ebpf::{
     programs::{ProbeContext, RetProbeContext},
 };
 use profiler_common::{
-    ApiLayer, KernelNameRecord, LaunchApi, LaunchRecord, LaunchStage, RecordHeader, RecordKind, STAGE_LEN, STAGES,
-    StepRecord, name_call,
+    ApiLayer, KernelNameRecord, LaunchApi, LaunchRecord, LaunchStage, RUNTIME_TEXTS, RecordHeader, RecordKind,
+    STAGE_LEN, STAGES, StepRecord, name_call,
 };
 
 /// bpf_probe_read_user and bpf_get_attach_cookie are GPL-only helpers.
@@ -59,16 +59,27 @@ static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 #[map]
 static LAUNCHES: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
-/// Launches made so far by one thread of the target.
+/// The last runtime-API launch a thread began: the stack pointer at its entry
+/// point (where its return address lies) and that return address; `sp` 0
+/// for none (see `in_runtime_launch`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RuntimeFrame {
+    sp: u64,
+    ret: u64,
+}
+
+/// One thread of the target: its launches so far and its last runtime launch.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct ThreadSlot {
     tid: u32,
     _pad: u32,
     launches: u64,
+    runtime: RuntimeFrame,
 }
 
-/// Per-thread launch counters, indexed by `tid & THREAD_SLOT_MASK`: an array
+/// Per-thread launch counters (and runtime frames), indexed by `tid & THREAD_SLOT_MASK`: an array
 /// lookup, which the verifier inlines, where a hash lookup costs the traced
 /// thread tens of nanoseconds on every launch. A thread claims its slot on its
 /// first launch (through `SLOT_CLAIMS`, whose insert is atomic) and keeps it;
@@ -100,17 +111,45 @@ static STAGE_CLAIMS: HashMap<u32, u32> = HashMap::with_max_entries(STAGES, 0);
 #[map]
 static THREAD_LAUNCHES: HashMap<u32, u64> = HashMap::with_max_entries(65536, 0);
 
+/// `[start, end)` of the probed runtime libraries' code in the target, filled
+/// by the agent from the start; `end` 0 past the last.
+#[map]
+static RUNTIME_TEXT: Array<[u64; 2]> = Array::with_max_entries(RUNTIME_TEXTS, 0);
+
+/// Whether `address` lies in a probed runtime library's code.
+#[inline(always)]
+fn in_runtime_text(address: u64) -> bool {
+    let mut i = 0;
+    while i < RUNTIME_TEXTS {
+        match RUNTIME_TEXT.get(i) {
+            Some(r) if r[1] != 0 => {
+                if address >= r[0] && address < r[1] {
+                    return true;
+                }
+            }
+            _ => return false,
+        }
+        i += 1;
+    }
+    false
+}
+
+/// Runtime frames of the threads that found their slot taken.
+#[map]
+static RUNTIME_FRAMES: HashMap<u32, RuntimeFrame> = HashMap::with_max_entries(65536, 0);
+
 const BPF_NOEXIST: u64 = 1;
 
-/// `[0]` is 1 once the agent has probed a runtime library (see `in_runtime_launch`).
+/// `[0]` is 1 once the agent has probed a runtime library: only then can a
+/// driver launch or sync be the runtime's, made on behalf of a runtime call.
 #[map]
 static RUNTIME_PROBED: Array<u32> = Array::with_max_entries(1, 0);
 
-/// Threads currently inside a runtime-API launch or synchronisation call. The
-/// runtime reaches the driver's exported entry points, whose probes must not
-/// count that call twice.
+/// Threads currently inside a runtime-API synchronisation call (marked by
+/// its entry probe, cleared by its return probe): the runtime reaches the
+/// driver's exported sync calls, whose probes must not count that call twice.
 #[map]
-static IN_RUNTIME_LAUNCH: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
+static IN_RUNTIME_SYNC: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
 
 /// Records never wake the agent: it drains on its own 20 ms timer. A wakeup
 /// per record costs the traced thread an irq_work and the agent a context
@@ -247,6 +286,8 @@ enum Site {
     /// The shared program of an argument shape: both travel in the attach
     /// cookie, the id in the low 32 bits, the pushed bytes in the high 32.
     Cookie,
+    /// Already resolved.
+    Known(u32, u64),
 }
 
 impl Site {
@@ -262,6 +303,7 @@ impl Site {
                 let c = cookie(ctx);
                 (c as u32, c >> 32)
             }
+            Self::Known(api, pushed) => (api, pushed),
         }
     }
 }
@@ -316,26 +358,88 @@ fn write_launch(
     fill(record, pushed);
 }
 
+/// Whether a driver launch on this thread is the one the runtime makes on
+/// behalf of a runtime launch (already counted as that); if so it uses that
+/// runtime launch up. `pushed`: bytes the driver entry point pushed before
+/// its probe point.
+///
+/// The runtime launch's entry probe noted where its return address lay. The
+/// driver launch is the runtime's when, with that runtime launch not used up
+/// and at or above it in the stack, the driver entry point's own return
+/// address either lies in a runtime library's code (the runtime called it),
+/// or sits in the very slot the runtime launch's did and equals it (the
+/// runtime tail-called it). The runtime makes one driver launch per runtime
+/// launch, so the first one found uses it up. What remains is a runtime
+/// launch the runtime rejected before reaching the driver, followed on the
+/// same thread by a driver launch from the same call instruction at the same
+/// depth: only a caller that dispatches both APIs through one function
+/// pointer could do that.
+///
+/// A return probe would say exactly when the runtime call ends, but costs
+/// every runtime launch a second trap (≈800 ns here); this costs a driver
+/// launch one user-memory read, and only when its thread has a runtime launch
+/// not yet used up at or above it in the stack.
 #[inline(always)]
-fn in_runtime_launch(tid: u32) -> bool {
-    // An array lookup (inlined by the verifier) spares the hash lookup on
-    // every driver launch of a process that has no probed runtime.
+fn in_runtime_launch(ctx: &ProbeContext, tid: u32, pushed: u64) -> bool {
+    // An array lookup (inlined by the verifier) spares the rest on every
+    // driver launch of a process that has no probed runtime.
     if RUNTIME_PROBED.get(0).is_none_or(|v| *v == 0) {
         return false;
     }
-    // SAFETY: the value is not used, only its presence.
-    unsafe { IN_RUNTIME_LAUNCH.get(tid) }.is_some()
+    let slot = thread_slot(tid, false);
+    let frame = match slot {
+        // SAFETY: a valid array element.
+        Some(slot) => unsafe { (*slot).runtime },
+        // SAFETY: the value is copied out.
+        None => match unsafe { RUNTIME_FRAMES.get(tid) } {
+            Some(f) => *f,
+            None => return false,
+        },
+    };
+    // SAFETY: `regs` is the kernel-provided pt_regs of this probe.
+    let sp = unsafe { (*ctx.regs).rsp } + pushed;
+    if frame.sp == 0 || sp > frame.sp {
+        return false;
+    }
+    // SAFETY: bpf_probe_read_user tolerates any address.
+    let Ok(ret) = (unsafe { bpf_probe_read_user(sp as *const u64) }) else { return false };
+    let inside = if sp == frame.sp { ret == frame.ret } else { in_runtime_text(ret) };
+    if !inside {
+        return false;
+    }
+    match slot {
+        // SAFETY: only this thread writes its own slot.
+        Some(slot) => unsafe { (*slot).runtime.sp = 0 },
+        None => {
+            let _ = RUNTIME_FRAMES.remove(tid);
+        }
+    }
+    true
 }
 
-/// The `N` stack slots above the return address in one read (they are
-/// contiguous), `adjust` bytes further up when the function pushed that much
-/// before the probe point.
+/// Notes the runtime launch whose return address `ret` lies at `sp` as the
+/// thread's current one (see `in_runtime_launch`).
 #[inline(always)]
-fn stack_args<const N: usize>(ctx: &ProbeContext, adjust: u64) -> [u64; N] {
+fn enter_runtime_launch(tid: u32, sp: u64, ret: u64) {
+    let frame = RuntimeFrame { sp, ret };
+    match thread_slot(tid, true) {
+        // SAFETY: only this thread writes its own slot.
+        Some(slot) => unsafe { (*slot).runtime = frame },
+        None => {
+            let _ = RUNTIME_FRAMES.insert(tid, frame, 0);
+        }
+    }
+}
+
+/// The `N` words of the stack from the return address up, in one read (8
+/// bytes cost as much as 32), `pushed` bytes further up when the function
+/// pushed that much before the probe point; and where the first is.
+#[inline(always)]
+fn stack_words<const N: usize>(ctx: &ProbeContext, pushed: u64) -> (u64, Option<[u64; N]>) {
     // SAFETY: `regs` is the kernel-provided pt_regs of this probe.
-    let sp = unsafe { (*ctx.regs).rsp };
+    let sp = unsafe { (*ctx.regs).rsp } + pushed;
     // SAFETY: bpf_probe_read_user tolerates any address.
-    unsafe { bpf_probe_read_user((sp + adjust + 8) as *const [u64; N]) }.unwrap_or([0; N])
+    (sp, unsafe { bpf_probe_read_user(sp as *const [u64; N]) }.ok())
 }
 
 #[inline(always)]
@@ -351,11 +455,12 @@ fn reg(ctx: &ProbeContext, n: usize) -> u64 {
 #[inline(always)]
 fn driver_classic(ctx: &ProbeContext, site: Site) {
     let Some(tid) = target_tid() else { return };
-    if in_runtime_launch(tid) {
+    let (api, pushed) = site.resolve(ctx);
+    if in_runtime_launch(ctx, tid, pushed) {
         return;
     }
-    emit_launch(ctx, tid, site, |r, pushed| {
-        let [block_z, shared, stream] = stack_args::<3>(ctx, pushed);
+    emit_launch(ctx, tid, Site::Known(api, pushed), |r, pushed| {
+        let [_, block_z, shared, stream] = stack_words::<4>(ctx, pushed).1.unwrap_or([0; 4]);
         r.function = reg(ctx, 0);
         r.grid = [reg(ctx, 1) as u32, reg(ctx, 2) as u32, reg(ctx, 3) as u32];
         r.block = [reg(ctx, 4) as u32, reg(ctx, 5) as u32, block_z as u32];
@@ -399,10 +504,11 @@ fn fill_from_config(ctx: &ProbeContext, r: &mut LaunchRecord) {
 #[inline(always)]
 fn driver_ex(ctx: &ProbeContext, site: Site) {
     let Some(tid) = target_tid() else { return };
-    if in_runtime_launch(tid) {
+    let (api, pushed) = site.resolve(ctx);
+    if in_runtime_launch(ctx, tid, pushed) {
         return;
     }
-    emit_launch(ctx, tid, site, |r, _| fill_from_config(ctx, r));
+    emit_launch(ctx, tid, Site::Known(api, pushed), |r, _| fill_from_config(ctx, r));
 }
 
 /// Fills a graph launch's record: the executable graph and the stream.
@@ -419,20 +525,11 @@ fn fill_graph(ctx: &ProbeContext, r: &mut LaunchRecord) {
 #[inline(always)]
 fn driver_graph(ctx: &ProbeContext, site: Site) {
     let Some(tid) = target_tid() else { return };
-    if in_runtime_launch(tid) {
+    let (api, pushed) = site.resolve(ctx);
+    if in_runtime_launch(ctx, tid, pushed) {
         return;
     }
-    emit_launch(ctx, tid, site, |r, _| fill_graph(ctx, r));
-}
-
-#[inline(always)]
-fn enter_runtime_launch(tid: u32) {
-    let _ = IN_RUNTIME_LAUNCH.insert(tid, 1u32, 0);
-}
-
-#[inline(always)]
-fn leave_runtime_launch(tid: u32) {
-    let _ = IN_RUNTIME_LAUNCH.remove(tid);
+    emit_launch(ctx, tid, Site::Known(api, pushed), |r, _| fill_graph(ctx, r));
 }
 
 /// `cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3
@@ -442,10 +539,15 @@ fn leave_runtime_launch(tid: u32) {
 #[inline(always)]
 fn runtime_classic(ctx: &ProbeContext, site: Site) {
     let Some(tid) = target_tid() else { return };
-    enter_runtime_launch(tid);
-    emit_launch(ctx, tid, site, |r, pushed| {
+    let (api, pushed) = site.resolve(ctx);
+    // The return address and both stack arguments, in one read.
+    let (sp, words) = stack_words::<3>(ctx, pushed);
+    let [ret, shared, stream] = words.unwrap_or([0; 3]);
+    if words.is_some() {
+        enter_runtime_launch(tid, sp, ret);
+    }
+    emit_launch(ctx, tid, Site::Known(api, pushed), |r, _| {
         let (g, gz, b, bz) = (reg(ctx, 1), reg(ctx, 2), reg(ctx, 3), reg(ctx, 4));
-        let [shared, stream] = stack_args::<2>(ctx, pushed);
         r.function = reg(ctx, 0);
         r.grid = [g as u32, (g >> 32) as u32, gz as u32];
         r.block = [b as u32, (b >> 32) as u32, bz as u32];
@@ -459,16 +561,27 @@ fn runtime_classic(ctx: &ProbeContext, site: Site) {
 #[inline(always)]
 fn runtime_ex(ctx: &ProbeContext, site: Site) {
     let Some(tid) = target_tid() else { return };
-    enter_runtime_launch(tid);
-    emit_launch(ctx, tid, site, |r, _| fill_from_config(ctx, r));
+    let (api, pushed) = mark_runtime_launch(ctx, tid, site);
+    emit_launch(ctx, tid, Site::Known(api, pushed), |r, _| fill_from_config(ctx, r));
+}
+
+/// For the runtime entry points that take every argument in registers: notes
+/// the runtime frame (see `in_runtime_launch`); returns the resolved site.
+#[inline(always)]
+fn mark_runtime_launch(ctx: &ProbeContext, tid: u32, site: Site) -> (u32, u64) {
+    let (api, pushed) = site.resolve(ctx);
+    if let (sp, Some([ret])) = stack_words::<1>(ctx, pushed) {
+        enter_runtime_launch(tid, sp, ret);
+    }
+    (api, pushed)
 }
 
 /// `cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream)`.
 #[inline(always)]
 fn runtime_graph(ctx: &ProbeContext, site: Site) {
     let Some(tid) = target_tid() else { return };
-    enter_runtime_launch(tid);
-    emit_launch(ctx, tid, site, |r, _| fill_graph(ctx, r));
+    let (api, pushed) = mark_runtime_launch(ctx, tid, site);
+    emit_launch(ctx, tid, Site::Known(api, pushed), |r, _| fill_graph(ctx, r));
 }
 
 /// One program per launch entry point, named after it (`LaunchApi::program`),
@@ -516,33 +629,43 @@ pub fn launch_driver_classic(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// As `launch_driver_classic`, for the runtime's.
+/// The runtime's entry points (all of which read the stack, for the return
+/// address) where the probe sits after `push`es, per argument shape.
 #[uprobe]
 pub fn launch_runtime_classic(ctx: ProbeContext) -> u32 {
     runtime_classic(&ctx, Site::Cookie);
     0
 }
 
-/// Return of any runtime launch entry point: the thread may launch through the
-/// driver directly again.
-#[uretprobe]
-pub fn launch_runtime_return(_ctx: RetProbeContext) -> u32 {
-    if let Some(tid) = target_tid() {
-        leave_runtime_launch(tid);
-    }
+#[uprobe]
+pub fn launch_runtime_ex(ctx: ProbeContext) -> u32 {
+    runtime_ex(&ctx, Site::Cookie);
     0
 }
 
+#[uprobe]
+pub fn launch_runtime_graph(ctx: ProbeContext) -> u32 {
+    runtime_graph(&ctx, Site::Cookie);
+    0
+}
+
+#[inline(always)]
+fn in_runtime_sync(tid: u32) -> bool {
+    // SAFETY: the value is not used, only its presence.
+    RUNTIME_PROBED.get(0).is_some_and(|v| *v != 0) && unsafe { IN_RUNTIME_SYNC.get(tid) }.is_some()
+}
+
 /// Entry of a host synchronisation call (`cookie`: its `SyncApi` id). A
-/// runtime call marks its thread, like a runtime launch, so that the driver
-/// call it makes is not counted again; the mark is cleared by `sync_exit`.
+/// runtime call marks its thread, so that the driver call it makes is not
+/// counted again; the mark is cleared by `sync_exit` (syncs are not hot: a
+/// return probe is needed for the wait time anyway).
 #[uprobe]
 pub fn sync_enter(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
     let api = cookie(&ctx) as u32;
     if ApiLayer::of(api) == ApiLayer::Runtime {
-        enter_runtime_launch(tid);
-    } else if in_runtime_launch(tid) {
+        let _ = IN_RUNTIME_SYNC.insert(tid, 1u32, 0);
+    } else if in_runtime_sync(tid) {
         return 0;
     }
     emit_step(tid, RecordKind::SyncEnter, api);
@@ -555,8 +678,8 @@ pub fn sync_exit(ctx: RetProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
     let api = cookie(&ctx) as u32;
     if ApiLayer::of(api) == ApiLayer::Runtime {
-        leave_runtime_launch(tid);
-    } else if in_runtime_launch(tid) {
+        let _ = IN_RUNTIME_SYNC.remove(tid);
+    } else if in_runtime_sync(tid) {
         return 0;
     }
     emit_step(tid, RecordKind::SyncExit, api);

@@ -399,7 +399,7 @@ fn attach_all(
         if !visible.is_file() {
             continue;
         }
-        match probes.attach_cuda_library(LibraryKind::Driver, &visible) {
+        match probes.attach_cuda_library(LibraryKind::Driver, &visible, &[]) {
             Ok(None) => {}
             Ok(Some(placed)) if placed.is_empty() => {}
             Ok(Some(placed)) => {
@@ -601,7 +601,7 @@ impl LibraryWatcher {
                 continue;
             }
             let visible = probes::in_target_root(self.pid, &file.path);
-            match probes.attach_cuda_library(kind, &visible) {
+            match probes.attach_cuda_library(kind, &visible, &maps::executable_ranges(&maps, &file)) {
                 Ok(None) => {}
                 Ok(Some(placed)) => {
                     if placed.is_empty() {

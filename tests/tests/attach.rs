@@ -124,16 +124,22 @@ fn threads_sharing_a_counter_slot_keep_exact_counts() {
     }
 }
 
-#[test]
-fn runtime_launches_are_counted_once() {
+/// All 16 entry points in turn: the driver launch the runtime makes inside
+/// each runtime launch is not counted again, and the direct driver launches
+/// that follow a runtime launch are counted, whether made at the depth where
+/// the runtime was called or below it (`deeper`). There, after a runtime
+/// launch the runtime rejected without reaching the driver (a NULL graph on
+/// odd steps), only the return address check tells the finished runtime call
+/// from one in progress.
+fn runtime_launches_are_counted_once(name: &str, deeper: bool) {
     // The runtime is found in the maps after the loader's hook reports its
     // dlopen (its path is not predictable), so the trainer gives the agent
     // time before launching, as cuInit would.
-    let (db, truth, s) = attach_and_run(
-        "runtime",
-        &["--steps", "20", "--launches", "64", "--api", "all", "--after-dlopen-ms", "500"],
-        &["--step-symbol", "train_step"],
-    );
+    let mut args = vec!["--steps", "20", "--launches", "64", "--api", "all", "--after-dlopen-ms", "500"];
+    if deeper {
+        args.extend(["--driver-deeper", "--rejected-runtime"]);
+    }
+    let (db, truth, s) = attach_and_run(name, &args, &["--step-symbol", "train_step"]);
     assert_eq!(truth.apis.len(), 16);
     assert_eq!(api_counts(&db, s.id), truth.apis, "per entry point, runtime launches not doubled by the driver probe");
     assert_eq!(s.total_launches, Some(truth.total as i64));
@@ -144,6 +150,16 @@ fn runtime_launches_are_counted_once() {
         s.id,
     );
     assert_eq!(runtime_lib, 1);
+}
+
+#[test]
+fn runtime_launches_are_counted_once_and_driver_launches_after_them_too() {
+    runtime_launches_are_counted_once("runtime", false);
+}
+
+#[test]
+fn driver_launches_below_a_finished_runtime_launch_are_counted() {
+    runtime_launches_are_counted_once("runtime-deeper", true);
 }
 
 #[test]

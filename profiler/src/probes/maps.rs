@@ -8,7 +8,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use procfs::process::{MMapPath, MemoryMaps};
+use procfs::process::{MMPermissions, MMapPath, MemoryMaps};
 
 /// What a mapped file is to us.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -66,6 +66,15 @@ pub fn mapped_files(maps: &MemoryMaps) -> Vec<MappedFile> {
         out.push(MappedFile { dev: m.dev, inode: m.inode, path: path.clone() });
     }
     out
+}
+
+/// Where `file`'s code is mapped: its executable mappings, `[start, end)`.
+pub fn executable_ranges(maps: &MemoryMaps, file: &MappedFile) -> Vec<(u64, u64)> {
+    maps.0
+        .iter()
+        .filter(|m| m.dev == file.dev && m.inode == file.inode && m.perms.contains(MMPermissions::EXECUTE))
+        .map(|m| m.address)
+        .collect()
 }
 
 /// The CUDA libraries among `maps`.
@@ -144,6 +153,14 @@ mod tests {
         let files = mapped_files(&maps());
         assert_eq!(files.len(), 4);
         assert_eq!(files[0].path, PathBuf::from("/usr/bin/trainer"));
+    }
+
+    #[test]
+    fn executable_ranges_are_the_files_code_mappings() {
+        let maps = maps();
+        let libs = cuda_libraries(&maps);
+        assert_eq!(executable_ranges(&maps, &libs[0].1), vec![(0x7f1a_0010_0000, 0x7f1a_0090_0000)]);
+        assert_eq!(executable_ranges(&maps, &libs[1].1), vec![(0x7f1a_0100_0000, 0x7f1a_0110_0000)]);
     }
 
     #[test]

@@ -23,8 +23,8 @@ use aya::{
     },
 };
 use profiler_common::{
-    ApiLayer, LaunchApi, LaunchRecord, LaunchStage, STAGE_LEN, STAGES, SyncApi, globals, maps as map_names, name_call,
-    programs,
+    ApiLayer, LaunchApi, LaunchRecord, LaunchStage, RUNTIME_TEXTS, STAGE_LEN, STAGES, SyncApi, globals,
+    maps as map_names, name_call, programs,
 };
 
 use self::maps::LibraryKind;
@@ -65,8 +65,6 @@ pub struct ProbePoint {
     pub offset: u64,
     /// Bytes the function pushed before that point.
     pub stack_adjust: u64,
-    /// Whether `[rsp]` there still holds the return address.
-    pub keeps_return: bool,
     pub reason: String,
 }
 
@@ -91,6 +89,8 @@ pub struct Probes {
     lost: PerCpuArray<MapData, u64>,
     launches: PerCpuArray<MapData, u64>,
     stages: StagedLaunches,
+    /// Entries of `RUNTIME_TEXT` in use.
+    runtime_texts: u32,
 }
 
 /// The launch records threads have staged in the kernel and not yet written
@@ -163,7 +163,6 @@ impl Probes {
             .load(EBPF_OBJECT)?;
         let mut names: Vec<&'static str> = LaunchApi::programs().collect();
         names.extend([
-            programs::RUNTIME_RETURN,
             programs::STEP_ENTER,
             programs::STEP_EXIT,
             programs::BARE,
@@ -194,7 +193,8 @@ impl Probes {
         } else {
             None
         };
-        Ok((Self { ebpf, pid, kernel, probed: HashSet::new(), lost, launches, stages: StagedLaunches(stages) }, ring))
+        let stages = StagedLaunches(stages);
+        Ok((Self { ebpf, pid, kernel, probed: HashSet::new(), lost, launches, stages, runtime_texts: 0 }, ring))
     }
 
     fn attach(&mut self, program: &'static str, path: &Path, offset: u64, cookie: u64) -> Result<(), ProbeError> {
@@ -217,10 +217,14 @@ impl Probes {
     /// the driver) kernel-naming calls `path` exports; returns where each probe
     /// went (empty when the file exports none), or None when this file (by
     /// device and inode) was already probed, under whatever name.
+    ///
+    /// `text`: where a runtime library's code is mapped in the target, so that
+    /// the driver probes can tell the runtime's calls to the driver.
     pub fn attach_cuda_library(
         &mut self,
         kind: LibraryKind,
         path: &Path,
+        text: &[(u64, u64)],
     ) -> Result<Option<Vec<PlacedProbe>>, ProbeError> {
         let read_err = |source| ProbeError::Read { path: path.to_owned(), source };
         let meta = std::fs::metadata(path).map_err(read_err)?;
@@ -238,6 +242,7 @@ impl Probes {
         if layer == ApiLayer::Runtime && symbols.iter().any(|s| s.name.starts_with("cuda")) {
             // Before the runtime probes exist: from now on the driver probes
             // look for a runtime launch in progress on their thread.
+            self.add_runtime_text(text)?;
             let map =
                 self.ebpf.map_mut(map_names::RUNTIME_PROBED).ok_or(ProbeError::Missing(map_names::RUNTIME_PROBED))?;
             let mut flag: Array<&mut MapData, u32> =
@@ -249,27 +254,17 @@ impl Probes {
             let Some(sym) = symbols.iter().find(|s| s.name == api.symbol()) else {
                 continue;
             };
-            let ProbePoint { offset, stack_adjust, keeps_return, reason } = self.probe_point(&data, sym);
-            // The program reads stack arguments `stack_adjust` bytes further
-            // up when pushes ran before the probe; the shared program that
-            // does takes it from the cookie.
+            let ProbePoint { offset, stack_adjust, reason } = self.probe_point(&data, sym);
+            // The program reads the stack `stack_adjust` bytes further up when
+            // pushes ran before the probe; the shared program that does takes
+            // it from the cookie.
             let cookie = api as u64 | (stack_adjust << 32);
-            if layer == ApiLayer::Runtime {
-                // The return probe goes in first: an entry that marks its
-                // thread as inside a runtime launch must always be followed by
-                // the return that clears the mark, or the thread's own driver
-                // launches would be skipped. It takes the return address from
-                // [rsp], so it shares the moved point only when nothing was
-                // pushed before it.
-                let ret_at = if keeps_return { offset } else { 0 };
-                self.attach(programs::RUNTIME_RETURN, path, sym.file_offset + ret_at, api as u64)?;
-                placed.push(PlacedProbe { symbol: api.symbol(), offset: ret_at, reason: "return probe".into() });
-            }
             self.attach(api.program(stack_adjust), path, sym.file_offset + offset, cookie)?;
             placed.push(PlacedProbe { symbol: api.symbol(), offset, reason });
         }
-        // Host synchronisation calls: not hot, so at their entry; return probe
-        // first, for the same reason as the runtime launches'.
+        // Host synchronisation calls: not hot, so at their entry; the return
+        // probe first, so that a runtime call's mark on its thread (which
+        // keeps the driver call it makes from counting twice) is always cleared.
         for api in SyncApi::ALL.into_iter().filter(|a| a.layer() == layer) {
             let Some(sym) = symbols.iter().find(|s| s.name == api.symbol()) else {
                 continue;
@@ -298,27 +293,37 @@ impl Probes {
     /// or the entry under `--probe-at-entry`.
     pub fn probe_point(&self, data: &[u8], sym: &elf::FunctionSymbol) -> ProbePoint {
         let Some(kernel) = self.kernel else {
-            return ProbePoint {
-                offset: 0,
-                stack_adjust: 0,
-                keeps_return: true,
-                reason: "at the entry (--probe-at-entry)".into(),
-            };
+            return ProbePoint { offset: 0, stack_adjust: 0, reason: "at the entry (--probe-at-entry)".into() };
         };
         let code = data.get(sym.file_offset as usize..).unwrap_or_default();
         let p = placement::choose(&code[..code.len().min(placement::WINDOW)], sym.address, kernel);
-        ProbePoint {
-            offset: p.offset,
-            stack_adjust: p.stack_adjust,
-            keeps_return: p.keeps_return_address(),
-            reason: p.to_string(),
-        }
+        ProbePoint { offset: p.offset, stack_adjust: p.stack_adjust, reason: p.to_string() }
     }
 
     /// Entry and return probes on the step function.
     pub fn attach_step(&mut self, path: &Path, file_offset: u64, probe_id: u32) -> Result<(), ProbeError> {
         self.attach(programs::STEP_ENTER, path, file_offset, probe_id.into())?;
         self.attach(programs::STEP_EXIT, path, file_offset, probe_id.into())
+    }
+
+    /// Adds a runtime library's code ranges to `RUNTIME_TEXT`.
+    fn add_runtime_text(&mut self, text: &[(u64, u64)]) -> Result<(), ProbeError> {
+        let name = map_names::RUNTIME_TEXT;
+        let map = self.ebpf.map_mut(name).ok_or(ProbeError::Missing(name))?;
+        let mut ranges: Array<&mut MapData, [u64; 2]> =
+            Array::try_from(map).map_err(|source| ProbeError::Map { name, source })?;
+        for &(start, end) in text {
+            if self.runtime_texts == RUNTIME_TEXTS {
+                log::warn!(
+                    "more than {RUNTIME_TEXTS} runtime code mappings: driver launches made by the runtime from \
+                     {start:#x}-{end:#x} count as driver launches too"
+                );
+                break;
+            }
+            ranges.set(self.runtime_texts, [start, end], 0).map_err(|source| ProbeError::Map { name, source })?;
+            self.runtime_texts += 1;
+        }
+        Ok(())
     }
 
     /// Probes the dynamic loader at `path` (as the agent sees it) on its
@@ -348,9 +353,9 @@ impl Probes {
 
     /// Detaches every probe.
     ///
-    /// Step probes go first and the runtime return probe last, so that no
-    /// step ends with launch probes already gone and no thread is left marked
-    /// as inside a runtime launch while driver probes still fire. The kernel
+    /// Step probes go first, and sync return probes after their entry probes,
+    /// so that no step ends with launch probes already gone and no thread is
+    /// left marked as inside a runtime sync while driver sync probes still fire. The kernel
     /// retires uprobes asynchronously all the same, so the caller also drops
     /// records stamped after its stop time. Returns the launches still staged.
     pub fn detach(self) -> StagedLaunches {
@@ -362,7 +367,6 @@ impl Probes {
             programs::SYNC_EXIT,
             programs::NAME_ENTER,
             programs::NAME_EXIT,
-            programs::RUNTIME_RETURN,
             programs::LOADER,
             programs::BARE,
         ]);
@@ -429,7 +433,7 @@ mod tests {
     }
 
     /// Every launch probe goes to a program of its own, named after its entry
-    /// point, unless it reads stack arguments after pushes; and every program
+    /// point, unless it reads the stack after pushes; and every program
     /// so named is a uprobe in the eBPF object (the loader would fail
     /// otherwise, but only at attach time and as root).
     #[test]
@@ -456,12 +460,12 @@ mod tests {
         for (api, pushed) in [
             (CuLaunchKernel, programs::LAUNCH_DRIVER_PUSHED),
             (CuLaunchCooperativeKernelPtsz, programs::LAUNCH_DRIVER_PUSHED),
-            (CudaLaunchKernel, programs::LAUNCH_RUNTIME_PUSHED),
-            (CudaLaunchCooperativeKernel, programs::LAUNCH_RUNTIME_PUSHED),
+            (CudaLaunchKernel, "launch_runtime_classic"),
+            (CudaLaunchCooperativeKernel, "launch_runtime_classic"),
             (CuLaunchKernelEx, "cuLaunchKernelEx"),
             (CuGraphLaunchPtsz, "cuGraphLaunch_ptsz"),
-            (CudaLaunchKernelExC, "cudaLaunchKernelExC"),
-            (CudaGraphLaunch, "cudaGraphLaunch"),
+            (CudaLaunchKernelExC, "launch_runtime_ex"),
+            (CudaGraphLaunch, "launch_runtime_graph"),
         ] {
             assert_eq!(api.program(16), pushed, "{api:?}");
         }

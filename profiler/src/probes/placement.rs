@@ -87,9 +87,9 @@
 //! - Stack arguments: the programs read slot `n` at `rsp + 8 * (n + 1)` assuming function-entry state. At a moved
 //!   probe read `rsp + stack_adjust + 8 * (n + 1)` (pass `stack_adjust` to the program, e.g. as part of the
 //!   attach cookie or a per-attachment map entry). Registers are unchanged by construction.
-//! - Return probes hijack the return address at `[rsp]`; they may share a moved point only when
-//!   [`Placement::keeps_return_address`] (no pushes). Otherwise keep them at the entry, and know that a second
-//!   breakpoint at the entry single-steps that instruction again, giving back the saving.
+//! - Return probes hijack the return address at `[rsp]`; they may share a moved point only when nothing was
+//!   pushed before it (`stack_adjust` 0). Otherwise keep them at the entry, and know that a second breakpoint
+//!   at the entry single-steps that instruction again, giving back the saving.
 //! - The decision is pure: give it the function's bytes (up to [`WINDOW`]) and its virtual address.
 
 use std::fmt;
@@ -225,11 +225,6 @@ impl Placement {
             PlacementReason::EntryEmulated(e) | PlacementReason::Moved { emulated: e, .. } => Some(e),
             PlacementReason::Fallback(_) => None,
         }
-    }
-
-    /// Whether `[rsp]` holds the return address at the probe point, as a return probe needs.
-    pub fn keeps_return_address(&self) -> bool {
-        self.stack_adjust == 0
     }
 }
 
@@ -518,7 +513,7 @@ mod tests {
         assert_eq!(p.offset, 7);
         assert_eq!(p.stack_adjust, 0);
         assert_eq!(p.reason, PlacementReason::Moved { emulated: Emulated::ConditionalJump, passed: 1 });
-        assert!(p.keeps_return_address());
+        assert_eq!(p.stack_adjust, 0);
 
         let c = code(&[&CMP_RIP_IMM32, &JE_SHORT, &JMP_RIP]);
         assert_eq!(choose(&c, ADDR, K618).offset, 0xa);
@@ -548,7 +543,7 @@ mod tests {
         let p = choose(&c, ADDR, (4, 15));
         assert_eq!((p.offset, p.stack_adjust), (1 + 3 + 7, 8));
         assert_eq!(p.reason, PlacementReason::Moved { emulated: Emulated::ConditionalJump, passed: 3 });
-        assert!(!p.keeps_return_address());
+        assert_ne!(p.stack_adjust, 0);
     }
 
     #[test]
