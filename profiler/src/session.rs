@@ -112,6 +112,27 @@ macro_rules! say {
     };
 }
 
+/// Waits, up to 2 s, for an exec in progress in `process` to finish. Between
+/// the switch to the new image and the end of its loading, /proc already
+/// shows the new executable but an empty command line and environment
+/// (`env_end` 0): attaching then would miss the target's `LD_LIBRARY_PATH`,
+/// and so the driver library it is about to load. A test that starts a
+/// process and attaches at once hits this window on a loaded machine.
+fn wait_for_exec(process: &procfs::process::Process, pid: u32) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        match process.stat() {
+            Ok(st) if st.env_end == Some(0) => {}
+            _ => return,
+        }
+        if std::time::Instant::now() >= deadline {
+            log::warn!("PID {pid} still looks mid-exec (no environment yet): attaching anyway");
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
     // SAFETY: plain syscall; on success the returned fd is ours.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) };
@@ -146,6 +167,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
                 bail!("process {pid} has already exited");
             }
             privileges::check().map_err(anyhow::Error::msg)?;
+            wait_for_exec(&process, pid);
             let exe =
                 process.exe().with_context(|| format!("cannot read /proc/{pid}/exe (has the process exited?)"))?;
             let command = process.cmdline().map(|args| args.join(" ")).unwrap_or_default();

@@ -39,6 +39,14 @@ fn python_steps_by_name_with_labels_threads_nesting_and_exceptions() {
     let (status, stderr) = agent.finish();
     assert!(status.success(), "{stderr}");
     let s = last_session(&db);
+    // The trainer loads libcuda lazily, right before its first launches: it
+    // must have been probed where the target's LD_LIBRARY_PATH points.
+    let predicted = count(
+        &db,
+        "SELECT count(*) FROM libraries WHERE session_id = ?1 AND kind = 'driver' AND how = 'predicted'",
+        s.id,
+    );
+    assert_eq!(predicted, 1, "libcuda probed before the target loaded it");
     let truth = Truth::read(&truth);
     let all = steps(&db, s.id);
     for label in ["train", "validate"] {
