@@ -19,7 +19,7 @@ use aya_ebpf::{
     EbpfContext,
     helpers::{
         bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
-        generated::bpf_get_attach_cookie,
+        generated::{bpf_get_attach_cookie, bpf_probe_read_user as probe_read_user_raw},
     },
     macros::{map, uprobe, uretprobe},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
@@ -311,14 +311,14 @@ impl Site {
 /// Counts the launch and, unless only counting, writes its record into the
 /// thread's stage (or, without one, a reserved ring record): the header here,
 /// the arguments by `fill` (given how many bytes the function pushed before
-/// the probe point).
+/// the probe point). Returns whether `fill` ran.
 #[inline(always)]
-fn emit_launch(ctx: &ProbeContext, tid: u32, site: Site, fill: impl FnOnce(&mut LaunchRecord, u64)) {
+fn emit_launch(ctx: &ProbeContext, tid: u32, site: Site, fill: impl FnOnce(&mut LaunchRecord, u64)) -> bool {
     count_launch(tid);
     // SAFETY: plain read of a loader-set global.
     if unsafe { core::ptr::read_volatile(&EMIT_LAUNCHES) } == 0 {
         // `--launches count`: the arguments are never read.
-        return;
+        return false;
     }
     if let Some(stage) = thread_stage(tid, true) {
         // SAFETY: a valid array element; only its holder, this thread, writes it.
@@ -330,16 +330,17 @@ fn emit_launch(ctx: &ProbeContext, tid: u32, site: Site, fill: impl FnOnce(&mut 
             if len + 1 == STAGE_LEN {
                 flush_stage(stage);
             }
-            return;
+            return true;
         }
     }
     let Some(mut entry) = EVENTS.reserve::<LaunchRecord>(0) else {
         bump(&LOST);
-        return;
+        return false;
     };
     // SAFETY: the reserved record is ours until submitted.
     write_launch(ctx, tid, site, unsafe { &mut *entry.as_mut_ptr() }, fill);
     entry.submit(submit_flags());
+    true
 }
 
 /// Writes a launch record: the header and `api` here, the rest by `fill`.
@@ -386,35 +387,33 @@ fn in_runtime_launch(ctx: &ProbeContext, tid: u32, pushed: u64) -> bool {
     if RUNTIME_PROBED.get(0).is_none_or(|v| *v == 0) {
         return false;
     }
-    let slot = thread_slot(tid, false);
-    let frame = match slot {
+    let frame: *mut RuntimeFrame = match thread_slot(tid, false) {
         // SAFETY: a valid array element.
-        Some(slot) => unsafe { (*slot).runtime },
-        // SAFETY: the value is copied out.
-        None => match unsafe { RUNTIME_FRAMES.get(tid) } {
-            Some(f) => *f,
+        Some(slot) => unsafe { &raw mut (*slot).runtime },
+        None => match RUNTIME_FRAMES.get_ptr_mut(tid) {
+            Some(f) => f,
             None => return false,
         },
     };
-    // SAFETY: `regs` is the kernel-provided pt_regs of this probe.
-    let sp = unsafe { (*ctx.regs).rsp } + pushed;
-    if frame.sp == 0 || sp > frame.sp {
+    let sp = entry_sp(ctx, pushed);
+    // SAFETY: a valid map value, written only by this thread.
+    let frame_sp = unsafe { (*frame).sp };
+    if frame_sp == 0 || sp > frame_sp {
         return false;
     }
     // SAFETY: bpf_probe_read_user tolerates any address.
     let Ok(ret) = (unsafe { bpf_probe_read_user(sp as *const u64) }) else { return false };
-    let inside = if sp == frame.sp { ret == frame.ret } else { in_runtime_text(ret) };
-    if !inside {
-        return false;
+    // The frame is read again rather than kept across the helper call: a
+    // value kept is a stack slot (see `stack_words`).
+    // SAFETY: as above.
+    let (frame_sp, frame_ret) =
+        unsafe { (core::ptr::read_volatile(&(*frame).sp), core::ptr::read_volatile(&(*frame).ret)) };
+    let inside = if sp == frame_sp { ret == frame_ret } else { in_runtime_text(ret) };
+    if inside {
+        // SAFETY: as above.
+        unsafe { (*frame).sp = 0 };
     }
-    match slot {
-        // SAFETY: only this thread writes its own slot.
-        Some(slot) => unsafe { (*slot).runtime.sp = 0 },
-        None => {
-            let _ = RUNTIME_FRAMES.remove(tid);
-        }
-    }
-    true
+    inside
 }
 
 /// Notes the runtime launch whose return address `ret` lies at `sp` as the
@@ -431,15 +430,40 @@ fn enter_runtime_launch(tid: u32, sp: u64, ret: u64) {
     }
 }
 
-/// The `N` words of the stack from the return address up, in one read (8
-/// bytes cost as much as 32), `pushed` bytes further up when the function
-/// pushed that much before the probe point; and where the first is.
+/// Where the function's return address lies: the stack pointer at its entry,
+/// `pushed` bytes above the probe point's when it pushed that much first.
 #[inline(always)]
-fn stack_words<const N: usize>(ctx: &ProbeContext, pushed: u64) -> (u64, Option<[u64; N]>) {
+fn entry_sp(ctx: &ProbeContext, pushed: u64) -> u64 {
     // SAFETY: `regs` is the kernel-provided pt_regs of this probe.
-    let sp = unsafe { (*ctx.regs).rsp } + pushed;
+    unsafe { (*ctx.regs).rsp + pushed }
+}
+
+/// `N` words of the target's memory at `at`, in one read (8 bytes cost as
+/// much as 32) into a buffer on the program's stack. Where the buffer is
+/// matters: on the task's kernel stack the kernel's hardened-usercopy check
+/// passes at its first test, while in map memory, or on the per-CPU private
+/// stack the kernel gives a program whose stack reaches 64 bytes, each read
+/// costs ≈40 ns more here (measured). So the launch programs keep their
+/// stack under 64 bytes: nothing is kept across a helper call that need not be.
+#[inline(always)]
+fn stack_words<const N: usize>(at: u64) -> Option<[u64; N]> {
     // SAFETY: bpf_probe_read_user tolerates any address.
-    (sp, unsafe { bpf_probe_read_user(sp as *const [u64; N]) }.ok())
+    unsafe { bpf_probe_read_user(at as *const [u64; N]) }.ok()
+}
+
+/// `N` (at most 5) words of the target's memory at `at`, in one read into the
+/// record's own argument bytes, `function` onwards, which the caller then
+/// fills in: for reads too large for the stack budget (see `stack_words`).
+#[inline(always)]
+fn record_words<const N: usize>(r: &mut LaunchRecord, at: u64) -> Option<[u64; N]> {
+    const { assert!(N * 8 <= core::mem::size_of::<LaunchRecord>() - core::mem::offset_of!(LaunchRecord, function)) };
+    let dst = (&raw mut r.function).cast::<[u64; N]>();
+    // SAFETY: `function` starts the record's last 40 bytes (u64, u64, 6 × u32),
+    // 8-byte aligned and the caller's to overwrite; the helper tolerates any
+    // source address and writes at most the size given.
+    let rc = unsafe { probe_read_user_raw(dst.cast(), (N * 8) as u32, at as *const core::ffi::c_void) };
+    // SAFETY: as above; the helper filled the words.
+    (rc == 0).then(|| unsafe { *dst })
 }
 
 #[inline(always)]
@@ -460,7 +484,7 @@ fn driver_classic(ctx: &ProbeContext, site: Site) {
         return;
     }
     emit_launch(ctx, tid, Site::Known(api, pushed), |r, pushed| {
-        let [_, block_z, shared, stream] = stack_words::<4>(ctx, pushed).1.unwrap_or([0; 4]);
+        let [block_z, shared, stream] = stack_words::<3>(entry_sp(ctx, pushed) + 8).unwrap_or([0; 3]);
         r.function = reg(ctx, 0);
         r.grid = [reg(ctx, 1) as u32, reg(ctx, 2) as u32, reg(ctx, 3) as u32];
         r.block = [reg(ctx, 4) as u32, reg(ctx, 5) as u32, block_z as u32];
@@ -469,34 +493,22 @@ fn driver_classic(ctx: &ProbeContext, site: Site) {
     });
 }
 
-/// The launch-config struct of `cuLaunchKernelEx` (`CUlaunchConfig`) and of
-/// `cudaLaunchKernelExC` (`cudaLaunchConfig_t`), as far as it is read: grid
-/// and block dims (6 × u32), dynamic shared memory at offset 24 (a u32 and
-/// padding in the driver's, a size_t in the runtime's: the low 32 bits
-/// either way, on little-endian x86-64), and the stream at offset 32.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct LaunchConfig {
-    dims: [u32; 6],
-    shared_mem_bytes: u64,
-    stream: u64,
-}
-
 /// Fills a record from a launch-config call (the config pointer first, the
 /// function second), zeros where the config cannot be read.
 #[inline(always)]
+///
+/// The launch-config struct of `cuLaunchKernelEx` (`CUlaunchConfig`) and of
+/// `cudaLaunchKernelExC` (`cudaLaunchConfig_t`) starts with what is read, five
+/// words: grid and block dims (6 × u32), dynamic shared memory (a u32 and
+/// padding in the driver's, a size_t in the runtime's: the low 32 bits either
+/// way, on little-endian x86-64), and the stream.
 fn fill_from_config(ctx: &ProbeContext, r: &mut LaunchRecord) {
-    // SAFETY: bpf_probe_read_user tolerates any address.
-    let c = unsafe { bpf_probe_read_user(reg(ctx, 0) as *const LaunchConfig) }.unwrap_or(LaunchConfig {
-        dims: [0; 6],
-        shared_mem_bytes: 0,
-        stream: 0,
-    });
+    let [g, gb, b, shared, stream] = record_words::<5>(r, reg(ctx, 0)).unwrap_or([0; 5]);
     r.function = reg(ctx, 1);
-    r.grid = [c.dims[0], c.dims[1], c.dims[2]];
-    r.block = [c.dims[3], c.dims[4], c.dims[5]];
-    r.shared_mem_bytes = c.shared_mem_bytes as u32;
-    r.stream = c.stream;
+    r.grid = [g as u32, (g >> 32) as u32, gb as u32];
+    r.block = [(gb >> 32) as u32, b as u32, (b >> 32) as u32];
+    r.shared_mem_bytes = shared as u32;
+    r.stream = stream;
 }
 
 /// `CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f,
@@ -540,13 +552,13 @@ fn driver_graph(ctx: &ProbeContext, site: Site) {
 fn runtime_classic(ctx: &ProbeContext, site: Site) {
     let Some(tid) = target_tid() else { return };
     let (api, pushed) = site.resolve(ctx);
-    // The return address and both stack arguments, in one read.
-    let (sp, words) = stack_words::<3>(ctx, pushed);
-    let [ret, shared, stream] = words.unwrap_or([0; 3]);
-    if words.is_some() {
-        enter_runtime_launch(tid, sp, ret);
-    }
-    emit_launch(ctx, tid, Site::Known(api, pushed), |r, _| {
+    let sp = entry_sp(ctx, pushed);
+    let mut ret = None;
+    let recorded = emit_launch(ctx, tid, Site::Known(api, pushed), |r, _| {
+        // The return address and both stack arguments, in one read.
+        let words = stack_words::<3>(sp);
+        ret = words.map(|w| w[0]);
+        let [_, shared, stream] = words.unwrap_or([0; 3]);
         let (g, gz, b, bz) = (reg(ctx, 1), reg(ctx, 2), reg(ctx, 3), reg(ctx, 4));
         r.function = reg(ctx, 0);
         r.grid = [g as u32, (g >> 32) as u32, gz as u32];
@@ -554,6 +566,13 @@ fn runtime_classic(ctx: &ProbeContext, site: Site) {
         r.shared_mem_bytes = shared as u32;
         r.stream = stream;
     });
+    if !recorded {
+        // `--launches count`, or no room for the record: the return address alone.
+        ret = stack_words::<1>(sp).map(|[r]| r);
+    }
+    if let Some(ret) = ret {
+        enter_runtime_launch(tid, sp, ret);
+    }
 }
 
 /// `cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const
@@ -570,7 +589,8 @@ fn runtime_ex(ctx: &ProbeContext, site: Site) {
 #[inline(always)]
 fn mark_runtime_launch(ctx: &ProbeContext, tid: u32, site: Site) -> (u32, u64) {
     let (api, pushed) = site.resolve(ctx);
-    if let (sp, Some([ret])) = stack_words::<1>(ctx, pushed) {
+    let sp = entry_sp(ctx, pushed);
+    if let Some([ret]) = stack_words::<1>(sp) {
         enter_runtime_launch(tid, sp, ret);
     }
     (api, pushed)

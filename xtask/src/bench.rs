@@ -47,8 +47,10 @@ type Scenario = (&'static str, Probe, Workload);
 #[derive(Clone, Copy, PartialEq)]
 enum Workload {
     /// The synthetic trainer on a stand-in driver (`lib` under the fixtures:
-    /// "" for the plain one, "shaped" for the one with the genuine entry shape).
-    Trainer { lib: &'static str, threads: u32, steps: u32, launches: u32 },
+    /// "" for the plain one, "shaped" for the one with the genuine entry shape),
+    /// launching through the driver, or with `runtime` through the stand-in
+    /// runtime (`libcudart.so.12`, which calls the driver's entry points).
+    Trainer { lib: &'static str, runtime: bool, threads: u32, steps: u32, launches: u32 },
     /// The 8 launch entry points of the genuine NVIDIA 535 library, each
     /// called `GENUINE_CALLS` times in a loop of its own (no GPU: they fail fast).
     Genuine,
@@ -179,18 +181,22 @@ fn measure(probe: Probe, workload: Workload, work: &Path) -> Result<Measured> {
         let _ = std::fs::remove_file(p);
     }
     let (mut target, lib_dir) = match workload {
-        Workload::Trainer { lib, threads, steps, launches } => {
+        Workload::Trainer { lib, runtime, threads, steps, launches } => {
             let dir = fx.join(lib);
-            let child = Command::new(fx.join("trainer"))
-                .args(["--steps", &steps.to_string(), "--launches", &launches.to_string()])
+            let mut c = Command::new(fx.join("trainer"));
+            c.args(["--steps", &steps.to_string(), "--launches", &launches.to_string()])
                 .args(["--threads", &threads.to_string(), "--truth"])
                 .arg(&truth)
                 .arg("--wait-file")
                 .arg(&go)
-                .env("LD_LIBRARY_PATH", &dir)
-                .spawn()
-                .context("start trainer")?;
-            (child, dir)
+                .env("LD_LIBRARY_PATH", &dir);
+            if runtime {
+                // The runtime is found after its dlopen: give the agent time
+                // to probe it before the timed launches.
+                c.args(["--api", "runtime", "--after-dlopen-ms", "300"])
+                    .env("LD_LIBRARY_PATH", format!("{}:{}", dir.display(), fx.display()));
+            }
+            (c.spawn().context("start trainer")?, dir)
         }
         Workload::Genuine => {
             let dir = fx.join("nvidia/lib");
@@ -284,8 +290,10 @@ pub fn main() -> Result<()> {
     }
     let work: PathBuf = crate::root().join("target/bench");
     std::fs::create_dir_all(&work)?;
-    let plain = |threads| Workload::Trainer { lib: "", threads, steps: STEPS, launches: LAUNCHES };
-    let shaped = |threads, steps, launches| Workload::Trainer { lib: "shaped", threads, steps, launches };
+    let plain = |threads| Workload::Trainer { lib: "", runtime: false, threads, steps: STEPS, launches: LAUNCHES };
+    let shaped =
+        |threads, steps, launches| Workload::Trainer { lib: "shaped", runtime: false, threads, steps, launches };
+    let runtime = Workload::Trainer { lib: "shaped", runtime: true, threads: 1, steps: STEPS, launches: LAUNCHES };
     let all = Probe::Profiler { count_only: false, at_entry: false };
     let count = Probe::Profiler { count_only: true, at_entry: false };
     let sections: Vec<(&str, Vec<Scenario>)> = vec![
@@ -315,6 +323,15 @@ pub fn main() -> Result<()> {
                 ("(c) profiler, all, 2 threads", all, shaped(2, STEPS, LAUNCHES)),
                 ("launch-bound step (10 000), untraced", Probe::None, shaped(1, 20, 10_000)),
                 ("launch-bound step (10 000), profiler", all, shaped(1, 20, 10_000)),
+            ],
+        ),
+        (
+            "stand-in runtime: cudaLaunchKernel (stand-in libcudart.so.12) calling cuLaunchKernel (genuine shape): \
+             two probes fire, the driver's skipped",
+            vec![
+                ("(a) untraced", Probe::None, runtime),
+                ("(c) profiler, --launches all", all, runtime),
+                ("(c) profiler, --launches count", count, runtime),
             ],
         ),
         (
@@ -379,6 +396,7 @@ pub fn main() -> Result<()> {
     println!("(genuine library: the calls to all 8 entry points over the sum of their loops' times);");
     println!("agent CPU %: the agent's CPU time over that span plus its drain-and-flush time after the target exits.");
     sampler_table(&work)?;
+    maps_table(&work)?;
     crate::bench_python::python_table(&work)
 }
 
@@ -419,6 +437,51 @@ fn sampler_cost(work: &Path, gpus: u32, interval_ms: u32) -> Result<(f64, f64)> 
     let _ = idle.kill();
     let _ = idle.wait();
     Ok((sampler_ns as f64 / 1e3 / ticks, 100.0 * cpu / wall))
+}
+
+/// The agent's main (drain) thread's CPU time per second, on an idle target
+/// that maps `mappings` separate file pages (a PyTorch process maps thousands
+/// of regions): what looking for newly loaded CUDA libraries costs.
+fn maps_cost(work: &Path, mappings: u32) -> Result<f64> {
+    let file = work.join("mapped.bin");
+    let script = format!(
+        "import mmap,sys,time\n\
+         f=open(sys.argv[1],'w+b'); f.truncate(8192*{mappings}); f.flush()\n\
+         keep=[mmap.mmap(f.fileno(),4096,offset=8192*i,prot=mmap.PROT_READ) for i in range({mappings})]\n\
+         print('ready',flush=True); time.sleep(60)\n"
+    );
+    let mut target = Command::new("python3").args(["-c", &script]).arg(&file).stdout(Stdio::piped()).spawn()?;
+    wait_for_line(target.stdout.take().context("stdout")?, "ready")?;
+    let db = work.join("maps.db");
+    let _ = std::fs::remove_file(&db);
+    let agent = Command::new(profiler_bin())
+        .args(["attach", &target.id().to_string(), "--no-gpu", "-q", "--duration", "6", "-o"])
+        .arg(&db)
+        .spawn()?;
+    std::thread::sleep(Duration::from_secs(2));
+    let a = thread_cpu_ns(agent.id(), "profiler").context("no profiler thread")?;
+    let t = Instant::now();
+    std::thread::sleep(Duration::from_secs(3));
+    let b = thread_cpu_ns(agent.id(), "profiler").context("no profiler thread")?;
+    let per_s = (b - a) as f64 / 1e6 / t.elapsed().as_secs_f64();
+    wait_rusage(&agent)?;
+    let _ = target.kill();
+    let _ = target.wait();
+    let _ = std::fs::remove_file(&file);
+    Ok(per_s)
+}
+
+fn maps_table(work: &Path) -> Result<()> {
+    say("bench: agent drain thread on idle targets with few and many mappings");
+    println!();
+    println!("Agent drain thread (also the library watcher) on an idle target, CPU ms per s");
+    println!("| {:<24} | {:>9} |", "target mappings", "ms / s");
+    println!("|{:-<26}|{:->11}|", "", "");
+    for n in [100u32, 4000] {
+        println!("| {:<24} | {:>9.1} |", n, maps_cost(work, n)?);
+    }
+    println!("(the maps are read when the dynamic loader's hook reports a dlopen, and every 2 s as a safety net)");
+    Ok(())
 }
 
 fn sampler_table(work: &Path) -> Result<()> {

@@ -432,6 +432,61 @@ mod tests {
         assert_eq!(thread_slots(None), MAX_THREAD_SLOTS);
     }
 
+    /// The deepest stack offset a BPF program's code touches: stores and loads
+    /// through r10, and r10 copied and moved down (`rX = r10; rX += -N`).
+    fn bpf_stack_depth(code: &[u8]) -> i64 {
+        let mut depth = 0i64;
+        let mut frame_copies = [false; 11];
+        for insn in code.chunks_exact(8) {
+            let (op, dst, src) = (insn[0], usize::from(insn[1] & 0xf), usize::from(insn[1] >> 4));
+            let off = i64::from(i16::from_le_bytes([insn[2], insn[3]]));
+            let imm = i64::from(i32::from_le_bytes([insn[4], insn[5], insn[6], insn[7]]));
+            match op & 0x07 {
+                // LDX: r10 as the source; ST/STX: as the destination.
+                0x01 if src == 10 => depth = depth.max(-off),
+                0x02 | 0x03 if dst == 10 => depth = depth.max(-off),
+                _ => {}
+            }
+            if dst < frame_copies.len() {
+                match op {
+                    0xbf => frame_copies[dst] = src == 10,                // rX = rY
+                    0x07 if frame_copies[dst] => depth = depth.max(-imm), // rX += imm
+                    _ if op & 0x07 == 0x04 || op & 0x07 == 0x07 || op & 0x07 == 0x01 => frame_copies[dst] = false,
+                    _ => {}
+                }
+            }
+        }
+        depth
+    }
+
+    /// The driver's hot launch programs keep their stack under 64 bytes: from
+    /// 64 on the kernel runs a program on a per-CPU private stack, and the
+    /// argument read into a buffer there costs each launch ≈40 ns more
+    /// (`profiler-ebpf`'s `stack_words`). A change that keeps one more value
+    /// across a helper call can cross the line unnoticed.
+    #[test]
+    fn hot_launch_programs_stay_off_the_private_stack() {
+        use object::{Object, ObjectSection, ObjectSymbol};
+        if EBPF_OBJECT.is_empty() {
+            return; // built without the eBPF object (see build.rs)
+        }
+        let obj = object::File::parse(EBPF_OBJECT).expect("eBPF object");
+        let uprobe = obj.section_by_name("uprobe").expect("uprobe section");
+        let data = uprobe.data().expect("section data");
+        for name in ["cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuGraphLaunch", "bare_probe"] {
+            let sym = obj.symbols().find(|s| s.name() == Ok(name)).expect("program symbol");
+            let (start, len) = ((sym.address() - uprobe.address()) as usize, sym.size() as usize);
+            let depth = bpf_stack_depth(&data[start..start + len]);
+            // The kernel rounds the depth up to 16 before comparing with 64.
+            assert!((depth + 15) / 16 * 16 < 64, "{name} uses {depth} bytes of stack");
+        }
+        // The measure itself: a program that reads through a 64-byte buffer.
+        let mut code = Vec::new();
+        code.extend([0xbf, 0xa2, 0, 0, 0, 0, 0, 0]); // r2 = r10
+        code.extend([0x07, 0x02, 0, 0, 0xc0, 0xff, 0xff, 0xff]); // r2 += -64
+        assert_eq!(bpf_stack_depth(&code), 64);
+    }
+
     /// Every launch probe goes to a program of its own, named after its entry
     /// point, unless it reads the stack after pushes; and every program
     /// so named is a uprobe in the eBPF object (the loader would fail
