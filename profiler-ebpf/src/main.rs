@@ -8,8 +8,11 @@
 //! each step's launch count exact even when launch records are not kept
 //! (`--launches count`) or the ring buffer overflows.
 //!
-//! One program serves each argument layout; the entry point it is attached to
-//! travels as the attach cookie (a `LaunchApi` id, kernel >= 5.15).
+//! Each launch entry point has a program of its own with its `LaunchApi` id
+//! built in (`entry_points`); a probe moved past `push`es uses its argument
+//! shape's shared program, which takes the id and the pushed bytes from the
+//! attach cookie (kernel >= 5.15). The other programs take theirs from the
+//! cookie. Launch programs keep their stack under 64 bytes (see `stack_words`).
 #![no_std]
 #![no_main]
 
