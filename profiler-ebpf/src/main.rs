@@ -9,7 +9,7 @@
 //! (`--launches count`) or the ring buffer overflows.
 //!
 //! Each launch entry point has a program of its own with its `LaunchApi` id
-//! built in (`entry_points`); a probe moved past `push`es uses its argument
+//! built in (`launch_programs`); a probe moved past `push`es uses its argument
 //! shape's shared program, which takes the id and the pushed bytes from the
 //! attach cookie (kernel >= 5.15). The other programs take theirs from the
 //! cookie. Launch programs keep their stack under 64 bytes (see `stack_words`).
@@ -289,8 +289,6 @@ enum Site {
     /// The shared program of an argument shape: both travel in the attach
     /// cookie, the id in the low 32 bits, the pushed bytes in the high 32.
     Cookie,
-    /// Already resolved.
-    Known(u32, u64),
 }
 
 impl Site {
@@ -306,17 +304,15 @@ impl Site {
                 let c = cookie(ctx);
                 (c as u32, c >> 32)
             }
-            Self::Known(api, pushed) => (api, pushed),
         }
     }
 }
 
-/// Counts the launch and, unless only counting, writes its record into the
-/// thread's stage (or, without one, a reserved ring record): the header here,
-/// the arguments by `fill` (given how many bytes the function pushed before
-/// the probe point). Returns whether `fill` ran.
+/// Counts a launch of entry point `api` and, unless only counting, writes its
+/// record into the thread's stage (or, without one, a reserved ring record):
+/// the header here, the arguments by `fill`. Returns whether `fill` ran.
 #[inline(always)]
-fn emit_launch(ctx: &ProbeContext, tid: u32, site: Site, fill: impl FnOnce(&mut LaunchRecord, u64)) -> bool {
+fn emit_launch(tid: u32, api: u32, fill: impl FnOnce(&mut LaunchRecord)) -> bool {
     count_launch(tid);
     // SAFETY: plain read of a loader-set global.
     if unsafe { core::ptr::read_volatile(&EMIT_LAUNCHES) } == 0 {
@@ -328,7 +324,7 @@ fn emit_launch(ctx: &ProbeContext, tid: u32, site: Site, fill: impl FnOnce(&mut 
         let stage = unsafe { &mut *stage };
         let len = stage.len as usize;
         if let Some(record) = stage.records.get_mut(len) {
-            write_launch(ctx, tid, site, record, fill);
+            write_launch(tid, api, record, fill);
             stage.len = (len + 1) as u32;
             if len + 1 == STAGE_LEN {
                 flush_stage(stage);
@@ -341,25 +337,18 @@ fn emit_launch(ctx: &ProbeContext, tid: u32, site: Site, fill: impl FnOnce(&mut 
         return false;
     };
     // SAFETY: the reserved record is ours until submitted.
-    write_launch(ctx, tid, site, unsafe { &mut *entry.as_mut_ptr() }, fill);
+    write_launch(tid, api, unsafe { &mut *entry.as_mut_ptr() }, fill);
     entry.submit(submit_flags());
     true
 }
 
 /// Writes a launch record: the header and `api` here, the rest by `fill`.
 #[inline(always)]
-fn write_launch(
-    ctx: &ProbeContext,
-    tid: u32,
-    site: Site,
-    record: &mut LaunchRecord,
-    fill: impl FnOnce(&mut LaunchRecord, u64),
-) {
-    let (api, pushed) = site.resolve(ctx);
+fn write_launch(tid: u32, api: u32, record: &mut LaunchRecord, fill: impl FnOnce(&mut LaunchRecord)) {
     // SAFETY: a helper without preconditions.
     record.header = RecordHeader { kind: RecordKind::Launch as u32, tid, ts_ns: unsafe { bpf_ktime_get_ns() } };
     record.api = api;
-    fill(record, pushed);
+    fill(record);
 }
 
 /// Whether a driver launch on this thread is the one the runtime makes on
@@ -481,12 +470,7 @@ fn reg(ctx: &ProbeContext, n: usize) -> u64 {
 /// hStream on the stack.
 #[inline(always)]
 fn driver_classic(ctx: &ProbeContext, site: Site) {
-    let Some(tid) = target_tid() else { return };
-    let (api, pushed) = site.resolve(ctx);
-    if in_runtime_launch(ctx, tid, pushed) {
-        return;
-    }
-    emit_launch(ctx, tid, Site::Known(api, pushed), |r, pushed| {
+    driver_launch(ctx, site, |r, pushed| {
         let [block_z, shared, stream] = stack_words::<3>(entry_sp(ctx, pushed) + 8).unwrap_or([0; 3]);
         r.function = reg(ctx, 0);
         r.grid = [reg(ctx, 1) as u32, reg(ctx, 2) as u32, reg(ctx, 3) as u32];
@@ -496,15 +480,28 @@ fn driver_classic(ctx: &ProbeContext, site: Site) {
     });
 }
 
+/// A driver launch: counted and recorded, unless it is the one the runtime
+/// makes for a runtime launch. `fill` gets the bytes the entry point pushed
+/// before the probe point.
+#[inline(always)]
+fn driver_launch(ctx: &ProbeContext, site: Site, fill: impl FnOnce(&mut LaunchRecord, u64)) {
+    let Some(tid) = target_tid() else { return };
+    let (api, pushed) = site.resolve(ctx);
+    if in_runtime_launch(ctx, tid, pushed) {
+        return;
+    }
+    emit_launch(tid, api, |r| fill(r, pushed));
+}
+
 /// Fills a record from a launch-config call (the config pointer first, the
 /// function second), zeros where the config cannot be read.
-#[inline(always)]
 ///
 /// The launch-config struct of `cuLaunchKernelEx` (`CUlaunchConfig`) and of
 /// `cudaLaunchKernelExC` (`cudaLaunchConfig_t`) starts with what is read, five
 /// words: grid and block dims (6 × u32), dynamic shared memory (a u32 and
 /// padding in the driver's, a size_t in the runtime's: the low 32 bits either
 /// way, on little-endian x86-64), and the stream.
+#[inline(always)]
 fn fill_from_config(ctx: &ProbeContext, r: &mut LaunchRecord) {
     let [g, gb, b, shared, stream] = record_words::<5>(r, reg(ctx, 0)).unwrap_or([0; 5]);
     r.function = reg(ctx, 1);
@@ -518,12 +515,7 @@ fn fill_from_config(ctx: &ProbeContext, r: &mut LaunchRecord) {
 /// void **kernelParams, void **extra)`.
 #[inline(always)]
 fn driver_ex(ctx: &ProbeContext, site: Site) {
-    let Some(tid) = target_tid() else { return };
-    let (api, pushed) = site.resolve(ctx);
-    if in_runtime_launch(ctx, tid, pushed) {
-        return;
-    }
-    emit_launch(ctx, tid, Site::Known(api, pushed), |r, _| fill_from_config(ctx, r));
+    driver_launch(ctx, site, |r, _| fill_from_config(ctx, r));
 }
 
 /// Fills a graph launch's record: the executable graph and the stream.
@@ -539,12 +531,7 @@ fn fill_graph(ctx: &ProbeContext, r: &mut LaunchRecord) {
 /// `CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)`.
 #[inline(always)]
 fn driver_graph(ctx: &ProbeContext, site: Site) {
-    let Some(tid) = target_tid() else { return };
-    let (api, pushed) = site.resolve(ctx);
-    if in_runtime_launch(ctx, tid, pushed) {
-        return;
-    }
-    emit_launch(ctx, tid, Site::Known(api, pushed), |r, _| fill_graph(ctx, r));
+    driver_launch(ctx, site, |r, _| fill_graph(ctx, r));
 }
 
 /// `cudaError_t cudaLaunchKernel(const void *func, dim3 gridDim, dim3
@@ -557,7 +544,7 @@ fn runtime_classic(ctx: &ProbeContext, site: Site) {
     let (api, pushed) = site.resolve(ctx);
     let sp = entry_sp(ctx, pushed);
     let mut ret = None;
-    let recorded = emit_launch(ctx, tid, Site::Known(api, pushed), |r, _| {
+    let recorded = emit_launch(tid, api, |r| {
         // The return address and both stack arguments, in one read.
         let words = stack_words::<3>(sp);
         ret = words.map(|w| w[0]);
@@ -582,94 +569,69 @@ fn runtime_classic(ctx: &ProbeContext, site: Site) {
 /// void *func, void **args)`.
 #[inline(always)]
 fn runtime_ex(ctx: &ProbeContext, site: Site) {
-    let Some(tid) = target_tid() else { return };
-    let (api, pushed) = mark_runtime_launch(ctx, tid, site);
-    emit_launch(ctx, tid, Site::Known(api, pushed), |r, _| fill_from_config(ctx, r));
+    runtime_register_launch(ctx, site, |r| fill_from_config(ctx, r));
 }
 
-/// For the runtime entry points that take every argument in registers: notes
-/// the runtime frame (see `in_runtime_launch`); returns the resolved site.
+/// A launch of a runtime entry point that takes every argument in registers:
+/// notes the runtime frame (see `in_runtime_launch`), then counts and records.
 #[inline(always)]
-fn mark_runtime_launch(ctx: &ProbeContext, tid: u32, site: Site) -> (u32, u64) {
+fn runtime_register_launch(ctx: &ProbeContext, site: Site, fill: impl FnOnce(&mut LaunchRecord)) {
+    let Some(tid) = target_tid() else { return };
     let (api, pushed) = site.resolve(ctx);
     let sp = entry_sp(ctx, pushed);
     if let Some([ret]) = stack_words::<1>(sp) {
         enter_runtime_launch(tid, sp, ret);
     }
-    (api, pushed)
+    emit_launch(tid, api, fill);
 }
 
 /// `cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream)`.
 #[inline(always)]
 fn runtime_graph(ctx: &ProbeContext, site: Site) {
-    let Some(tid) = target_tid() else { return };
-    let (api, pushed) = mark_runtime_launch(ctx, tid, site);
-    emit_launch(ctx, tid, Site::Known(api, pushed), |r, _| fill_graph(ctx, r));
+    runtime_register_launch(ctx, site, |r| fill_graph(ctx, r));
 }
 
-/// One program per launch entry point, named after it (`LaunchApi::program`),
-/// with its id built in.
-mod entry_points {
+/// The launch programs: one per entry point, named after it
+/// (`LaunchApi::program`), with its id built in; and, for probes moved past
+/// `push`es on entry points that read the stack, one per argument shape, which
+/// takes id and pushed bytes from the cookie.
+mod launch_programs {
     #![allow(non_snake_case)]
 
-    use super::*;
+    use super::{LaunchApi::*, Site::*, *};
 
     macro_rules! launch_programs {
-        ($($symbol:ident: $api:ident => $shape:ident;)*) => {$(
+        ($($name:ident => $shape:ident($site:expr);)*) => {$(
             #[uprobe]
-            pub fn $symbol(ctx: ProbeContext) -> u32 {
-                $shape(&ctx, Site::Fixed(LaunchApi::$api));
+            pub fn $name(ctx: ProbeContext) -> u32 {
+                $shape(&ctx, $site);
                 0
             }
         )*};
     }
 
     launch_programs! {
-        cuLaunchKernel: CuLaunchKernel => driver_classic;
-        cuLaunchKernel_ptsz: CuLaunchKernelPtsz => driver_classic;
-        cuLaunchCooperativeKernel: CuLaunchCooperativeKernel => driver_classic;
-        cuLaunchCooperativeKernel_ptsz: CuLaunchCooperativeKernelPtsz => driver_classic;
-        cuLaunchKernelEx: CuLaunchKernelEx => driver_ex;
-        cuLaunchKernelEx_ptsz: CuLaunchKernelExPtsz => driver_ex;
-        cuGraphLaunch: CuGraphLaunch => driver_graph;
-        cuGraphLaunch_ptsz: CuGraphLaunchPtsz => driver_graph;
-        cudaLaunchKernel: CudaLaunchKernel => runtime_classic;
-        cudaLaunchKernel_ptsz: CudaLaunchKernelPtsz => runtime_classic;
-        cudaLaunchCooperativeKernel: CudaLaunchCooperativeKernel => runtime_classic;
-        cudaLaunchCooperativeKernel_ptsz: CudaLaunchCooperativeKernelPtsz => runtime_classic;
-        cudaLaunchKernelExC: CudaLaunchKernelExC => runtime_ex;
-        cudaLaunchKernelExC_ptsz: CudaLaunchKernelExCPtsz => runtime_ex;
-        cudaGraphLaunch: CudaGraphLaunch => runtime_graph;
-        cudaGraphLaunch_ptsz: CudaGraphLaunchPtsz => runtime_graph;
+        cuLaunchKernel => driver_classic(Fixed(CuLaunchKernel));
+        cuLaunchKernel_ptsz => driver_classic(Fixed(CuLaunchKernelPtsz));
+        cuLaunchCooperativeKernel => driver_classic(Fixed(CuLaunchCooperativeKernel));
+        cuLaunchCooperativeKernel_ptsz => driver_classic(Fixed(CuLaunchCooperativeKernelPtsz));
+        cuLaunchKernelEx => driver_ex(Fixed(CuLaunchKernelEx));
+        cuLaunchKernelEx_ptsz => driver_ex(Fixed(CuLaunchKernelExPtsz));
+        cuGraphLaunch => driver_graph(Fixed(CuGraphLaunch));
+        cuGraphLaunch_ptsz => driver_graph(Fixed(CuGraphLaunchPtsz));
+        cudaLaunchKernel => runtime_classic(Fixed(CudaLaunchKernel));
+        cudaLaunchKernel_ptsz => runtime_classic(Fixed(CudaLaunchKernelPtsz));
+        cudaLaunchCooperativeKernel => runtime_classic(Fixed(CudaLaunchCooperativeKernel));
+        cudaLaunchCooperativeKernel_ptsz => runtime_classic(Fixed(CudaLaunchCooperativeKernelPtsz));
+        cudaLaunchKernelExC => runtime_ex(Fixed(CudaLaunchKernelExC));
+        cudaLaunchKernelExC_ptsz => runtime_ex(Fixed(CudaLaunchKernelExCPtsz));
+        cudaGraphLaunch => runtime_graph(Fixed(CudaGraphLaunch));
+        cudaGraphLaunch_ptsz => runtime_graph(Fixed(CudaGraphLaunchPtsz));
+        launch_driver_classic => driver_classic(Cookie);
+        launch_runtime_classic => runtime_classic(Cookie);
+        launch_runtime_ex => runtime_ex(Cookie);
+        launch_runtime_graph => runtime_graph(Cookie);
     }
-}
-
-/// The driver's stack-argument entry points where the probe sits after
-/// `push`es: id and pushed bytes from the cookie.
-#[uprobe]
-pub fn launch_driver_classic(ctx: ProbeContext) -> u32 {
-    driver_classic(&ctx, Site::Cookie);
-    0
-}
-
-/// The runtime's entry points (all of which read the stack, for the return
-/// address) where the probe sits after `push`es, per argument shape.
-#[uprobe]
-pub fn launch_runtime_classic(ctx: ProbeContext) -> u32 {
-    runtime_classic(&ctx, Site::Cookie);
-    0
-}
-
-#[uprobe]
-pub fn launch_runtime_ex(ctx: ProbeContext) -> u32 {
-    runtime_ex(&ctx, Site::Cookie);
-    0
-}
-
-#[uprobe]
-pub fn launch_runtime_graph(ctx: ProbeContext) -> u32 {
-    runtime_graph(&ctx, Site::Cookie);
-    0
 }
 
 #[inline(always)]

@@ -161,18 +161,7 @@ impl Probes {
             .override_global(globals::THREAD_SLOT_MASK, &slot_mask, true)
             .map_max_entries(map_names::THREAD_SLOTS, slots)
             .load(EBPF_OBJECT)?;
-        let mut names: Vec<&'static str> = LaunchApi::programs().collect();
-        names.extend([
-            programs::STEP_ENTER,
-            programs::STEP_EXIT,
-            programs::BARE,
-            programs::LOADER,
-            programs::SYNC_ENTER,
-            programs::SYNC_EXIT,
-            programs::NAME_ENTER,
-            programs::NAME_EXIT,
-        ]);
-        for name in names {
+        for name in program_names() {
             let prog: &mut UProbe = ebpf
                 .program_mut(name)
                 .ok_or(ProbeError::Missing(name))?
@@ -360,17 +349,7 @@ impl Probes {
     /// records stamped after its stop time. Returns the launches still staged.
     pub fn detach(self) -> StagedLaunches {
         let Self { mut ebpf, stages, .. } = self;
-        let mut order: Vec<&'static str> = vec![programs::STEP_EXIT, programs::STEP_ENTER];
-        order.extend(LaunchApi::programs());
-        order.extend([
-            programs::SYNC_ENTER,
-            programs::SYNC_EXIT,
-            programs::NAME_ENTER,
-            programs::NAME_EXIT,
-            programs::LOADER,
-            programs::BARE,
-        ]);
-        for name in order {
+        for name in program_names() {
             let prog: Option<&mut UProbe> = ebpf.program_mut(name).and_then(|p| p.try_into().ok());
             if let Some(prog) = prog
                 && let Err(e) = prog.unload()
@@ -380,6 +359,19 @@ impl Probes {
         }
         stages
     }
+}
+
+/// The uprobe programs `Probes` loads (the USDT ones are `usdt`'s), in the
+/// order they are detached (see [`Probes::detach`]).
+fn program_names() -> impl Iterator<Item = &'static str> {
+    [programs::STEP_EXIT, programs::STEP_ENTER].into_iter().chain(LaunchApi::programs()).chain([
+        programs::SYNC_ENTER,
+        programs::SYNC_EXIT,
+        programs::NAME_ENTER,
+        programs::NAME_EXIT,
+        programs::LOADER,
+        programs::BARE,
+    ])
 }
 
 fn read_counters(lost: &PerCpuArray<MapData, u64>, launches: &PerCpuArray<MapData, u64>) -> KernelCounters {
