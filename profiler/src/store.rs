@@ -403,7 +403,7 @@ fn fill_apis(conn: &Connection) -> rusqlite::Result<()> {
         .collect::<rusqlite::Result<std::collections::HashSet<u32>>>()?;
     for api in LaunchApi::ALL.into_iter().filter(|a| !have.contains(&(*a as u32))) {
         conn.execute(
-            "INSERT OR IGNORE INTO apis(id, name, layer) VALUES (?1, ?2, ?3)",
+            "INSERT INTO apis(id, name, layer) VALUES (?1, ?2, ?3)",
             params![api as u32, api.symbol(), api.layer().as_str()],
         )?;
     }
@@ -460,7 +460,8 @@ fn schema_sql(conn: &Connection, kind: &str, name: &str) -> rusqlite::Result<Opt
     conn.query_row("SELECT sql FROM sqlite_master WHERE type = ?1 AND name = ?2", [kind, name], |r| r.get(0)).optional()
 }
 
-fn quoted(name: &str) -> String {
+/// `name` as an SQL identifier.
+pub(crate) fn quoted(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
@@ -509,7 +510,7 @@ fn reconcile(conn: &Connection, migrations: &[Migration]) -> rusqlite::Result<()
         } else {
             TablePlan::Rebuild
         };
-        plans.push((table, sql, plan, have));
+        plans.push((table, sql, plan, have, want));
     }
     let mut views_differ = false;
     for (view, sql) in of("view") {
@@ -526,7 +527,7 @@ fn reconcile(conn: &Connection, migrations: &[Migration]) -> rusqlite::Result<()
     }
     // Deferred so that a table rebuilt under a referenced one checks at commit.
     conn.execute_batch("PRAGMA defer_foreign_keys = ON")?;
-    for (table, sql, plan, have) in &plans {
+    for (table, sql, plan, have, want) in &plans {
         match plan {
             TablePlan::Keep => {}
             TablePlan::Create => conn.execute_batch(sql)?,
@@ -542,7 +543,7 @@ fn reconcile(conn: &Connection, migrations: &[Migration]) -> rusqlite::Result<()
                     conn.execute_batch(&def)?;
                 }
             }
-            TablePlan::Rebuild => rebuild(conn, &target, table, sql, have)?,
+            TablePlan::Rebuild => rebuild(conn, table, sql, have, want)?,
         }
     }
     for (index, sql) in of("index") {
@@ -563,7 +564,7 @@ fn reconcile(conn: &Connection, migrations: &[Migration]) -> rusqlite::Result<()
 /// Replaces `table` with one made by `sql` (its target CREATE TABLE), copying
 /// the columns both have. A `label` the old table lacks is the one label steps
 /// had before labels: `train`, on rows that have a step.
-fn rebuild(conn: &Connection, target: &Connection, table: &str, sql: &str, have: &[Column]) -> rusqlite::Result<()> {
+fn rebuild(conn: &Connection, table: &str, sql: &str, have: &[Column], want: &[Column]) -> rusqlite::Result<()> {
     let new = format!("{table}__reconciled");
     let rest = sql
         .strip_prefix("CREATE TABLE")
@@ -573,7 +574,7 @@ fn rebuild(conn: &Connection, target: &Connection, table: &str, sql: &str, have:
     conn.execute_batch(&format!("CREATE TABLE {}{rest}", quoted(&new)))?;
     let had = |c: &str| have.iter().any(|h| h.0 == c);
     let (mut into, mut from) = (Vec::new(), Vec::new());
-    for (name, ..) in columns(target, table)? {
+    for (name, ..) in want {
         if had(&name) {
             into.push(quoted(&name));
             from.push(quoted(&name));

@@ -534,7 +534,7 @@ pub fn export_csv(db: &ProfileDb, session: i64, table: &str, out: impl Write) ->
     let cols = db.columns(table);
     // The name is one of the file's own tables (checked above); quoting keeps
     // odd names intact.
-    let quoted = format!("\"{}\"", table.replace('"', "\"\""));
+    let quoted = crate::store::quoted(table);
     let filter = if table == "sessions" {
         "WHERE id = ?1"
     } else if cols.iter().any(|c| c == "session_id") {

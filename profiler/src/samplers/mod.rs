@@ -109,14 +109,13 @@ impl CapabilityLog {
         if self.seen.contains(metric) {
             return;
         }
-        if self.seen.insert(metric.to_owned()) {
-            self.sender.send(StoreMsg::Capability(Capability {
-                source: self.source.to_owned(),
-                metric: metric.to_owned(),
-                available,
-                reason: reason(),
-            }));
-        }
+        self.seen.insert(metric.to_owned());
+        self.sender.send(StoreMsg::Capability(Capability {
+            source: self.source.to_owned(),
+            metric: metric.to_owned(),
+            available,
+            reason: reason(),
+        }));
     }
 }
 
