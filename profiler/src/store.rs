@@ -575,11 +575,11 @@ fn rebuild(conn: &Connection, table: &str, sql: &str, have: &[Column], want: &[C
     let had = |c: &str| have.iter().any(|h| h.0 == c);
     let (mut into, mut from) = (Vec::new(), Vec::new());
     for (name, ..) in want {
-        if had(&name) {
-            into.push(quoted(&name));
-            from.push(quoted(&name));
+        if had(name) {
+            into.push(quoted(name));
+            from.push(quoted(name));
         } else if name == "label" && had("step") {
-            into.push(quoted(&name));
+            into.push(quoted(name));
             from.push("CASE WHEN \"step\" IS NOT NULL THEN 'train' END".to_owned());
         }
     }
