@@ -295,11 +295,11 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
 
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer, labels, pid);
-    let mut watcher = LibraryWatcher { pid, seen: HashSet::new(), loader: None };
-    let attached =
+    let mut watcher = LibraryWatcher { pid, seen: HashSet::new(), loader_hooked: false };
+    let probed =
         attach_all(&cfg, pid, mode, &exe, &mut probes, &mut watcher, &resolved_steps, python.as_ref(), &target_var);
     let mut python_steps = None;
-    let outcome = match attached {
+    let outcome = match probed {
         Ok((libraries, py)) => {
             python_steps = py;
             for l in libraries {
@@ -395,15 +395,13 @@ fn attach_all(
     match probes::loader_of(pid, exe) {
         Some(loader) => match probes.attach_loader(&probes::in_target_root(pid, &loader)) {
             Ok(Some(offset)) => {
-                libraries.push(LibraryRow {
-                    path: loader.display().to_string(),
-                    placed: Vec::new(),
-                    kind: "loader".into(),
-                    attached_ns: clock::monotonic_ns(),
-                    probes: 1,
-                    how: format!("{} at file offset {offset:#x}", probes::LOADER_HOOK),
-                });
-                watcher.loader = Some(loader);
+                libraries.push(probe_row(
+                    &loader,
+                    "loader",
+                    1,
+                    format!("{} at file offset {offset:#x}", probes::LOADER_HOOK),
+                ));
+                watcher.loader_hooked = true;
             }
             Ok(None) => log::warn!(
                 "{} exports no {}: new CUDA libraries are found by polling the maps",
@@ -437,14 +435,8 @@ fn attach_all(
         let visible = if step.path.is_relative() { step.path.clone() } else { probes::in_target_root(pid, &step.path) };
         let visible = if visible.exists() { visible } else { step.path.clone() };
         probes.attach_step(&visible, step.file_offset, probe_id as u32)?;
-        libraries.push(LibraryRow {
-            path: step.path.display().to_string(),
-            placed: Vec::new(),
-            kind: "step".into(),
-            attached_ns: clock::monotonic_ns(),
-            probes: 2,
-            how: format!("symbol {} at file offset {:#x}", step.symbol, step.file_offset),
-        });
+        let how = format!("symbol {} at file offset {:#x}", step.symbol, step.file_offset);
+        libraries.push(probe_row(&step.path, "step", 2, how));
         say!(cfg.quiet, "step function {} in {}", step.symbol, step.path.display());
     }
     let python_steps = match python {
@@ -467,14 +459,7 @@ fn attach_all(
                     "CPython 3.11 fires function__entry only on its tracing path: Python calls now cost about 2 µs more each while attached"
                 );
             }
-            libraries.push(LibraryRow {
-                path: py.path.display().to_string(),
-                placed: Vec::new(),
-                kind: "step".into(),
-                attached_ns: clock::monotonic_ns(),
-                probes: handle.sites() as u32,
-                how,
-            });
+            libraries.push(probe_row(&py.path, "step", handle.sites() as u32, how));
             Some(handle)
         }
         None => None,
@@ -513,8 +498,9 @@ async fn run_loop(
     // With the loader's hook probed, the maps are read when it fires and
     // polled only as a safety net (reading them costs the agent ≈1 ms per
     // thousand mappings, and a PyTorch process has thousands).
-    let poll = if watcher.loader.is_some() { cfg.maps_interval.max(LOADER_SAFETY_NET) } else { cfg.maps_interval };
-    let mut maps_tick = tokio::time::interval(poll);
+    let poll = if watcher.loader_hooked { cfg.maps_interval.max(LOADER_SAFETY_NET) } else { cfg.maps_interval };
+    // The maps were read just now, by `attach_all`.
+    let mut maps_tick = tokio::time::interval_at(tokio::time::Instant::now() + poll, poll);
     maps_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut status_tick = tokio::time::interval(Duration::from_secs(1));
     status_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -575,12 +561,20 @@ fn forward(pid: u32, sig: libc::c_int) {
 
 fn library_row(path: &Path, kind: LibraryKind, placed: Vec<probes::PlacedProbe>, how: &str) -> LibraryRow {
     LibraryRow {
+        placed: placed.iter().map(|p| (p.symbol.to_string(), p.offset, p.reason.clone())).collect(),
+        ..probe_row(path, kind.as_str(), placed.len() as u32, how.into())
+    }
+}
+
+/// A `libraries` row for probes that are not launch probes (no `probes` rows).
+fn probe_row(path: &Path, kind: &str, probes: u32, how: String) -> LibraryRow {
+    LibraryRow {
         path: path.display().to_string(),
-        kind: kind.as_str().into(),
+        kind: kind.into(),
         attached_ns: clock::monotonic_ns(),
-        probes: placed.len() as u32,
-        how: how.into(),
-        placed: placed.into_iter().map(|p| (p.symbol.to_string(), p.offset, p.reason)).collect(),
+        probes,
+        how,
+        placed: Vec::new(),
     }
 }
 
@@ -589,8 +583,8 @@ struct LibraryWatcher {
     pid: u32,
     /// Target-visible paths already handled.
     seen: HashSet<PathBuf>,
-    /// The dynamic loader whose hook is probed, if any.
-    loader: Option<PathBuf>,
+    /// Whether the dynamic loader's hook is probed (see `attach_all`).
+    loader_hooked: bool,
 }
 
 /// How often the maps are polled when the loader's hook is probed.
@@ -619,11 +613,18 @@ impl LibraryWatcher {
     ) -> Option<procfs::process::MemoryMaps> {
         let maps = procfs::process::Process::new(self.pid as i32).and_then(|p| p.maps()).ok()?;
         for (kind, file) in maps::cuda_libraries(&maps) {
+            let text = maps::executable_ranges(&maps, &file);
+            if kind == LibraryKind::Runtime && text.is_empty() {
+                // Mid-dlopen (the loader reports before it maps the code): the
+                // driver probes need the runtime's code ranges, so wait for the
+                // next look, which the loader's next report brings.
+                continue;
+            }
             if !self.seen.insert(file.path.clone()) {
                 continue;
             }
             let visible = probes::in_target_root(self.pid, &file.path);
-            match probes.attach_cuda_library(kind, &visible, &maps::executable_ranges(&maps, &file)) {
+            match probes.attach_cuda_library(kind, &visible, &text) {
                 Ok(None) => {}
                 Ok(Some(placed)) => {
                     if placed.is_empty() {
