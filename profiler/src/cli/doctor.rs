@@ -125,26 +125,21 @@ fn render(checks: &[Check], pid_header: Option<(usize, &str)>) -> String {
     o
 }
 
-/// Effective uid of this process, from /proc/self/status ("Uid: real effective saved fs").
-fn own_euid() -> Option<u32> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    status.lines().find_map(|l| l.strip_prefix("Uid:"))?.split_whitespace().nth(1)?.parse().ok()
-}
-
 fn machine_checks(args: &DoctorArgs) -> Vec<Check> {
     let mut checks = vec![kernel_check(), btf_check()];
     // What `attach` and `run` decide on (privileges::check), read the same way.
-    let caps = privileges::effective_caps();
+    let status = privileges::own_status();
+    let caps = status.as_ref().map(|s| s.capeff).map_err(Clone::clone);
     let cap_eff = caps.as_ref().copied().unwrap_or(0);
     let privileged = privileges::can_trace(cap_eff);
     let exe = std::env::current_exe().map_or_else(|_| "profiler".to_string(), |p| p.display().to_string());
     let cap_fix =
         format!("run it as root (sudo), or grant it the capabilities: sudo setcap cap_bpf,cap_perfmon+ep {exe}");
     let held = privileges::held(cap_eff);
-    let who = match own_euid() {
-        Some(0) => "root".to_string(),
-        Some(u) => format!("uid {u}"),
-        None => "unknown user".to_string(),
+    let who = match status.as_ref().map(|s| s.euid) {
+        Ok(0) => "root".to_string(),
+        Ok(u) => format!("uid {u}"),
+        Err(_) => "unknown user".to_string(),
     };
     let held_text = match &caps {
         Err(e) => format!("capabilities unknown: {e}"),
