@@ -4,14 +4,6 @@ use std::{path::Path, time::Duration};
 
 use integration_tests::*;
 
-/// Step boundaries: the probe fires before the trainer's first clock read and
-/// after its last, normally within microseconds; a preempted thread can take
-/// longer on a loaded 2-core machine.
-/// (The measured p99 is printed: 10–13 µs at the start, 2–3 µs at the end on an
-/// idle machine; the bound is loose because a 2-core CI machine may preempt the
-/// thread between the probe and the clock read.)
-const TOLERANCE_NS: i64 = 20_000_000;
-
 fn report(name: &str, e: &BoundaryErrors) {
     println!(
         "{name}: boundary error p99 start {} ns, end {} ns (max {} / {} ns, {} steps)",
@@ -24,10 +16,19 @@ fn report(name: &str, e: &BoundaryErrors) {
 }
 
 fn attach_and_run(name: &str, trainer_args: &[&str], profiler_args: &[&str]) -> (std::path::PathBuf, Truth, Session) {
+    attach_and_run_with_env(name, trainer_args, profiler_args, &[])
+}
+
+fn attach_and_run_with_env(
+    name: &str,
+    trainer_args: &[&str],
+    profiler_args: &[&str],
+    env: &[(&str, &str)],
+) -> (std::path::PathBuf, Truth, Session) {
     let dir = workdir(name);
     let db = dir.join("p.db");
     let mut trainer = Trainer::spawn(&dir, trainer_args);
-    let agent = Agent::attach(trainer.pid(), &db, profiler_args);
+    let agent = Agent::attach_with_env(trainer.pid(), &db, profiler_args, env);
     trainer.go();
     assert!(trainer.wait().success(), "trainer failed");
     let (status, stderr) = agent.finish();
@@ -44,7 +45,7 @@ fn counts_and_arguments_match_ground_truth() {
         attach_and_run("exact", &["--steps", "50", "--launches", "100"], &["--step-symbol", "train_step"]);
     assert_eq!(s.lost_events, Some(0));
     let steps = steps(&db, s.id);
-    let e = assert_steps_match(&truth.steps, &steps, TOLERANCE_NS);
+    let e = assert_steps_match(&truth.steps, &steps, STEP_TOLERANCE_NS);
     report("single thread", &e);
     assert_eq!(s.total_launches, Some(5000));
     assert_eq!(count(&db, "SELECT count(*) FROM launches WHERE session_id = ?1", s.id), 5000);
@@ -79,7 +80,7 @@ fn threads_nesting_and_every_driver_entry_point() {
         &["--step-symbol", "train_step"],
     );
     assert_eq!(s.lost_events, Some(0));
-    let e = assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
+    let e = assert_steps_match(&truth.steps, &steps(&db, s.id), STEP_TOLERANCE_NS);
     report("3 threads, nested", &e);
     assert_eq!(api_counts(&db, s.id), truth.apis);
     assert_eq!(truth.apis.len(), 8);
@@ -104,23 +105,14 @@ fn threads_sharing_a_counter_slot_keep_exact_counts() {
     // Two slots for five threads: at least three count in the kernel side's
     // fallback map, in both modes; every step's launches stay exact.
     for mode in ["all", "count"] {
-        let dir = workdir(&format!("slots-{mode}"));
-        let db = dir.join("p.db");
-        let mut trainer = Trainer::spawn(&dir, &["--threads", "5", "--steps", "20", "--launches", "40", "--nest", "2"]);
-        let args: Vec<String> = ["attach", &trainer.pid().to_string(), "-o", &db.display().to_string()]
-            .into_iter()
-            .chain(["--step-symbol", "train_step", "--launches", mode])
-            .map(String::from)
-            .collect();
-        let agent = Agent::start_with_env(&args, &[("PROFILER_THREAD_SLOTS", "2")], true);
-        trainer.go();
-        assert!(trainer.wait().success(), "trainer failed");
-        let (status, stderr) = agent.finish();
-        assert!(status.success(), "profiler failed: {stderr}");
-        let truth = trainer.truth();
-        let s = last_session(&db);
+        let (db, truth, s) = attach_and_run_with_env(
+            &format!("slots-{mode}"),
+            &["--threads", "5", "--steps", "20", "--launches", "40", "--nest", "2"],
+            &["--step-symbol", "train_step", "--launches", mode],
+            &[("PROFILER_THREAD_SLOTS", "2")],
+        );
         assert_eq!(s.total_launches, Some(truth.total as i64), "{mode}");
-        assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
+        assert_steps_match(&truth.steps, &steps(&db, s.id), STEP_TOLERANCE_NS);
     }
 }
 
@@ -143,7 +135,7 @@ fn runtime_launches_are_counted_once(name: &str, deeper: bool) {
     assert_eq!(truth.apis.len(), 16);
     assert_eq!(api_counts(&db, s.id), truth.apis, "per entry point, runtime launches not doubled by the driver probe");
     assert_eq!(s.total_launches, Some(truth.total as i64));
-    assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
+    assert_steps_match(&truth.steps, &steps(&db, s.id), STEP_TOLERANCE_NS);
     let runtime_lib = count(
         &db,
         "SELECT count(*) FROM libraries WHERE session_id = ?1 AND kind = 'runtime' AND how = 'dlopen'",
@@ -188,7 +180,7 @@ fn no_loss_above_100k_launches_per_second() {
     );
     assert_eq!(s.lost_events, Some(0));
     assert_eq!(count(&db, "SELECT count(*) FROM launches WHERE session_id = ?1", s.id), truth.total as i64);
-    assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
+    assert_steps_match(&truth.steps, &steps(&db, s.id), STEP_TOLERANCE_NS);
 }
 
 /// Probes moved past a RIP-relative compare or `push`es (see the `probes`
@@ -211,7 +203,7 @@ fn placed_probes(name: &str, extra: &[&str]) -> (std::path::PathBuf, Session) {
     let s = last_session(&db);
     let truth = trainer.truth();
     assert_eq!(api_counts(&db, s.id), truth.apis);
-    assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
+    assert_steps_match(&truth.steps, &steps(&db, s.id), STEP_TOLERANCE_NS);
     // The trainer's formula, per thread k: function = 0x100000 + (k << 16) + i,
     // grid = {s+1, i+1, k+1}, block = {32, 2, 1}, shared = 16 (i % 64), stream = 0x7000 + k.
     let bad = count(
@@ -261,7 +253,7 @@ fn count_mode_keeps_exact_counts_without_rows() {
     );
     assert_eq!(count(&db, "SELECT count(*) FROM launches WHERE session_id = ?1", s.id), 0);
     assert_eq!(s.total_launches, Some(1500));
-    assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
+    assert_steps_match(&truth.steps, &steps(&db, s.id), STEP_TOLERANCE_NS);
 }
 
 #[test]
@@ -291,7 +283,7 @@ fn late_dlopen_of_the_driver_is_probed_before_it_loads() {
         attach_and_run("late", &["--steps", "10", "--launches", "20"], &["--step-symbol", "train_step"]);
     assert_eq!(s.total_launches, Some(200));
     assert_eq!(api_counts(&db, s.id).get("cuLaunchKernel"), Some(&200));
-    assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
+    assert_steps_match(&truth.steps, &steps(&db, s.id), STEP_TOLERANCE_NS);
     assert_eq!(count(&db, "SELECT count(*) FROM libraries WHERE session_id = ?1 AND how = 'predicted'", s.id), 1);
 }
 
@@ -317,7 +309,7 @@ fn late_dlopen_from_an_unpredictable_path_is_found_through_the_loader_hook() {
     assert!(stderr.contains("no CUDA library mapped yet"), "{stderr}");
     let s = last_session(&db);
     assert_eq!(s.total_launches, Some(200));
-    assert_steps_match(&trainer.truth().steps, &steps(&db, s.id), TOLERANCE_NS);
+    assert_steps_match(&trainer.truth().steps, &steps(&db, s.id), STEP_TOLERANCE_NS);
     let how: String = open(&db)
         .query_row("SELECT how FROM libraries WHERE session_id = ?1 AND kind = 'driver'", [s.id], |r| r.get(0))
         .expect("driver library row");
@@ -342,7 +334,7 @@ fn target_exit_mid_step_keeps_the_open_step() {
     assert_eq!(s.end_reason.as_deref(), Some("target-exited"));
     let all = steps(&db, s.id);
     let (done, open): (Vec<_>, Vec<_>) = all.into_iter().partition(|s| s.end_ns.is_some());
-    assert_steps_match(&trainer.truth().steps, &done, TOLERANCE_NS);
+    assert_steps_match(&trainer.truth().steps, &done, STEP_TOLERANCE_NS);
     assert_eq!(open.len(), 1, "the step the target died in is kept, open");
     assert_eq!((open[0].step, open[0].launches), (5, None));
 }
@@ -382,7 +374,7 @@ fn interrupted(name: &str, sig: i32, extra: &[&str], reason: &str) {
     assert!(covered, "{} steps ended while attached, {} recorded", expected.len(), seen.len());
     // One for one: per thread, the recorded steps are the run of truth steps
     // that begins with the first one starting after the first recorded entry
-    // (steps recur every ~2 ms, so matching by a start within TOLERANCE_NS
+    // (steps recur every ~2 ms, so matching by a start within STEP_TOLERANCE_NS
     // could pair a neighbour; `assert_steps_match` pairs in order and requires
     // each truth step inside its database step, which a shifted pairing fails).
     let mut window: Vec<TruthStep> = Vec::new();
@@ -404,7 +396,7 @@ fn interrupted(name: &str, sig: i32, extra: &[&str], reason: &str) {
         });
         window.extend(run.iter().map(|t| (*t).clone()));
     }
-    let e = assert_steps_match(&window, &done, TOLERANCE_NS);
+    let e = assert_steps_match(&window, &done, STEP_TOLERANCE_NS);
     report(&format!("{} steps while attached", s.end_reason.as_deref().unwrap_or("?")), &e);
 }
 
@@ -466,7 +458,7 @@ fn run_traces_a_command_from_its_start_and_passes_its_exit_code() {
     assert_eq!(s.end_reason.as_deref(), Some("target-exited"));
     assert_eq!(s.total_launches, Some(12 * 30));
     let done: Vec<DbStep> = steps(&db, s.id).into_iter().filter(|s| s.end_ns.is_some()).collect();
-    assert_steps_match(&Truth::read(&truth).steps, &done, TOLERANCE_NS);
+    assert_steps_match(&Truth::read(&truth).steps, &done, STEP_TOLERANCE_NS);
 }
 
 #[test]
@@ -628,7 +620,7 @@ fn sync_wait_is_counted_once_and_charged_to_its_step() {
             args.extend(["--runtime-sync", "--after-dlopen-ms", "500"]);
         }
         let (db, truth, s) = attach_and_run(name, &args, &["--step-symbol", "train_step"]);
-        assert_steps_match(&truth.steps, &steps(&db, s.id), TOLERANCE_NS);
+        assert_steps_match(&truth.steps, &steps(&db, s.id), STEP_TOLERANCE_NS);
         let conn = open(&db);
         let apis: Vec<(String, i64)> = conn
             .prepare("SELECT api, count(*) FROM syncs WHERE session_id = ?1 GROUP BY api")

@@ -31,11 +31,10 @@ fn profiled(name: &str, trainer: &[&str], extra: &[&str]) -> (PathBuf, Session, 
         .env("CUDA_VISIBLE_DEVICES", "2,1")
         .spawn()
         .expect("trainer");
-    let mut args: Vec<String> =
-        ["attach", &child.id().to_string(), "-o", &db.display().to_string()].iter().map(|s| s.to_string()).collect();
-    args.extend(["--step-symbol", "train_step", "--nvml-lib", &stand_in_nvml()].iter().map(|s| s.to_string()));
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let agent = Agent::start_with_env(&args, &[("STANDIN_NVML_GPUS", "3")], true);
+    let nvml = stand_in_nvml();
+    let mut args = vec!["--step-symbol", "train_step", "--nvml-lib", &nvml];
+    args.extend_from_slice(extra);
+    let agent = Agent::attach_with_env(child.id(), &db, &args, &[("STANDIN_NVML_GPUS", "3")]);
     std::fs::write(&go, b"").expect("go");
     assert!(child.wait().expect("wait").success());
     let (status, stderr) = agent.finish();

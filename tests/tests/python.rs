@@ -53,7 +53,7 @@ fn python_steps_by_name_with_labels_threads_nesting_and_exceptions() {
         let t: Vec<TruthStep> = truth.steps.iter().filter(|x| x.label == label).cloned().collect();
         let d: Vec<DbStep> = all.iter().filter(|x| x.label == label).cloned().collect();
         assert!(!t.is_empty(), "the trainer ran {label} steps");
-        let e = assert_steps_match(&t, &d, 20_000_000);
+        let e = assert_steps_match(&t, &d, STEP_TOLERANCE_NS);
         println!(
             "python {label}: {} steps, boundary p99 start {} ns, end {} ns",
             t.len(),

@@ -185,12 +185,11 @@ fn report_matches_sql_and_ground_truth() {
     // start left out as the report does), within the probes' boundary error
     // (p99 ~20 µs; 0.3 ms leaves room for a preempted probe on a loaded machine).
     let db_steps = steps(&db, session.id);
-    assert_steps_match(&truth.steps, &db_steps, 20_000_000);
+    assert_steps_match(&truth.steps, &db_steps, STEP_TOLERANCE_NS);
     let mut pairs: Vec<(&DbStep, &TruthStep)> = db_steps.iter().zip(&truth.steps).collect();
     pairs.sort_by_key(|(d, _)| (d.start_ns, d.step));
     let mut truth_ms: Vec<f64> =
         pairs.iter().skip(SKIP as usize).map(|(_, t)| (t.end_ns - t.start_ns) as f64 / 1e6).collect();
-    assert_eq!(truth_ms.len() as i64, 50 - SKIP);
     truth_ms.sort_by(f64::total_cmp);
     let truth_p50 = truth_ms[(50 * truth_ms.len()).div_ceil(100) - 1];
     let p50 = f(&l["step_time_ms"]["p50"]);
