@@ -135,7 +135,7 @@ fn read_truth(path: &Path) -> Result<Truth> {
 }
 
 /// Waits for `child` and returns (CPU seconds, peak RSS in KiB).
-fn wait_rusage(child: &Child) -> Result<(f64, f64)> {
+pub(crate) fn wait_rusage(child: &Child) -> Result<(f64, f64)> {
     let pid = child.id() as libc::pid_t;
     let mut status = 0;
     // SAFETY: zeroed rusage is a valid out-value.
@@ -169,7 +169,7 @@ pub(crate) fn wait_for_line(stream: impl std::io::Read + Send + 'static, needle:
             }
         }
     });
-    rx.recv_timeout(Duration::from_secs(60)).with_context(|| format!("agent never printed '{needle}'"))
+    rx.recv_timeout(Duration::from_secs(60)).with_context(|| format!("never printed '{needle}'"))
 }
 
 fn measure(probe: Probe, workload: Workload, work: &Path) -> Result<Measured> {
@@ -188,13 +188,15 @@ fn measure(probe: Probe, workload: Workload, work: &Path) -> Result<Measured> {
                 .args(["--threads", &threads.to_string(), "--truth"])
                 .arg(&truth)
                 .arg("--wait-file")
-                .arg(&go)
-                .env("LD_LIBRARY_PATH", &dir);
+                .arg(&go);
             if runtime {
-                // The runtime is found after its dlopen: give the agent time
-                // to probe it before the timed launches.
+                // The runtime (in the fixtures' top directory) is found after
+                // its dlopen: give the agent time to probe it before the timed
+                // launches.
                 c.args(["--api", "runtime", "--after-dlopen-ms", "300"])
                     .env("LD_LIBRARY_PATH", format!("{}:{}", dir.display(), fx.display()));
+            } else {
+                c.env("LD_LIBRARY_PATH", &dir);
             }
             (c.spawn().context("start trainer")?, dir)
         }
@@ -417,7 +419,6 @@ fn thread_cpu_ns(pid: u32, name: &str) -> Option<u64> {
 /// stand-in NVML exposing `gpus` GPUs sampled every `interval_ms`.
 fn sampler_cost(work: &Path, gpus: u32, interval_ms: u32) -> Result<(f64, f64)> {
     const WINDOW_S: f64 = 3.0;
-    const PROBE_AT_S: f64 = 2.5;
     let db = work.join("sampler.db");
     let _ = std::fs::remove_file(&db);
     let mut idle = Command::new("sleep").arg("60").spawn()?;
@@ -427,16 +428,23 @@ fn sampler_cost(work: &Path, gpus: u32, interval_ms: u32) -> Result<(f64, f64)> 
     c.args(["--gpu-interval", &interval_ms.to_string()]).env("STANDIN_NVML_GPUS", gpus.to_string());
     let t0 = Instant::now();
     let agent = c.spawn()?;
-    std::thread::sleep(Duration::from_secs_f64(PROBE_AT_S));
-    let sampler_ns = thread_cpu_ns(agent.id(), "sampler-gpu").context("no sampler-gpu thread in the agent")?;
-    let sampler_started = Duration::from_secs_f64(0.1); // loading and attaching, roughly
-    let ticks =
-        ((t0.elapsed().saturating_sub(sampler_started)).as_secs_f64() * 1000.0 / f64::from(interval_ms)).max(1.0);
+    // The sampler's steady state: from 1 s in (NVML opened, probes attached).
+    let ns_per_s = thread_cpu_rate(agent.id(), "sampler-gpu", Duration::from_secs(1), Duration::from_millis(1500))?;
     let (cpu, _) = wait_rusage(&agent)?;
     let wall = t0.elapsed().as_secs_f64();
     let _ = idle.kill();
     let _ = idle.wait();
-    Ok((sampler_ns as f64 / 1e3 / ticks, 100.0 * cpu / wall))
+    Ok((ns_per_s / 1e3 * f64::from(interval_ms) / 1e3, 100.0 * cpu / wall))
+}
+
+/// CPU ns per second of `pid`'s thread `name`, over `window` from `after` on.
+fn thread_cpu_rate(pid: u32, name: &str, after: Duration, window: Duration) -> Result<f64> {
+    std::thread::sleep(after);
+    let cpu = || thread_cpu_ns(pid, name).with_context(|| format!("no {name} thread in the agent"));
+    let (a, t) = (cpu()?, Instant::now());
+    std::thread::sleep(window);
+    let b = cpu()?;
+    Ok((b - a) as f64 / t.elapsed().as_secs_f64())
 }
 
 /// The agent's main (drain) thread's CPU time per second, on an idle target
@@ -458,12 +466,7 @@ fn maps_cost(work: &Path, mappings: u32) -> Result<f64> {
         .args(["attach", &target.id().to_string(), "--no-gpu", "-q", "--duration", "6", "-o"])
         .arg(&db)
         .spawn()?;
-    std::thread::sleep(Duration::from_secs(2));
-    let a = thread_cpu_ns(agent.id(), "profiler").context("no profiler thread")?;
-    let t = Instant::now();
-    std::thread::sleep(Duration::from_secs(3));
-    let b = thread_cpu_ns(agent.id(), "profiler").context("no profiler thread")?;
-    let per_s = (b - a) as f64 / 1e6 / t.elapsed().as_secs_f64();
+    let per_s = thread_cpu_rate(agent.id(), "profiler", Duration::from_secs(2), Duration::from_secs(3))? / 1e6;
     wait_rusage(&agent)?;
     let _ = target.kill();
     let _ = target.wait();

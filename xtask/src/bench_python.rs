@@ -54,8 +54,9 @@ fn run_once(traced: bool, work: &Path) -> Result<f64> {
     if !status.success() {
         bail!("Python trainer: {status}");
     }
-    if let Some(mut a) = agent {
-        a.wait()?;
+    if let Some(a) = agent {
+        // A profiler that failed would make the traced row a lie.
+        crate::bench::wait_rusage(&a)?;
     }
     let text = std::fs::read_to_string(&truth).with_context(|| format!("read {}", truth.display()))?;
     let line = text.lines().find_map(|l| l.strip_prefix("calls ")).context("no 'calls' line in the truth")?;
