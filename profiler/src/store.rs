@@ -15,7 +15,8 @@ use profiler_common::LaunchApi;
 use rusqlite::{Connection, DatabaseName, ErrorCode, params, params_from_iter, types::Value};
 
 /// Schema changes in order; `PRAGMA user_version` is how many are applied.
-/// Append, never edit: a database written by an older profiler gets the rest.
+/// Append, never edit (the test `migrations_are_append_only` pins each SQL
+/// one): a database written by an older profiler gets the rest.
 /// (Migrations 0–3 were edited in place anyway; migration 4 repairs that, see
 /// [`reconcile_first_four`]. Editing 0–3 again would reach fresh files only.)
 const MIGRATIONS: &[Migration] = &[
@@ -841,6 +842,31 @@ fn write_loop(mut conn: Connection, session_id: i64, rx: Receiver<StoreMsg>) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Migrations are appended, never edited (the upgrade fixtures below are
+    /// built from today's first migrations, and files written by older
+    /// profilers only get the migrations they lack): each SQL migration's text
+    /// is pinned. A new migration appends its hash; the message gives it.
+    #[test]
+    fn migrations_are_append_only() {
+        const FROZEN: [u64; 4] =
+            [0x8aee_e93b_06de_c1a5, 0xcbca_4468_d4a3_de19, 0xb9bd_525d_e831_4c63, 0x1668_b8b2_e3c9_65cd];
+        let fnv1a = |s: &str| {
+            s.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+        };
+        let hashes: Vec<u64> = MIGRATIONS
+            .iter()
+            .filter_map(|m| match m {
+                Migration::Sql(sql) => Some(fnv1a(sql)),
+                Migration::Code(_) => None,
+            })
+            .collect();
+        assert_eq!(
+            hashes[..FROZEN.len()],
+            FROZEN,
+            "an SQL migration was edited in place: append a new migration instead (hashes now: {hashes:#x?})"
+        );
+    }
 
     fn temp_db() -> (tempfile::TempDir, PathBuf) {
         let dir = tempfile::tempdir().expect("tempdir");
