@@ -659,32 +659,26 @@ impl StubSymbolizer {
         self.last_seen = Some(maps);
     }
 
-    fn mapping(&self, address: u64) -> Option<(u64, u64, PathBuf)> {
-        self.maps.iter().find(|m| address >= m.0 && address < m.1).map(|m| (m.0, m.2, m.3.clone()))
-    }
-
-    /// The file mappings of a maps listing.
-    fn file_mappings(maps: procfs::process::MemoryMaps) -> Vec<(u64, u64, u64, PathBuf)> {
-        maps.0
-            .into_iter()
-            .filter_map(|m| match m.pathname {
-                procfs::process::MMapPath::Path(p) => Some((m.address.0, m.address.1, m.offset, p)),
-                _ => None,
-            })
-            .collect()
-    }
-
-    fn name(&mut self, pid: u32, address: u64) -> Option<String> {
-        if self.mapping(address).is_none() {
-            // A library loaded since the last look: read the maps again. If
-            // the target has exited meanwhile, the watcher's last look (set
-            // through `remember`) is what is left.
-            let current = procfs::process::Process::new(pid as i32).and_then(|p| p.maps()).ok();
-            if let Some(maps) = current.or_else(|| self.last_seen.take()) {
-                self.maps = Self::file_mappings(maps);
-            }
+    /// Reads the target's file mappings, once, before naming: its maps now,
+    /// or, if it has exited, the watcher's last look (see `remember`).
+    fn load_maps(&mut self, pid: u32) {
+        let current = procfs::process::Process::new(pid as i32).and_then(|p| p.maps()).ok();
+        if let Some(maps) = current.or_else(|| self.last_seen.take()) {
+            self.maps = maps
+                .0
+                .into_iter()
+                .filter_map(|m| match m.pathname {
+                    procfs::process::MMapPath::Path(p) => Some((m.address.0, m.address.1, m.offset, p)),
+                    _ => None,
+                })
+                .collect();
         }
-        let (start, offset, path) = self.mapping(address)?;
+    }
+
+    /// The function symbol at `address` of the target (after `load_maps`).
+    fn name(&mut self, pid: u32, address: u64) -> Option<String> {
+        let (start, offset, path) =
+            self.maps.iter().find(|m| address >= m.0 && address < m.1).map(|m| (m.0, m.2, m.3.clone()))?;
         let symbols = self.files.entry(path.clone()).or_insert_with(|| {
             // Mapped, not read: the file may be a gigabyte (libtorch_cuda.so);
             // only its symbol tables are touched.
@@ -925,8 +919,12 @@ impl Consumer {
     /// first look into a library's symbols (libtorch_cuda.so has hundreds of
     /// thousands) would otherwise stall the ring-buffer drain.
     fn name_runtime_stubs(&mut self) {
+        if self.stubs_seen.is_empty() {
+            return;
+        }
         let mut stubs: Vec<u64> = self.stubs_seen.iter().copied().collect();
         stubs.sort_unstable();
+        self.stubs.load_maps(self.pid);
         for address in stubs {
             if let Some(name) = self.stubs.name(self.pid, address) {
                 let demangled_name = probes::elf::demangled_full(&name);
