@@ -42,9 +42,10 @@ impl LoadSegment {
     /// `address - p_vaddr + p_offset` when the segment's memory image holds
     /// `address`. The zero-filled tail (past `p_filesz`) counts: a variable
     /// there still resolves through the file's mapping of its partial page.
+    /// None, not an overflow, for a header whose offset and size pass 2^64.
     pub fn file_offset(&self, address: u64) -> Option<u64> {
         let delta = address.checked_sub(self.address).filter(|&d| d < self.mem_size)?;
-        Some(self.file_offset + delta)
+        self.file_offset.checked_add(delta)
     }
 }
 
@@ -107,7 +108,8 @@ pub fn demangled(name: &str) -> String {
     if let Ok(d) = rustc_demangle::try_demangle(name) {
         return format!("{d:#}");
     }
-    if let Ok(sym) = cpp_demangle::Symbol::new(name)
+    if is_itanium(name)
+        && let Ok(sym) = cpp_demangle::Symbol::new(name)
         && let Ok(s) = sym.demangle(&cpp_demangle::DemangleOptions::new().no_params().no_return_type())
     {
         return s;
@@ -121,7 +123,17 @@ pub fn demangled_full(name: &str) -> Option<String> {
     if let Ok(d) = rustc_demangle::try_demangle(name) {
         return Some(format!("{d:#}"));
     }
+    if !is_itanium(name) {
+        return None;
+    }
     cpp_demangle::Symbol::new(name).ok()?.demangle(&cpp_demangle::DemangleOptions::default()).ok()
+}
+
+/// Whether `name` can be an Itanium C++ symbol (`_Z…`, `_GLOBAL__…`). `cpp_demangle` also
+/// accepts bare type encodings, which would turn C symbols such as `f` or `DF32x` into
+/// `float` and `_Float32x` (found by `fuzz_tests`).
+fn is_itanium(name: &str) -> bool {
+    name.starts_with('_')
 }
 
 /// Whether `sym` is what a user means by `query`: the exact symbol, or a
@@ -201,6 +213,10 @@ mod tests {
         assert_eq!(s.file_offset(0x60_3800), None);
         assert_eq!(s.file_offset(0x60_2fff), None);
         assert_eq!(s.file_offset(u64::MAX), None);
+        // A crafted header: p_offset + (address - p_vaddr) past 2^64 (an overflow panic in debug builds).
+        let s = LoadSegment { address: 0, mem_size: u64::MAX, file_offset: u64::MAX - 7, flags: 5 };
+        assert_eq!(s.file_offset(7), Some(u64::MAX));
+        assert_eq!(s.file_offset(8), None);
         let exe = std::env::current_exe().expect("current exe");
         let data = std::fs::read(exe).expect("read exe");
         let segments = load_segments(&object::File::parse(&*data).expect("parse"));
@@ -220,6 +236,11 @@ mod tests {
     fn full_demangling_keeps_parameters() {
         assert_eq!(demangled_full("_Z6matmulPfS_S_i").as_deref(), Some("matmul(float*, float*, float*, int)"));
         assert_eq!(demangled_full("plain_c_name"), None);
+        // C names that happen to be C++ type encodings stay as they are.
+        for c_name in ["f", "i", "Ss", "DF32x"] {
+            assert_eq!(demangled(c_name), c_name);
+            assert_eq!(demangled_full(c_name), None, "{c_name}");
+        }
     }
 
     #[test]
