@@ -25,6 +25,10 @@ pub enum RecordKind {
     /// A bare [`RecordHeader`]: the dynamic loader changed the target's
     /// libraries (`_dl_debug_state`, on every `dlopen` and `dlclose`).
     LoaderChange = 7,
+    /// A [`StepRecord`] written when a thread of the target exits (`probe` 0):
+    /// its kernel-side state is released, and the tid may come back as
+    /// another thread, whose sequence starts again at 1.
+    ThreadExit = 8,
 }
 
 impl RecordKind {
@@ -37,6 +41,7 @@ impl RecordKind {
             5 => Some(Self::SyncExit),
             6 => Some(Self::KernelName),
             7 => Some(Self::LoaderChange),
+            8 => Some(Self::ThreadExit),
             _ => None,
         }
     }
@@ -285,17 +290,29 @@ pub const STAGES: u32 = 256;
 /// tell their calls from (one per `libcudart` loaded, normally one or two).
 pub const RUNTIME_TEXTS: u32 = 8;
 
-/// Entry or return of the step function.
+/// Entry or return of a step function or a synchronisation call, or a
+/// thread's exit: the records of the step ring, which launches cannot crowd
+/// out (see `maps::STEP_EVENTS`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct StepRecord {
     pub header: RecordHeader,
-    /// Which step probe fired (index into the agent's list of step sources).
+    /// Which step probe fired (index into the agent's list of step sources),
+    /// or the [`SyncApi`] id.
     pub probe: u32,
-    pub _pad: u32,
+    /// This thread's step-ring records so far, this one included: 1, 2, …
+    /// (never 0 once it wraps). A gap says records of the thread were lost.
+    /// 0: the kernel side had no room to keep the thread's state (a map
+    /// update failed, and was counted), so there is no sequence.
+    pub seq: u32,
     /// Launches this thread had made when the probe fired (counted in the kernel,
     /// so a step's launch count is exact even if launch records are dropped).
     pub thread_launches: u64,
+    /// Step functions (all step sources together) the thread is inside after
+    /// this record: entries less returns. After a gap it tells the agent where
+    /// the thread is.
+    pub depth: u32,
+    pub _pad: u32,
 }
 
 /// Bytes of a kernel name kept (longer names are cut; C++ kernel names
@@ -331,7 +348,7 @@ pub struct KernelNameRecord {
 // The decoder reads these sizes; keep them in step with the eBPF side.
 const _: () = assert!(core::mem::size_of::<RecordHeader>() == 16);
 const _: () = assert!(core::mem::size_of::<LaunchRecord>() == 64);
-const _: () = assert!(core::mem::size_of::<StepRecord>() == 32);
+const _: () = assert!(core::mem::size_of::<StepRecord>() == 40);
 const _: () = assert!(core::mem::size_of::<KernelNameRecord>() == 40 + KERNEL_NAME_CAP);
 
 /// What a [`UsdtArgSpec`] reads. Stored as `u32` in [`UsdtArgSpec::kind`].
@@ -438,12 +455,29 @@ pub mod globals {
     pub const THREAD_SLOT_MASK: &str = "THREAD_SLOT_MASK";
 }
 
+/// Bytes of the launch ring (`maps::EVENTS`), unless the agent sets another size.
+pub const EVENTS_BYTES: u32 = 32 * 1024 * 1024;
+/// Bytes of the step ring (`maps::STEP_EVENTS`), unless the agent sets another size.
+pub const STEP_EVENTS_BYTES: u32 = 2 * 1024 * 1024;
+
 /// Names of the maps the agent reads.
 pub mod maps {
-    /// `RingBuf` carrying all records.
+    /// `RingBuf` carrying launch and kernel-name records.
     pub const EVENTS: &str = "EVENTS";
-    /// `PerCpuArray<u64>[1]`: ring-buffer reservations that failed.
+    /// `RingBuf` carrying [`super::StepRecord`]s (steps, syncs, thread exits)
+    /// and loader changes: small, and never crowded out by launches.
+    pub const STEP_EVENTS: &str = "STEP_EVENTS";
+    /// `PerCpuArray<u64>[1]`: reservations in `EVENTS` that failed.
     pub const LOST: &str = "LOST";
+    /// `PerCpuArray<u64>[1]`: reservations in `STEP_EVENTS` that failed.
+    pub const LOST_STEPS: &str = "LOST_STEPS";
+    /// `PerCpuArray<u64>[1]`: map updates that failed (a map full): each one
+    /// costs a thread its launch counter or a mark (see the README's *Loss*).
+    pub const MAP_FAILURES: &str = "MAP_FAILURES";
+    /// `HashMap<u32, u32>`: slot index -> the tid that claimed it; sized to `THREAD_SLOTS`.
+    pub const SLOT_CLAIMS: &str = "SLOT_CLAIMS";
+    /// `HashMap<u32, ThreadSlot>`: the state of threads whose slot another holds.
+    pub const THREAD_FALLBACK: &str = "THREAD_FALLBACK";
     /// `PerCpuArray<u64>[1]`: launches seen (counted once), kept or not.
     pub const LAUNCHES: &str = "LAUNCHES";
     /// `Array<ThreadSlot>`: per-thread launch counters, sized at load.
@@ -487,6 +521,11 @@ pub mod programs {
     pub const PYTHON_ENTRY: &str = "python_entry";
     /// USDT `python:function__return` (cookie: the `USDT_ARGS` slot).
     pub const PYTHON_RETURN: &str = "python_return";
+    /// Raw tracepoint `sched_process_exit` (no tracefs needed): releases an
+    /// exiting target thread's kernel-side state.
+    pub const THREAD_EXIT: &str = "thread_exit";
+    /// The tracepoint it is attached to.
+    pub const THREAD_EXIT_TRACEPOINT: &str = "sched_process_exit";
 }
 
 #[cfg(feature = "user")]

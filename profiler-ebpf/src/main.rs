@@ -8,6 +8,15 @@
 //! each step's launch count exact even when launch records are not kept
 //! (`--launches count`) or the ring buffer overflows.
 //!
+//! Per-thread state (launch counter, runtime frame, step sequence and depth)
+//! lives in an array slot indexed by tid, or in a hash map when another live
+//! thread holds the slot; `thread_exit` releases both when a target thread
+//! exits, so the maps hold live threads only. A map update that fails is
+//! counted (`MAP_FAILURES`), never silent.
+//!
+//! Step, sync and thread-exit records go to a ring of their own
+//! (`STEP_EVENTS`), which launch records cannot fill.
+//!
 //! Each launch entry point has a program of its own with its `LaunchApi` id
 //! built in (`launch_programs`); a probe moved past `push`es uses its argument
 //! shape's shared program, which takes the id and the pushed bytes from the
@@ -24,13 +33,13 @@ use aya_ebpf::{
         bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
         generated::{bpf_get_attach_cookie, bpf_probe_read_user as probe_read_user_raw},
     },
-    macros::{map, uprobe, uretprobe},
+    macros::{map, raw_tracepoint, uprobe, uretprobe},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
-    programs::{ProbeContext, RetProbeContext},
+    programs::{ProbeContext, RawTracePointContext, RetProbeContext},
 };
 use profiler_common::{
-    ApiLayer, KernelNameRecord, LaunchApi, LaunchRecord, LaunchStage, RUNTIME_TEXTS, RecordHeader, RecordKind,
-    STAGE_LEN, STAGES, StepRecord, name_call,
+    ApiLayer, EVENTS_BYTES, KernelNameRecord, LaunchApi, LaunchRecord, LaunchStage, RUNTIME_TEXTS, RecordHeader,
+    RecordKind, STAGE_LEN, STAGES, STEP_EVENTS_BYTES, StepRecord, name_call,
 };
 
 /// bpf_probe_read_user and bpf_get_attach_cookie are GPL-only helpers.
@@ -49,14 +58,33 @@ static EMIT_LAUNCHES: u32 = 1;
 #[unsafe(no_mangle)]
 static THREAD_SLOT_MASK: u32 = 0;
 
-/// 32 MiB: at 64 bytes a launch this holds ~500 000 launches, several hundred
-/// milliseconds of a launch-bound loop, while the agent drains it in batches.
+/// Launch and kernel-name records. 32 MiB: at 64 bytes a launch this holds
+/// ~500 000 launches, several hundred milliseconds of a launch-bound loop,
+/// while the agent drains it in batches.
 #[map]
-static EVENTS: RingBuf = RingBuf::with_byte_size(32 * 1024 * 1024, 0);
+static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_BYTES, 0);
 
-/// Ring-buffer reservations that failed (records lost), per CPU.
+/// Step, sync and thread-exit records (`StepRecord`) and loader changes: a
+/// few per step, so 2 MiB (~40 000 records) is ample between two drains, and
+/// launches, which can fill `EVENTS`, never take their room.
+#[map]
+static STEP_EVENTS: RingBuf = RingBuf::with_byte_size(STEP_EVENTS_BYTES, 0);
+
+/// Reservations in `EVENTS` that failed (records lost), per CPU.
 #[map]
 static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Reservations in `STEP_EVENTS` that failed (records lost), per CPU.
+#[map]
+static LOST_STEPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Map updates that failed and lost something (a map full, or a bucket
+/// lock not taken), per CPU: a thread's state that could not be kept (its
+/// launches go uncounted, its runtime launches may count twice, its steps
+/// have no sequence), a pending kernel name; and removals at a thread's exit
+/// that failed (an entry left behind takes room until the session ends).
+#[map]
+static MAP_FAILURES: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 /// Launches seen (each counted once), per CPU.
 #[map]
@@ -72,31 +100,52 @@ struct RuntimeFrame {
     ret: u64,
 }
 
-/// One thread of the target: its launches so far and its last runtime launch.
+/// One thread of the target: its launches so far, its last runtime launch,
+/// and where its step records stand. All zero but `tid` when claimed.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct ThreadSlot {
     tid: u32,
-    _pad: u32,
+    /// Step-ring records written (`StepRecord::seq` of the last one).
+    step_seq: u32,
     launches: u64,
     runtime: RuntimeFrame,
+    /// Step functions the thread is inside (`StepRecord::depth`).
+    step_depth: u32,
+    /// Non-zero while the thread is inside a runtime-API synchronisation
+    /// call (marked by its entry probe, cleared by its return probe): the
+    /// runtime reaches the driver's exported sync calls, whose probes must
+    /// not count that call twice.
+    in_runtime_sync: u32,
 }
 
-/// Per-thread launch counters (and runtime frames), indexed by `tid & THREAD_SLOT_MASK`: an array
-/// lookup, which the verifier inlines, where a hash lookup costs the traced
-/// thread tens of nanoseconds on every launch. A thread claims its slot on its
-/// first launch (through `SLOT_CLAIMS`, whose insert is atomic) and keeps it;
-/// where the agent sized the array to `pid_max` no two threads share a slot,
-/// elsewhere a thread whose slot another holds counts in `THREAD_LAUNCHES`.
-/// Only the owning thread writes its counter, so a plain increment is race
-/// free. A later thread that reuses a tid continues its counter: only
-/// differences between a thread's step boundaries are used.
+/// Per-thread state, indexed by `tid & THREAD_SLOT_MASK`: an array lookup,
+/// which the verifier inlines, where a hash lookup costs the traced thread
+/// tens of nanoseconds on every launch. A thread claims its slot when it
+/// first needs one (through `SLOT_CLAIMS`, whose insert is atomic) and keeps
+/// it until it exits (`thread_exit`); a thread whose slot another live thread
+/// holds keeps its state in `THREAD_FALLBACK` instead, for its whole life, so
+/// that its counter never moves. Only the owning thread writes its state, so
+/// plain increments are race free. The agent sizes the array to `pid_max`
+/// (up to 65 536 slots); with exits releasing slots, sharing is between live
+/// threads only.
 #[map]
 static THREAD_SLOTS: Array<ThreadSlot> = Array::with_max_entries(65536, 0);
 
-/// Slot index -> the tid that claimed it.
+/// Slot index -> the tid that claimed it; sized to `THREAD_SLOTS` by the
+/// agent, so an insert fails only when the slot is taken.
 #[map]
 static SLOT_CLAIMS: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
+
+/// The state of threads whose slot another live thread holds, by tid;
+/// entries are removed when their thread exits. Sized by the agent.
+#[map]
+static THREAD_FALLBACK: HashMap<u32, ThreadSlot> = HashMap::with_max_entries(16384, 0);
+
+/// A zeroed `ThreadSlot` to insert into `THREAD_FALLBACK` from map memory,
+/// not the launch programs' small stack (see `stack_words`).
+#[map]
+static NEW_THREAD: PerCpuArray<ThreadSlot> = PerCpuArray::with_max_entries(1, 0);
 
 /// Launch records staged per thread (see `LaunchStage`), indexed by
 /// `tid & (STAGES - 1)` and claimed like `THREAD_SLOTS`; a thread whose stage
@@ -109,10 +158,6 @@ static LAUNCH_STAGES: Array<LaunchStage> = Array::with_max_entries(STAGES, 0);
 /// Stage index -> the tid that claimed it.
 #[map]
 static STAGE_CLAIMS: HashMap<u32, u32> = HashMap::with_max_entries(STAGES, 0);
-
-/// Launch counters of the threads that found their slot taken.
-#[map]
-static THREAD_LAUNCHES: HashMap<u32, u64> = HashMap::with_max_entries(65536, 0);
 
 /// `[start, end)` of the probed runtime libraries' code in the target, filled
 /// by the agent from the start; `end` 0 past the last.
@@ -137,22 +182,12 @@ fn in_runtime_text(address: u64) -> bool {
     false
 }
 
-/// Runtime frames of the threads that found their slot taken.
-#[map]
-static RUNTIME_FRAMES: HashMap<u32, RuntimeFrame> = HashMap::with_max_entries(65536, 0);
-
 const BPF_NOEXIST: u64 = 1;
 
 /// `[0]` is 1 once the agent has probed a runtime library: only then can a
 /// driver launch or sync be the runtime's, made on behalf of a runtime call.
 #[map]
 static RUNTIME_PROBED: Array<u32> = Array::with_max_entries(1, 0);
-
-/// Threads currently inside a runtime-API synchronisation call (marked by
-/// its entry probe, cleared by its return probe): the runtime reaches the
-/// driver's exported sync calls, whose probes must not count that call twice.
-#[map]
-static IN_RUNTIME_SYNC: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
 
 /// Records never wake the agent: it drains on its own 20 ms timer. A wakeup
 /// per record costs the traced thread an irq_work and the agent a context
@@ -199,12 +234,27 @@ pub(crate) fn cookie(ctx: &impl EbpfContext) -> u64 {
     unsafe { bpf_get_attach_cookie(ctx.as_ptr()) }
 }
 
-/// Element `index` of `array` if thread `tid` holds it, claiming it first
-/// (through `claims`, whose insert is atomic) when `claim` and nobody has.
-/// `T` is `#[repr(C)]` and starts with the holder's tid, written once, by the
-/// claimant.
+/// Counts a failed map update.
 #[inline(always)]
-fn held<T>(array: &Array<T>, claims: &HashMap<u32, u32>, index: u32, tid: u32, claim: bool) -> Option<*mut T> {
+fn map_failed() {
+    bump(&MAP_FAILURES);
+}
+
+/// Claims element `index` of `claims`' array for thread `tid`: the insert is
+/// atomic, so one thread wins. A claim that fails loses nothing (the thread
+/// keeps its state in `THREAD_FALLBACK`, or writes its launches straight to
+/// the ring), so it is not counted as a failure.
+#[inline(always)]
+fn claim(claims: &HashMap<u32, u32>, index: u32, tid: u32) -> bool {
+    claims.insert(index, tid, BPF_NOEXIST).is_ok()
+}
+
+/// Element `index` of `array` if thread `tid` holds it, claiming it first
+/// (through `claims`) when `claim_it` and nobody has. `T` is `#[repr(C)]` and
+/// starts with the holder's tid, written by the claimant (and zeroed, with the
+/// rest, by `release` when the holder exits).
+#[inline(always)]
+fn held<T>(array: &Array<T>, claims: &HashMap<u32, u32>, index: u32, tid: u32, claim_it: bool) -> Option<*mut T> {
     let entry = array.get_ptr_mut(index)?;
     let holder = entry.cast::<u32>();
     // SAFETY: a valid array element, whose first field is the holder's tid.
@@ -212,7 +262,7 @@ fn held<T>(array: &Array<T>, claims: &HashMap<u32, u32>, index: u32, tid: u32, c
     if current == tid {
         return Some(entry);
     }
-    if current == 0 && claim && claims.insert(index, tid, BPF_NOEXIST).is_ok() {
+    if current == 0 && claim_it && claim(claims, index, tid) {
         // SAFETY: as above; this thread won the claim, so it alone writes here.
         unsafe { *holder = tid };
         return Some(entry);
@@ -220,18 +270,55 @@ fn held<T>(array: &Array<T>, claims: &HashMap<u32, u32>, index: u32, tid: u32, c
     None
 }
 
-/// The thread's slot in `THREAD_SLOTS`, if it holds it.
 #[inline(always)]
-fn thread_slot(tid: u32, claim: bool) -> Option<*mut ThreadSlot> {
+fn slot_index(tid: u32) -> u32 {
     // SAFETY: a plain read of a global the loader patched.
-    let index = tid & unsafe { core::ptr::read_volatile(&THREAD_SLOT_MASK) };
-    held(&THREAD_SLOTS, &SLOT_CLAIMS, index, tid, claim)
+    tid & unsafe { core::ptr::read_volatile(&THREAD_SLOT_MASK) }
+}
+
+/// The thread's state: its slot in `THREAD_SLOTS` if it holds it, else its
+/// `THREAD_FALLBACK` entry; with `create`, a thread that has neither claims
+/// its slot, or failing that gets an entry. A thread never moves between the
+/// two while it lives (its counter would jump): only a thread with no entry
+/// claims a slot. None: no state (without `create`), or no room (counted).
+#[inline(always)]
+fn thread_state(tid: u32, create: bool) -> Option<*mut ThreadSlot> {
+    let index = slot_index(tid);
+    let slot = THREAD_SLOTS.get_ptr_mut(index)?;
+    // SAFETY: a valid array element.
+    let holder = unsafe { (*slot).tid };
+    if holder == tid {
+        return Some(slot);
+    }
+    if let Some(entry) = THREAD_FALLBACK.get_ptr_mut(tid) {
+        return Some(entry);
+    }
+    if !create {
+        return None;
+    }
+    if holder == 0 && claim(&SLOT_CLAIMS, index, tid) {
+        // SAFETY: this thread won the claim, so it alone writes here; the
+        // rest of the slot was zeroed when its last holder exited.
+        unsafe { (*slot).tid = tid };
+        return Some(slot);
+    }
+    let new = NEW_THREAD.get_ptr_mut(0)?;
+    // SAFETY: per-CPU scratch, zero but for the tid this writes (programs do not migrate).
+    unsafe { (*new).tid = tid };
+    // By reference: the value is copied from map memory, not the stack.
+    // SAFETY: as above.
+    let value: &ThreadSlot = unsafe { &*new };
+    if THREAD_FALLBACK.insert(tid, value, BPF_NOEXIST).is_err() {
+        map_failed();
+        return None;
+    }
+    THREAD_FALLBACK.get_ptr_mut(tid)
 }
 
 /// The thread's stage in `LAUNCH_STAGES`, if it holds it.
 #[inline(always)]
-fn thread_stage(tid: u32, claim: bool) -> Option<*mut LaunchStage> {
-    held(&LAUNCH_STAGES, &STAGE_CLAIMS, tid & (STAGES - 1), tid, claim)
+fn thread_stage(tid: u32, claim_it: bool) -> Option<*mut LaunchStage> {
+    held(&LAUNCH_STAGES, &STAGE_CLAIMS, tid & (STAGES - 1), tid, claim_it)
 }
 
 /// Writes the stage's records to the ring buffer as one record and empties
@@ -254,28 +341,9 @@ fn flush_stage(stage: &mut LaunchStage) {
 #[inline(always)]
 fn count_launch(tid: u32) {
     bump(&LAUNCHES);
-    if let Some(slot) = thread_slot(tid, true) {
-        // SAFETY: only this thread writes its own slot's counter.
-        unsafe { (*slot).launches += 1 };
-        return;
-    }
-    match THREAD_LAUNCHES.get_ptr_mut(tid) {
-        // SAFETY: only this thread writes its own entry.
-        Some(p) => unsafe { *p += 1 },
-        None => {
-            let _ = THREAD_LAUNCHES.insert(tid, 1u64, 0);
-        }
-    }
-}
-
-/// Launches made so far by the thread.
-#[inline(always)]
-fn thread_launches(tid: u32) -> u64 {
-    match thread_slot(tid, false) {
-        // SAFETY: a valid array element.
-        Some(slot) => unsafe { (*slot).launches },
-        // SAFETY: the value is only read.
-        None => unsafe { THREAD_LAUNCHES.get(tid) }.copied().unwrap_or(0),
+    if let Some(state) = thread_state(tid, true) {
+        // SAFETY: only this thread writes its own state.
+        unsafe { (*state).launches += 1 };
     }
 }
 
@@ -379,14 +447,9 @@ fn in_runtime_launch(ctx: &ProbeContext, tid: u32, pushed: u64) -> bool {
     if RUNTIME_PROBED.get(0).is_none_or(|v| *v == 0) {
         return false;
     }
-    let frame: *mut RuntimeFrame = match thread_slot(tid, false) {
-        // SAFETY: a valid array element.
-        Some(slot) => unsafe { &raw mut (*slot).runtime },
-        None => match RUNTIME_FRAMES.get_ptr_mut(tid) {
-            Some(f) => f,
-            None => return false,
-        },
-    };
+    let Some(state) = thread_state(tid, false) else { return false };
+    // SAFETY: a valid map value.
+    let frame: *mut RuntimeFrame = unsafe { &raw mut (*state).runtime };
     let sp = entry_sp(ctx, pushed);
     // SAFETY: a valid map value, written only by this thread.
     let frame_sp = unsafe { (*frame).sp };
@@ -412,13 +475,9 @@ fn in_runtime_launch(ctx: &ProbeContext, tid: u32, pushed: u64) -> bool {
 /// thread's current one (see `in_runtime_launch`).
 #[inline(always)]
 fn enter_runtime_launch(tid: u32, sp: u64, ret: u64) {
-    let frame = RuntimeFrame { sp, ret };
-    match thread_slot(tid, true) {
-        // SAFETY: only this thread writes its own slot.
-        Some(slot) => unsafe { (*slot).runtime = frame },
-        None => {
-            let _ = RUNTIME_FRAMES.insert(tid, frame, 0);
-        }
+    if let Some(state) = thread_state(tid, true) {
+        // SAFETY: only this thread writes its own state.
+        unsafe { (*state).runtime = RuntimeFrame { sp, ret } };
     }
 }
 
@@ -636,8 +695,18 @@ mod launch_programs {
 
 #[inline(always)]
 fn in_runtime_sync(tid: u32) -> bool {
-    // SAFETY: the value is not used, only its presence.
-    RUNTIME_PROBED.get(0).is_some_and(|v| *v != 0) && unsafe { IN_RUNTIME_SYNC.get(tid) }.is_some()
+    RUNTIME_PROBED.get(0).is_some_and(|v| *v != 0)
+        // SAFETY: a valid map value.
+        && thread_state(tid, false).is_some_and(|s| unsafe { (*s).in_runtime_sync } != 0)
+}
+
+/// Marks or clears the thread as inside a runtime synchronisation call.
+#[inline(always)]
+fn set_in_runtime_sync(tid: u32, inside: bool) {
+    if let Some(state) = thread_state(tid, inside) {
+        // SAFETY: only this thread writes its own state.
+        unsafe { (*state).in_runtime_sync = inside.into() };
+    }
 }
 
 /// Entry of a host synchronisation call (`cookie`: its `SyncApi` id). A
@@ -649,7 +718,7 @@ pub fn sync_enter(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
     let api = cookie(&ctx) as u32;
     if ApiLayer::of(api) == ApiLayer::Runtime {
-        let _ = IN_RUNTIME_SYNC.insert(tid, 1u32, 0);
+        set_in_runtime_sync(tid, true);
     } else if in_runtime_sync(tid) {
         return 0;
     }
@@ -663,7 +732,7 @@ pub fn sync_exit(ctx: RetProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
     let api = cookie(&ctx) as u32;
     if ApiLayer::of(api) == ApiLayer::Runtime {
-        let _ = IN_RUNTIME_SYNC.remove(tid);
+        set_in_runtime_sync(tid, false);
     } else if in_runtime_sync(tid) {
         return 0;
     }
@@ -698,7 +767,9 @@ pub fn name_enter(ctx: ProbeContext) -> u32 {
     let (rsi, rdx) =
         unsafe { (core::ptr::read_volatile(&(*ctx.regs).rsi), core::ptr::read_volatile(&(*ctx.regs).rdx)) };
     let arg = if which == name_call::KERNEL_GET_FUNCTION { rsi } else { rdx };
-    let _ = NAME_PENDING.insert(tid, PendingName { which, _pad: 0, out: reg(&ctx, 0), arg }, 0);
+    if NAME_PENDING.insert(tid, PendingName { which, _pad: 0, out: reg(&ctx, 0), arg }, 0).is_err() {
+        map_failed();
+    }
     0
 }
 
@@ -740,26 +811,107 @@ pub fn name_exit(ctx: RetProbeContext) -> u32 {
     0
 }
 
+/// Writes a step-ring record for the thread (`kind`: a step or sync entry or
+/// return), with its sequence number and step depth.
 #[inline(always)]
 fn emit_step(tid: u32, kind: RecordKind, probe: u32) {
-    // The thread's staged launches go first: the agent sees its records in order.
+    // The thread's staged launches go first: the agent, reading the launch
+    // ring before the step ring, then has every launch that precedes a step
+    // record by the time it reads that record (see `profiler::events::StepQueue`).
     if let Some(stage) = thread_stage(tid, false) {
         // SAFETY: a valid array element; only its holder, this thread, writes it.
         flush_stage(unsafe { &mut *stage });
     }
-    let thread_launches = thread_launches(tid);
-    match EVENTS.reserve::<StepRecord>(0) {
+    let (seq, depth, thread_launches) = match thread_state(tid, true) {
+        Some(state) => {
+            // SAFETY: only this thread writes its own state.
+            let state = unsafe { &mut *state };
+            state.step_seq = next_seq(state.step_seq);
+            if kind == RecordKind::StepEnter {
+                state.step_depth += 1;
+            } else if kind == RecordKind::StepExit {
+                state.step_depth = state.step_depth.saturating_sub(1);
+            }
+            (state.step_seq, state.step_depth, state.launches)
+        }
+        None => (0, 0, 0),
+    };
+    write_step_record(tid, kind, probe, seq, depth, thread_launches);
+}
+
+/// The sequence number after `seq`: 0 means "none", so it is skipped.
+#[inline(always)]
+fn next_seq(seq: u32) -> u32 {
+    if seq == u32::MAX { 1 } else { seq + 1 }
+}
+
+#[inline(always)]
+fn write_step_record(tid: u32, kind: RecordKind, probe: u32, seq: u32, depth: u32, thread_launches: u64) {
+    match STEP_EVENTS.reserve::<StepRecord>(0) {
         Some(mut entry) => {
             entry.write(StepRecord {
+                // SAFETY: a helper without preconditions.
                 header: RecordHeader { kind: kind as u32, tid, ts_ns: unsafe { bpf_ktime_get_ns() } },
                 probe,
-                _pad: 0,
+                seq,
                 thread_launches,
+                depth,
+                _pad: 0,
             });
             entry.submit(submit_flags());
         }
-        None => bump(&LOST),
+        None => bump(&LOST_STEPS),
     }
+}
+
+/// Releases element `index` of an array claimed through `claims`, which the
+/// exiting thread held and has zeroed: the claim goes last, so a thread that
+/// claims the element next finds it zeroed, and none can claim it before.
+#[inline(always)]
+fn release_claim(claims: &HashMap<u32, u32>, index: u32) {
+    if claims.remove(index).is_err() {
+        map_failed();
+    }
+}
+
+/// A thread of the target exits (`sched_process_exit` runs in the exiting
+/// task): its staged launches go to the ring, its slot, stage, fallback entry
+/// and pending kernel name are released, and, if it had state, a
+/// `ThreadExit` record tells the agent it is gone. A raw tracepoint: it needs
+/// no tracefs, which is not mounted by default.
+#[raw_tracepoint(tracepoint = "sched_process_exit")]
+pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
+    let Some(tid) = target_tid() else { return 0 };
+    if let Some(stage) = thread_stage(tid, false) {
+        // SAFETY: a valid array element; only its holder, this thread, writes it.
+        let stage = unsafe { &mut *stage };
+        flush_stage(stage); // leaves `len` 0; the records past it are never read
+        stage.tid = 0;
+        release_claim(&STAGE_CLAIMS, tid & (STAGES - 1));
+    }
+    let _ = NAME_PENDING.remove(tid);
+    let index = slot_index(tid);
+    let Some(slot) = THREAD_SLOTS.get_ptr_mut(index) else { return 0 };
+    // SAFETY: a valid array element.
+    let (state, in_slot) = if unsafe { (*slot).tid } == tid {
+        (slot, true)
+    } else {
+        match THREAD_FALLBACK.get_ptr_mut(tid) {
+            Some(entry) => (entry, false),
+            None => return 0,
+        }
+    };
+    // SAFETY: a valid map value; its thread is exiting, so nothing else writes it.
+    let (seq, depth, launches) = unsafe { (next_seq((*state).step_seq), (*state).step_depth, (*state).launches) };
+    if in_slot {
+        // SAFETY: as above.
+        unsafe { core::ptr::write_bytes(slot, 0, 1) };
+        release_claim(&SLOT_CLAIMS, index);
+    } else if THREAD_FALLBACK.remove(tid).is_err() {
+        map_failed();
+    }
+    write_step_record(tid, RecordKind::ThreadExit, 0, seq, depth, launches);
+    0
 }
 
 /// Entry of the step function. Nesting is resolved in user space, which sees
@@ -789,7 +941,8 @@ pub fn step_exit(ctx: RetProbeContext) -> u32 {
 #[uprobe]
 pub fn loader_change(_ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
-    match EVENTS.reserve::<RecordHeader>(0) {
+    // On the step ring: rare, and not to be crowded out by launches.
+    match STEP_EVENTS.reserve::<RecordHeader>(0) {
         Some(mut entry) => {
             // SAFETY: a helper without preconditions.
             entry.write(RecordHeader {
@@ -799,7 +952,7 @@ pub fn loader_change(_ctx: ProbeContext) -> u32 {
             });
             entry.submit(submit_flags());
         }
-        None => bump(&LOST),
+        None => bump(&LOST_STEPS),
     }
     0
 }

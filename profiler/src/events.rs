@@ -1,4 +1,7 @@
-//! Decoding of ring-buffer records into typed events.
+//! Decoding of ring-buffer records into typed events, and putting the two
+//! rings' events back in each thread's order ([`StepQueue`]).
+use std::collections::VecDeque;
+
 use profiler_common::{KernelNameRecord, LaunchApi, LaunchRecord, RecordHeader, RecordKind, StepRecord};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -13,6 +16,7 @@ pub struct LaunchEvent {
     pub shared_mem_bytes: u32,
 }
 
+/// A record of the step ring: a step or sync entry or return, or a thread's exit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepEvent {
     pub ts_ns: u64,
@@ -20,6 +24,10 @@ pub struct StepEvent {
     pub probe: u32,
     /// The thread's launch count when the probe fired.
     pub thread_launches: u64,
+    /// The thread's step-ring records so far (0: none kept; see `StepRecord::seq`).
+    pub seq: u32,
+    /// Step functions the thread is inside after this record.
+    pub depth: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,6 +38,8 @@ pub enum Event {
     /// Entry of a synchronisation call (`probe`: its `SyncApi` id).
     SyncEnter(StepEvent),
     SyncExit(StepEvent),
+    /// A thread of the target exited.
+    ThreadExit(StepEvent),
     KernelName(KernelNameEvent),
     /// The dynamic loader changed the target's libraries.
     LoaderChange {
@@ -54,7 +64,9 @@ impl Event {
     pub fn ts_ns(&self) -> u64 {
         match self {
             Self::Launch(l) => l.ts_ns,
-            Self::StepEnter(s) | Self::StepExit(s) | Self::SyncEnter(s) | Self::SyncExit(s) => s.ts_ns,
+            Self::StepEnter(s) | Self::StepExit(s) | Self::SyncEnter(s) | Self::SyncExit(s) | Self::ThreadExit(s) => {
+                s.ts_ns
+            }
             Self::KernelName(k) => k.ts_ns,
             Self::LoaderChange { ts_ns } => *ts_ns,
         }
@@ -125,16 +137,29 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             exact::<LaunchRecord>(bytes, header.kind)?;
             launch(&read(bytes))
         }
-        Some(kind @ (RecordKind::StepEnter | RecordKind::StepExit | RecordKind::SyncEnter | RecordKind::SyncExit)) => {
+        Some(
+            kind @ (RecordKind::StepEnter
+            | RecordKind::StepExit
+            | RecordKind::SyncEnter
+            | RecordKind::SyncExit
+            | RecordKind::ThreadExit),
+        ) => {
             exact::<StepRecord>(bytes, header.kind)?;
             let r: StepRecord = read(bytes);
-            let e =
-                StepEvent { ts_ns: header.ts_ns, tid: header.tid, probe: r.probe, thread_launches: r.thread_launches };
+            let e = StepEvent {
+                ts_ns: header.ts_ns,
+                tid: header.tid,
+                probe: r.probe,
+                thread_launches: r.thread_launches,
+                seq: r.seq,
+                depth: r.depth,
+            };
             Ok(match kind {
                 RecordKind::StepEnter => Event::StepEnter(e),
                 RecordKind::StepExit => Event::StepExit(e),
                 RecordKind::SyncEnter => Event::SyncEnter(e),
-                _ => Event::SyncExit(e),
+                RecordKind::SyncExit => Event::SyncExit(e),
+                _ => Event::ThreadExit(e),
             })
         }
         Some(RecordKind::KernelName) => {
@@ -154,6 +179,101 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             Ok(Event::LoaderChange { ts_ns: header.ts_ns })
         }
         None => Err(DecodeError::Kind(header.kind)),
+    }
+}
+
+/// Holds the step ring's events until they can be handed on in their
+/// thread's order with its launches, which come on the other ring.
+///
+/// The kernel side writes a thread's launches (staged or not) to the launch
+/// ring before it reserves that thread's next step-ring record. So, with the
+/// launch ring read first and the step ring after it, every step record that
+/// precedes a launch just read is in by then; a step record just read may
+/// still have launches before it that are not. A step event is therefore held
+/// until either a later launch of its thread comes (it goes just before it),
+/// or a whole drain of the launch ring has passed since it was read
+/// ([`StepQueue::end_drain`]), which has brought every launch before it. A
+/// launch record reserved and not yet committed for a whole drain tick would
+/// still come late; after the probes are detached nothing is in flight, and
+/// [`StepQueue::release_all`] is exact.
+#[derive(Default)]
+pub struct StepQueue {
+    /// Held step events per thread, oldest first, with the drain they were read in.
+    held: Vec<(u32, VecDeque<(u64, Event)>)>,
+    /// The earliest timestamp held: launches before it release nothing.
+    earliest_ns: u64,
+    drain: u64,
+}
+
+impl StepQueue {
+    /// Holds a step-ring event (any other event is handed on at once).
+    pub fn push(&mut self, event: Event, out: &mut Vec<Event>) {
+        let tid = match &event {
+            Event::StepEnter(e)
+            | Event::StepExit(e)
+            | Event::SyncEnter(e)
+            | Event::SyncExit(e)
+            | Event::ThreadExit(e) => e.tid,
+            _ => return out.push(event),
+        };
+        if self.held.is_empty() {
+            self.earliest_ns = event.ts_ns();
+        } else {
+            self.earliest_ns = self.earliest_ns.min(event.ts_ns());
+        }
+        let entry = (self.drain, event);
+        match self.held.iter_mut().find(|(t, _)| *t == tid) {
+            Some((_, q)) => q.push_back(entry),
+            None => self.held.push((tid, VecDeque::from([entry]))),
+        }
+    }
+
+    /// Hands on, in order, the held events of thread `tid` that precede its
+    /// launch at `ts_ns`.
+    #[inline]
+    pub fn before_launch(&mut self, tid: u32, ts_ns: u64, out: &mut Vec<Event>) {
+        if self.held.is_empty() || ts_ns < self.earliest_ns {
+            return;
+        }
+        let Some(i) = self.held.iter().position(|(t, _)| *t == tid) else { return };
+        let q = &mut self.held[i].1;
+        let before = q.len();
+        while q.front().is_some_and(|(_, e)| e.ts_ns() < ts_ns) {
+            out.extend(q.pop_front().map(|(_, e)| e));
+        }
+        if q.len() != before {
+            self.forget_empty();
+        }
+    }
+
+    /// The end of a drain of both rings: hands on the events read in earlier
+    /// drains (the launches before them have all been read by now).
+    pub fn end_drain(&mut self, out: &mut Vec<Event>) {
+        let drain = self.drain;
+        self.release(out, |d| d < drain);
+        self.drain += 1;
+    }
+
+    /// Hands on everything held (the probes are gone; nothing is in flight).
+    pub fn release_all(&mut self, out: &mut Vec<Event>) {
+        self.release(out, |_| true);
+    }
+
+    fn release(&mut self, out: &mut Vec<Event>, due: impl Fn(u64) -> bool) {
+        let start = out.len();
+        for (_, q) in &mut self.held {
+            while q.front().is_some_and(|(d, _)| due(*d)) {
+                out.extend(q.pop_front().map(|(_, e)| e));
+            }
+        }
+        // Threads' events interleaved in time, as the ring had them.
+        out[start..].sort_by_key(Event::ts_ns);
+        self.forget_empty();
+    }
+
+    fn forget_empty(&mut self) {
+        self.held.retain(|(_, q)| !q.is_empty());
+        self.earliest_ns = self.held.iter().filter_map(|(_, q)| q.front()).map(|(_, e)| e.ts_ns()).min().unwrap_or(0);
     }
 }
 
@@ -207,13 +327,20 @@ mod tests {
         let r = StepRecord {
             header: RecordHeader { kind: RecordKind::StepExit as u32, tid: 9, ts_ns: 55 },
             probe: 2,
-            _pad: 0,
+            seq: 7,
             thread_launches: 1000,
+            depth: 3,
+            _pad: 0,
         };
         let mut buf = vec![0u8];
         buf.extend(bytes_of(&r));
         let e = decode(&buf[1..]).expect("decodes");
-        assert_eq!(e, Event::StepExit(StepEvent { ts_ns: 55, tid: 9, probe: 2, thread_launches: 1000 }));
+        assert_eq!(
+            e,
+            Event::StepExit(StepEvent { ts_ns: 55, tid: 9, probe: 2, thread_launches: 1000, seq: 7, depth: 3 })
+        );
+        let exit = StepRecord { header: RecordHeader { kind: RecordKind::ThreadExit as u32, ..r.header }, ..r };
+        assert!(matches!(decode(&bytes_of(&exit)), Ok(Event::ThreadExit(StepEvent { seq: 7, tid: 9, .. }))));
     }
 
     #[test]
@@ -260,13 +387,59 @@ mod tests {
         let step = bytes_of(&StepRecord {
             header: RecordHeader { kind: RecordKind::StepEnter as u32, tid: 7, ts_ns: 1 },
             probe: 0,
-            _pad: 0,
+            seq: 1,
             thread_launches: 0,
+            depth: 1,
+            _pad: 0,
         });
         assert_eq!(records(&step).count(), 1);
         assert_eq!(records(&run[..64]).count(), 1);
         // A run that is not a whole number of launches is left whole, to fail decoding.
         assert_eq!(records(&run[..100]).map(|r| r.len()).collect::<Vec<_>>(), vec![100]);
         assert!(records(&[]).next().is_none());
+    }
+
+    #[test]
+    fn step_events_go_before_the_launches_that_follow_them() {
+        let step = |kind: fn(StepEvent) -> Event, tid, ts| {
+            kind(StepEvent { ts_ns: ts, tid, probe: 0, thread_launches: 0, seq: 0, depth: 0 })
+        };
+        let launch = |tid, ts| LaunchEvent {
+            ts_ns: ts,
+            tid,
+            api: LaunchApi::CuLaunchKernel,
+            function: 0,
+            stream: 0,
+            grid: [0; 3],
+            block: [0; 3],
+            shared_mem_bytes: 0,
+        };
+        let mut q = StepQueue::default();
+        let mut out = Vec::new();
+        q.push(step(Event::StepEnter, 1, 10), &mut out);
+        q.push(step(Event::StepExit, 1, 30), &mut out);
+        q.push(step(Event::StepEnter, 2, 15), &mut out);
+        q.push(Event::LoaderChange { ts_ns: 5 }, &mut out);
+        assert_eq!(out, vec![Event::LoaderChange { ts_ns: 5 }], "only step-ring step events are held");
+        out.clear();
+        // Thread 1's launch at 20 follows its entry at 10, precedes its exit at 30.
+        let l = launch(1, 20);
+        q.before_launch(l.tid, l.ts_ns, &mut out);
+        assert_eq!(out.iter().map(Event::ts_ns).collect::<Vec<_>>(), vec![10]);
+        out.clear();
+        // Another thread's launch releases nothing of thread 1's.
+        q.before_launch(3, 40, &mut out);
+        assert!(out.is_empty());
+        // Read in this drain: held past its end; the next drain's end hands them on, in time order.
+        q.end_drain(&mut out);
+        assert!(out.is_empty());
+        q.end_drain(&mut out);
+        assert_eq!(out.iter().map(Event::ts_ns).collect::<Vec<_>>(), vec![15, 30]);
+        out.clear();
+        q.push(step(Event::SyncEnter, 4, 50), &mut out);
+        q.release_all(&mut out);
+        assert_eq!(out.len(), 1);
+        q.before_launch(4, 60, &mut out);
+        assert_eq!(out.len(), 1, "nothing left");
     }
 }

@@ -4,11 +4,15 @@ mod cli;
 mod clock;
 mod correlate;
 mod events;
+#[cfg(test)]
+mod fuzz_tests;
+mod ownership;
 mod privileges;
 mod probes;
 mod samplers;
 mod session;
 mod steps;
+mod stop_signals;
 mod store;
 
 use std::process::ExitCode;
@@ -39,4 +43,27 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The message a thread's panic was raised with (the writer's, a sampler's).
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
+}
+
+/// The one way a unit test says it did not check something on this host: a
+/// line `SKIPPED: <test>: <reason>` straight to stdout, past the harness's
+/// capture, which `cargo xtask test` counts and totals (as the integration
+/// tests' `skip` does).
+#[cfg(test)]
+pub(crate) fn skip_test(reason: impl std::fmt::Display) {
+    use std::io::Write;
+    // The harness names each test's thread after the test.
+    let test = std::thread::current().name().unwrap_or("?").to_owned();
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "SKIPPED: {test}: {reason}");
+    let _ = out.flush();
 }

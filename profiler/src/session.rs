@@ -11,12 +11,8 @@ use std::{
 };
 
 use anyhow::{Context, bail};
-use aya::maps::{MapData, RingBuf};
 use profiler_common::{SyncApi, name_call};
-use tokio::{
-    io::unix::AsyncFd,
-    signal::unix::{SignalKind, signal},
-};
+use tokio::io::unix::AsyncFd;
 
 use crate::{
     clock,
@@ -33,6 +29,7 @@ use crate::{
         gpu::{GpuConfig, GpuSampler},
     },
     steps::StepTracker,
+    stop_signals,
     store::{
         Capability, FinishHook, KernelRow, LaunchRow, LibraryRow, SessionEnd, SessionStart, StepRow, Store, StoreMsg,
         StoreWriter, SyncRow,
@@ -102,8 +99,32 @@ pub enum Target {
 /// What the user is told at the end.
 #[derive(Debug)]
 pub struct Summary {
-    /// The `run` command's exit status, when it exited.
+    /// The `run` command's status as a shell reports it (its exit code, or
+    /// 128 + the signal that killed it), when it was waited for.
     pub exit_code: Option<i32>,
+    /// Why the profile is incomplete (rows that could not be written, a
+    /// sampler or the writer that panicked), in one line; None when it is not.
+    pub failure: Option<String>,
+}
+
+impl Summary {
+    /// The profiler's exit status: the `run` command's when it failed, else 1
+    /// for an incomplete profile, else the command's (0 for `attach`).
+    pub fn exit_code(&self) -> std::process::ExitCode {
+        let code = match (self.exit_code, &self.failure) {
+            (Some(c), _) if c != 0 => c,
+            (_, Some(_)) => 1,
+            (c, None) => c.unwrap_or(0),
+        };
+        std::process::ExitCode::from(u8::try_from(code).unwrap_or(1))
+    }
+
+    /// Prints the failure line, if there is one.
+    pub fn report_failure(&self) {
+        if let Some(f) = &self.failure {
+            eprintln!("profiler: error: {f}");
+        }
+    }
 }
 
 macro_rules! say {
@@ -225,7 +246,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     // NVML before anything is attached: with --require-gpu its absence is an error.
     let gpu = match &cfg.gpu {
         None => Err("disabled with --no-gpu".to_string()),
-        Some(g) => GpuSampler::open(g, pid, target_var("CUDA_VISIBLE_DEVICES").as_deref()).map_err(|e| e.to_string()),
+        Some(g) => GpuSampler::open(g, pid, &target_var).map_err(|e| e.to_string()),
     };
     if let Err(e) = &gpu
         && cfg.gpu.is_some()
@@ -236,7 +257,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         eprintln!("profiler: {e}; GPU metrics will be NULL (--no-gpu skips NVML, --require-gpu makes this an error)");
     }
 
-    let (mut probes, mut ring) = Probes::load(nz_pid, cfg.launch_mode == LaunchMode::All, cfg.place_probes)?;
+    let (mut probes, mut rings) = Probes::load(nz_pid, cfg.launch_mode == LaunchMode::All, cfg.place_probes)?;
 
     let started_ns = clock::monotonic_ns();
     let session_id = store.begin_session(&SessionStart {
@@ -307,8 +328,8 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
             }
             say!(cfg.quiet, "session {session_id}: tracing PID {pid} into {} (Ctrl-C to stop)", output.display());
             let mut status = StatusLine::new(cfg.status_line, gpu_live);
-            let r =
-                run_loop(&cfg, pid, &mut child, &mut probes, &mut ring, &mut consumer, &mut watcher, &mut status).await;
+            let r = run_loop(&cfg, pid, &mut child, &mut probes, &mut rings, &mut consumer, &mut watcher, &mut status)
+                .await;
             status.clear();
             r
         }
@@ -329,14 +350,29 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     // probes are being detached (neither instantaneous nor ordered between
     // probes) are not part of the session.
     consumer.cutoff_ns = Some(ended_ns);
-    if let Some(py) = python_steps {
-        py.detach();
-    }
-    let staged = probes.detach();
-    consumer.drain(&mut ring);
+    // Python's probes close alongside the rest (each close waits for the kernel).
+    let staged = std::thread::scope(|scope| {
+        if let Some(py) = python_steps {
+            scope.spawn(move || py.detach());
+        }
+        probes.detach()
+    });
+    consumer.drain(&mut rings);
+    consumer.release_held_steps();
     consumer.take_staged(&staged.records());
-    let hooks = samplers.into_iter().filter_map(SamplerThread::stop).collect();
-    let report = consumer.finish(
+    // A sampler that panicked loses its series, not the session; it fails the run.
+    let mut problems = Vec::new();
+    let mut hooks = Vec::new();
+    for sampler in samplers {
+        match sampler.stop() {
+            Ok(hook) => hooks.extend(hook),
+            Err(e) => problems.push(e),
+        }
+    }
+    let marked_steps = consumer.incomplete_steps.len() as u64;
+    let steps_without_start = consumer.tracker.steps_without_start;
+    hooks.push(consumer.loss_hook(kc));
+    let (report, written) = consumer.finish(
         SessionEnd {
             ended_ns,
             end_reason: end_reason.clone(),
@@ -348,26 +384,28 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     )?;
     let secs = (ended_ns - started_ns) as f64 / 1e9;
     say!(cfg.quiet, "session {session_id} ended ({end_reason}) after {secs:.1} s: {} → {}", report, output.display());
-    if kc.lost > 0 {
-        eprintln!(
-            "profiler: warning: {} events were lost (ring buffer full); counts in steps.launches are still exact, launch rows are missing",
-            kc.lost
-        );
+    for warning in crate::steps::loss_warnings(&kc, marked_steps, steps_without_start) {
+        eprintln!("profiler: warning: {warning}");
     }
     if end_reason.starts_with("error") {
         bail!("the session ended with an error; what was collected is in {}", output.display());
     }
+    problems.extend(written);
+    // The side files SQLite made since the open, under `sudo`.
+    crate::ownership::give_to_invoking_user(&output);
+    let failure = (!problems.is_empty())
+        .then(|| format!("{}; what was committed is in {}", problems.join("; "), output.display()));
 
     // `run`: the command outlives the profiling window; wait for it and pass on its status.
     let exit_code = match (exit_code, child) {
         (Some(c), _) => Some(c),
         (None, Some((mut c, _))) => {
             say!(cfg.quiet, "waiting for the command to exit (profiling has stopped)");
-            c.wait().await.ok().and_then(|s| s.code())
+            Some(stop_signals::shell_status(c.wait().await.context("waiting for the command")?))
         }
         (None, None) => None,
     };
-    Ok(Summary { exit_code })
+    Ok(Summary { exit_code, failure })
 }
 
 /// Probes the CUDA libraries the target maps or will load, then the step
@@ -479,13 +517,12 @@ async fn run_loop(
     pid: u32,
     child: &mut Option<(tokio::process::Child, OwnedFd)>,
     probes: &mut Probes,
-    ring: &mut RingBuf<MapData>,
+    rings: &mut probes::Rings,
     consumer: &mut Consumer,
     watcher: &mut LibraryWatcher,
     status: &mut StatusLine,
 ) -> anyhow::Result<(String, Option<i32>)> {
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut stop_signals = stop_signals::listen().context("cannot catch SIGINT/SIGTERM")?;
     let deadline = cfg.duration.map(|d| tokio::time::Instant::now() + d);
     let pidfd = pidfd_open(pid).context("pidfd_open on the target")?;
     // SAFETY: an OwnedFd keeps its fd open and unchanged for its lifetime.
@@ -518,12 +555,13 @@ async fn run_loop(
             None => std::future::pending().await,
         }
     };
-    // `run`: the command gets the signal that stops us.
+    // `run`: the command gets the signal that stops us, once.
     let forward_to_child = child.is_some();
+    let own_pgid = stop_signals::own_process_group();
     loop {
         tokio::select! {
             _ = flush.tick() => {
-                consumer.drain(ring);
+                consumer.drain(rings);
                 if std::mem::take(&mut consumer.loader_changed) {
                     watcher.scan(probes, consumer, cfg.quiet, "dlopen");
                 }
@@ -533,30 +571,23 @@ async fn run_loop(
                 status.show(consumer, probes.counters());
             }
             _ = maps_tick.tick() => watcher.scan(probes, consumer, cfg.quiet, "maps"),
-            _ = sigint.recv() => {
-                if forward_to_child { forward(pid, libc::SIGINT); }
-                return Ok(("sigint".into(), None));
-            }
-            _ = sigterm.recv() => {
-                if forward_to_child { forward(pid, libc::SIGTERM); }
-                return Ok(("sigterm".into(), None));
+            Some(stop) = stop_signals.recv() => {
+                if forward_to_child && stop.needs_forwarding(own_pgid, stop_signals::process_group(pid)) {
+                    stop_signals::forward(pid, stop.signal);
+                }
+                return Ok((stop.end_reason().into(), None));
             }
             _ = sleep_until(deadline) => return Ok(("duration".into(), None)),
             r = exit_fd.readable() => {
                 let _ = r?;
                 let code = match child.as_mut() {
-                    Some((c, _)) => c.wait().await.ok().and_then(|s| s.code()).or(Some(128)),
+                    Some((c, _)) => Some(stop_signals::shell_status(c.wait().await.context("waiting for the command")?)),
                     None => None,
                 };
                 return Ok(("target-exited".into(), code));
             }
         }
     }
-}
-
-fn forward(pid: u32, sig: libc::c_int) {
-    // SAFETY: kill(2) with a valid signal number.
-    unsafe { libc::kill(pid as libc::pid_t, sig) };
 }
 
 fn library_row(path: &Path, kind: LibraryKind, placed: Vec<probes::PlacedProbe>, how: &str) -> LibraryRow {
@@ -778,9 +809,19 @@ struct Consumer {
     cutoff_ns: Option<u64>,
     /// The dynamic loader changed the target's libraries since the last look.
     loader_changed: bool,
+    /// Step-ring events waiting for their place among the launches.
+    step_queue: events::StepQueue,
+    /// Launch-ring events read and not yet taken; step events handed on.
+    chunk: Vec<Result<Event, events::DecodeError>>,
+    released: Vec<Event>,
+    /// (label, step) of the steps stored as incomplete (see `steps::LOSS_SCHEMA`).
+    incomplete_steps: Vec<(&'static str, u64)>,
 }
 
 const BATCH: usize = 16 * 1024;
+
+/// Launch-ring records read before the step ring is read again (see `drain`).
+const DRAIN_CHUNK: usize = 1024;
 
 impl Consumer {
     fn new(writer: StoreWriter, labels: Vec<&'static str>, pid: u32) -> Self {
@@ -802,15 +843,101 @@ impl Consumer {
             last_step_ns: None,
             cutoff_ns: None,
             loader_changed: false,
+            step_queue: events::StepQueue::default(),
+            chunk: Vec::new(),
+            released: Vec::new(),
+            incomplete_steps: Vec::new(),
         }
     }
 
-    fn drain(&mut self, ring: &mut RingBuf<MapData>) {
-        while let Some(item) = ring.next() {
-            for record in events::records(&item) {
-                self.take(events::decode(record));
+    /// Drains both rings: the launch ring a chunk at a time, and after each
+    /// chunk the step ring, so that every step event before a launch of the
+    /// chunk is in when that launch is taken (see `events::StepQueue`).
+    fn drain(&mut self, rings: &mut probes::Rings) {
+        let mut chunk = std::mem::take(&mut self.chunk);
+        let mut steps = std::mem::take(&mut self.released);
+        loop {
+            let mut read = 0;
+            while read < DRAIN_CHUNK {
+                let Some(item) = rings.launches.next() else { break };
+                read += 1;
+                chunk.extend(events::records(&item).map(events::decode));
+            }
+            while let Some(item) = rings.steps.next() {
+                match events::decode(&item) {
+                    Ok(e) => self.step_queue.push(e, &mut steps),
+                    Err(e) => self.take(Err(e)),
+                }
+            }
+            for event in chunk.drain(..) {
+                if let Ok(Event::Launch(l)) = &event {
+                    self.step_queue.before_launch(l.tid, l.ts_ns, &mut steps);
+                }
+                for s in steps.drain(..) {
+                    self.take(Ok(s));
+                }
+                self.take(event);
+            }
+            if read < DRAIN_CHUNK {
+                break;
             }
         }
+        self.step_queue.end_drain(&mut steps);
+        for s in steps.drain(..) {
+            self.take(Ok(s));
+        }
+        self.chunk = chunk;
+        self.released = steps;
+    }
+
+    /// Takes the step events still held: the probes are gone and both rings
+    /// drained, so nothing can come before them any more.
+    fn release_held_steps(&mut self) {
+        let mut steps = std::mem::take(&mut self.released);
+        self.step_queue.release_all(&mut steps);
+        for s in steps.drain(..) {
+            self.take(Ok(s));
+        }
+        self.released = steps;
+    }
+
+    /// Checks a step-ring event's place in its thread's sequence; after a gap,
+    /// stores the steps that ended unseen and forgets the thread's open syncs.
+    fn sequence(&mut self, e: &events::StepEvent, change: crate::steps::DepthChange) {
+        let mut ended = Vec::new();
+        if self.tracker.sequence(e.tid, e.probe, e.seq, e.depth, change, &mut ended) {
+            self.open_syncs.remove(&e.tid);
+        }
+        for s in ended {
+            self.store_open_step(s);
+        }
+    }
+
+    /// A step with no end: begun and not ended, or ended unseen.
+    fn store_open_step(&mut self, s: crate::steps::OpenStep) {
+        if s.incomplete {
+            self.incomplete_steps.push((s.label, s.step));
+        }
+        self.steps.push(StepRow {
+            sync_wait_ns: None,
+            label: s.label.to_owned(),
+            step: s.step,
+            tid: s.tid,
+            start_ns: s.start_ns,
+            end_ns: None,
+            inter_step_ns: s.inter_step_ns,
+            launches: None,
+        });
+    }
+
+    /// Stores, in the session's last transaction, what was lost: the step
+    /// ring's share of the lost records, the failed map updates, and which
+    /// steps are incomplete.
+    fn loss_hook(&mut self, kc: probes::KernelCounters) -> FinishHook {
+        let open = self.tracker.open_steps().into_iter().filter(|s| s.incomplete).map(|s| (s.label, s.step));
+        let mut incomplete = std::mem::take(&mut self.incomplete_steps);
+        incomplete.extend(open);
+        Box::new(move |conn, session| crate::steps::store_losses(conn, session, &kc, &incomplete))
     }
 
     /// Launch records the threads still had staged when tracing stopped:
@@ -852,10 +979,15 @@ impl Consumer {
             }
             Ok(Event::LoaderChange { .. }) => self.loader_changed = true,
             Ok(Event::StepEnter(e)) => {
+                self.sequence(&e, crate::steps::DepthChange::Enter);
                 self.tracker.enter(e.tid, e.probe, e.ts_ns, e.thread_launches);
             }
             Ok(Event::StepExit(e)) => {
+                self.sequence(&e, crate::steps::DepthChange::Exit);
                 if let Some(s) = self.tracker.exit(e.tid, e.probe, e.ts_ns, e.thread_launches) {
+                    if s.incomplete {
+                        self.incomplete_steps.push((s.label, s.step));
+                    }
                     self.completed_steps += 1;
                     self.step_ns_total += u128::from(s.end_ns - s.start_ns);
                     self.last_step_ns = Some(s.end_ns - s.start_ns);
@@ -873,10 +1005,12 @@ impl Consumer {
             }
             Ok(Event::KernelName(k)) => self.kernel_name(k),
             Ok(Event::SyncEnter(e)) => {
+                self.sequence(&e, crate::steps::DepthChange::None);
                 let step = self.tracker.current_step(e.tid);
                 self.open_syncs.entry(e.tid).or_default().push((e.probe, e.ts_ns, step));
             }
             Ok(Event::SyncExit(e)) => {
+                self.sequence(&e, crate::steps::DepthChange::None);
                 let open = self.open_syncs.get_mut(&e.tid).and_then(Vec::pop);
                 if let Some((probe, start_ns, step)) = open
                     && let Some(api) = SyncApi::from_u32(probe)
@@ -884,6 +1018,13 @@ impl Consumer {
                     let ns = e.ts_ns.saturating_sub(start_ns);
                     self.tracker.add_sync_wait(e.tid, ns);
                     self.syncs.push(SyncRow { tid: e.tid, api: api.symbol(), start_ns, end_ns: e.ts_ns, step });
+                }
+            }
+            Ok(Event::ThreadExit(e)) => {
+                self.sequence(&e, crate::steps::DepthChange::None);
+                self.open_syncs.remove(&e.tid);
+                for s in self.tracker.thread_exited(e.tid) {
+                    self.store_open_step(s);
                 }
             }
             Err(e) => {
@@ -908,9 +1049,13 @@ impl Consumer {
         if name.is_empty() {
             return;
         }
-        if self.names.insert(k.handle, name.clone()).is_none() {
+        // A handle named again with another name was reused (its module
+        // unloaded, the address given to a new kernel): launches from now on
+        // are that kernel's, so the new name gets a row of its own.
+        if self.names.get(&k.handle) != Some(&name) {
+            self.names.insert(k.handle, name.clone());
             let demangled_name = probes::elf::demangled_full(&name);
-            self.kernels.push(KernelRow { function: k.handle, name, demangled_name, source });
+            self.kernels.push(KernelRow { function: k.handle, named_ns: k.ts_ns, name, demangled_name, source });
         }
     }
 
@@ -928,7 +1073,8 @@ impl Consumer {
         for address in stubs {
             if let Some(name) = self.stubs.name(self.pid, address) {
                 let demangled_name = probes::elf::demangled_full(&name);
-                self.kernels.push(KernelRow { function: address, name, demangled_name, source: "symbol" });
+                // A host stub's symbol names it for the whole session.
+                self.kernels.push(KernelRow { function: address, named_ns: 0, name, demangled_name, source: "symbol" });
             }
         }
     }
@@ -954,8 +1100,8 @@ impl Consumer {
     }
 
     /// Stores steps still open (end NULL), finishes the session, and returns a
-    /// one-line description of what was stored.
-    fn finish(mut self, mut end: SessionEnd, hooks: Vec<FinishHook>) -> anyhow::Result<String> {
+    /// one-line description of what was stored, and what could not be.
+    fn finish(mut self, mut end: SessionEnd, hooks: Vec<FinishHook>) -> anyhow::Result<(String, Vec<String>)> {
         self.name_runtime_stubs();
         for s in self.tracker.open_steps() {
             self.steps.push(StepRow {
@@ -972,9 +1118,14 @@ impl Consumer {
         self.flush();
         end.unmatched_returns = self.tracker.unmatched_returns;
         let stats = self.writer.finish(end.clone(), hooks)?;
-        if let Some(e) = &stats.first_error {
-            eprintln!("profiler: error: {} rows could not be written: {e}", stats.failed_rows);
-        }
+        let problems: Vec<String> = stats
+            .first_error
+            .iter()
+            .map(|e| match stats.failed_rows {
+                0 => e.clone(),
+                n => format!("{n} rows could not be written: {e}"),
+            })
+            .collect();
         if self.decode_errors > 0 {
             eprintln!("profiler: warning: {} records could not be decoded", self.decode_errors);
         }
@@ -983,9 +1134,30 @@ impl Consumer {
         } else {
             String::new()
         };
-        Ok(format!(
+        let report = format!(
             "{} steps{mean}, {} launches seen, {} launch rows, {} lost events",
             self.completed_steps, end.total_launches, stats.launches, end.lost_events
-        ))
+        );
+        Ok((report, problems))
+    }
+}
+
+#[cfg(test)]
+mod summary_tests {
+    use super::Summary;
+
+    fn code(exit_code: Option<i32>, failure: bool) -> std::process::ExitCode {
+        Summary { exit_code, failure: failure.then(|| "3 rows could not be written".into()) }.exit_code()
+    }
+
+    #[test]
+    fn the_exit_status_is_the_commands_else_1_for_an_incomplete_profile() {
+        use std::process::ExitCode;
+        assert_eq!(code(None, false), ExitCode::SUCCESS);
+        assert_eq!(code(Some(0), false), ExitCode::SUCCESS);
+        assert_eq!(code(Some(130), false), ExitCode::from(130));
+        assert_eq!(code(Some(7), true), ExitCode::from(7));
+        assert_eq!(code(Some(0), true), ExitCode::from(1));
+        assert_eq!(code(None, true), ExitCode::from(1));
     }
 }

@@ -4,7 +4,36 @@
 //! of its step function on a thread; a recursive or re-entrant call inside it
 //! is part of it. Each step source (a `--step-symbol` or `--step-python`) has a
 //! label; step numbers count from 0 per label, in the order steps begin.
+//!
+//! Each step-ring record carries its thread's sequence number and step depth
+//! (see `profiler_common::StepRecord`). A gap in a thread's sequence means
+//! records were lost: the thread's open steps are marked `incomplete` and the
+//! tracker takes the thread's depth from the record, so one lost return costs
+//! the step it ended, not every later step of the thread.
 use std::collections::HashMap;
+
+/// Schema for what a loss costs: appended to the store's migrations (see
+/// `store::MIGRATIONS`). `steps.incomplete` is 1 for a step during (or just
+/// before) which records of its thread were lost: its `sync_wait_ns` may be
+/// low and its `inter_step_ns` may span steps never seen; with `end_ns` NULL
+/// it ended unseen. Its `launches`, counted in the kernel, stay exact when
+/// its start and end were seen. NULL in sessions from before this column.
+pub const LOSS_SCHEMA: &str = r#"
+ALTER TABLE sessions ADD COLUMN lost_step_records INTEGER;
+ALTER TABLE sessions ADD COLUMN map_failures INTEGER;
+ALTER TABLE steps ADD COLUMN incomplete INTEGER;
+"#;
+
+/// How a step-ring record changes its thread's step depth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DepthChange {
+    /// A step function's entry: one deeper.
+    Enter,
+    /// A step function's return: one shallower.
+    Exit,
+    /// A sync call or a thread's exit: no change.
+    None,
+}
 
 /// A finished step.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -21,6 +50,9 @@ pub struct CompletedStep {
     pub launches: u64,
     /// Time the thread spent in synchronisation calls during the step.
     pub sync_wait_ns: u64,
+    /// Records of the thread were lost during the step or since its last one
+    /// (see [`LOSS_SCHEMA`]).
+    pub incomplete: bool,
 }
 
 /// A step that had begun but not ended when the session stopped.
@@ -31,14 +63,22 @@ pub struct OpenStep {
     pub tid: u32,
     pub start_ns: u64,
     pub inter_step_ns: Option<u64>,
+    /// Records of the thread were lost while it was open: with a gap, it
+    /// ended unseen; at the session's end, it may have.
+    pub incomplete: bool,
 }
 
 #[derive(Default)]
 struct SourceState {
+    /// Calls of this source the thread is inside. More than 0 with `open`
+    /// None: the outermost call's entry was lost; its return ends no step.
     depth: u32,
     open: Option<(u64, u64, u64)>, // (step, start_ns, thread_launches at start)
     sync_wait_ns: u64,
     last_end_ns: Option<u64>,
+    /// Records of the thread were lost while this step was open, or since the
+    /// last one ended (so the next one is marked too).
+    incomplete: bool,
 }
 
 pub struct StepTracker {
@@ -52,6 +92,12 @@ pub struct StepTracker {
     /// Returns seen with no matching entry (the kernel drops uretprobes nested
     /// deeper than 64 frames), or from an unknown source.
     pub unmatched_returns: u64,
+    /// The sequence number each thread's next step-ring record should have.
+    next_seq: HashMap<u32, u32>,
+    /// Gaps seen in threads' sequences (each one or more records lost).
+    pub gaps: u64,
+    /// Steps whose entry was lost: their return ended no step.
+    pub steps_without_start: u64,
 }
 
 impl StepTracker {
@@ -63,7 +109,108 @@ impl StepTracker {
             open_by_thread: HashMap::new(),
             next_step: HashMap::new(),
             unmatched_returns: 0,
+            next_seq: HashMap::new(),
+            gaps: 0,
+            steps_without_start: 0,
         }
+    }
+
+    /// Checks a step-ring record's place in its thread's sequence, before the
+    /// record itself is handled (`change`: what it does to the depth, `depth`:
+    /// the thread's depth after it). On a gap, the thread's steps are marked
+    /// incomplete and its depth is brought to what the record says it was
+    /// before it: steps whose returns were lost end here, unseen (returned,
+    /// to be stored with no end); a return whose entry was lost will end no
+    /// step. Returns whether there was a gap.
+    pub fn sequence(
+        &mut self,
+        tid: u32,
+        probe: u32,
+        seq: u32,
+        depth: u32,
+        change: DepthChange,
+        ended_unseen: &mut Vec<OpenStep>,
+    ) -> bool {
+        if seq == 0 {
+            return false; // the kernel kept no state for the thread: no sequence
+        }
+        let next = if seq == u32::MAX { 1 } else { seq + 1 };
+        let expected = self.next_seq.insert(tid, next).unwrap_or(1);
+        if seq == expected {
+            return false;
+        }
+        self.gaps += 1;
+        let sources: Vec<u32> = self.per_source.keys().filter(|(t, _)| *t == tid).map(|&(_, p)| p).collect();
+        for p in &sources {
+            if let Some(s) = self.per_source.get_mut(&(tid, *p)) {
+                s.incomplete = true;
+            }
+        }
+        let tracked: u32 = sources.iter().filter_map(|p| self.per_source.get(&(tid, *p))).map(|s| s.depth).sum();
+        let before = match change {
+            DepthChange::Enter => depth.saturating_sub(1),
+            // The kernel does not go below 0, so a return at depth 0 may have
+            // been at 0 before it too; after a gap, its entry is the likelier loss.
+            DepthChange::Exit => depth + 1,
+            DepthChange::None => depth,
+        };
+        if tracked > before {
+            // Returns were lost: the innermost steps ended in the gap.
+            let mut excess = tracked - before;
+            let mut order: Vec<u32> =
+                self.open_by_thread.get(&tid).map(|v| v.iter().rev().map(|&(p, _)| p).collect()).unwrap_or_default();
+            let rest: Vec<u32> = sources.iter().copied().filter(|p| !order.contains(p)).collect();
+            order.extend(rest);
+            for p in order {
+                if excess == 0 {
+                    break;
+                }
+                let Some(s) = self.per_source.get_mut(&(tid, p)) else { continue };
+                let take = s.depth.min(excess);
+                s.depth -= take;
+                excess -= take;
+                if s.depth == 0 {
+                    // Its next step's gap would span the unseen end.
+                    s.last_end_ns = None;
+                    if let Some((step, start_ns, _)) = s.open.take() {
+                        let inter_step_ns = None;
+                        if let Some(stack) = self.open_by_thread.get_mut(&tid) {
+                            stack.retain(|&(q, st)| !(q == p && st == step));
+                        }
+                        if let Some(label) = self.label(p) {
+                            ended_unseen.push(OpenStep { label, step, tid, start_ns, inter_step_ns, incomplete: true });
+                        }
+                    }
+                }
+            }
+        } else if tracked < before && change != DepthChange::None {
+            // Entries were lost: the record's own source is that much deeper,
+            // inside a call whose entry was never seen.
+            let s = self.per_source.entry((tid, probe)).or_default();
+            s.depth += before - tracked;
+            s.incomplete = true;
+        }
+        true
+    }
+
+    /// A thread exited: its steps still open are returned (to be stored with
+    /// no end), and everything kept for it is dropped.
+    pub fn thread_exited(&mut self, tid: u32) -> Vec<OpenStep> {
+        let mut open = Vec::new();
+        let sources: Vec<u32> = self.per_source.keys().filter(|(t, _)| *t == tid).map(|&(_, p)| p).collect();
+        for p in sources {
+            if let Some(s) = self.per_source.remove(&(tid, p))
+                && let Some((step, start_ns, _)) = s.open
+                && let Some(label) = self.label(p)
+            {
+                let inter_step_ns = s.last_end_ns.map(|e| start_ns.saturating_sub(e));
+                open.push(OpenStep { label, step, tid, start_ns, inter_step_ns, incomplete: s.incomplete });
+            }
+        }
+        open.sort_by_key(|s| s.step);
+        self.open_by_thread.remove(&tid);
+        self.next_seq.remove(&tid);
+        open
     }
 
     fn label(&self, probe: u32) -> Option<&'static str> {
@@ -99,10 +246,16 @@ impl StepTracker {
         if s.depth > 0 {
             return None;
         }
-        let (step, start_ns, launches_at_start) = s.open.take()?;
+        let Some((step, start_ns, launches_at_start)) = s.open.take() else {
+            // The step's entry was lost (see `sequence`).
+            s.last_end_ns = Some(ts_ns);
+            self.steps_without_start += 1;
+            return None;
+        };
         let inter_step_ns = s.last_end_ns.map(|e| start_ns.saturating_sub(e));
         s.last_end_ns = Some(ts_ns);
         let sync_wait_ns = s.sync_wait_ns;
+        let incomplete = std::mem::take(&mut s.incomplete);
         if let Some(stack) = self.open_by_thread.get_mut(&tid) {
             stack.retain(|&(p, st)| !(p == probe && st == step));
         }
@@ -115,6 +268,7 @@ impl StepTracker {
             inter_step_ns,
             launches: thread_launches.saturating_sub(launches_at_start),
             sync_wait_ns,
+            incomplete,
         })
     }
 
@@ -147,12 +301,73 @@ impl StepTracker {
                     tid,
                     start_ns,
                     inter_step_ns: s.last_end_ns.map(|e| start_ns.saturating_sub(e)),
+                    incomplete: s.incomplete,
                 })
             })
             .collect();
         v.sort_by_key(|s| (s.label, s.step));
         v
     }
+}
+
+/// Stores what was lost (see [`LOSS_SCHEMA`]): in the session's row, the
+/// step ring's share of the lost records and the failed map updates; in
+/// `steps`, which steps are incomplete (every other step of the session 0).
+pub fn store_losses(
+    conn: &rusqlite::Connection,
+    session: i64,
+    kc: &crate::probes::KernelCounters,
+    incomplete: &[(&str, u64)],
+) -> rusqlite::Result<()> {
+    let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    conn.execute(
+        "UPDATE sessions SET lost_step_records = ?2, map_failures = ?3 WHERE id = ?1",
+        rusqlite::params![session, n(kc.lost_step_records), n(kc.map_failures)],
+    )?;
+    let mut mark =
+        conn.prepare("UPDATE steps SET incomplete = 1 WHERE session_id = ?1 AND label = ?2 AND step = ?3")?;
+    for (label, step) in incomplete {
+        mark.execute(rusqlite::params![session, label, n(*step)])?;
+    }
+    conn.execute("UPDATE steps SET incomplete = 0 WHERE session_id = ?1 AND incomplete IS NULL", [session])?;
+    Ok(())
+}
+
+/// What each kind of loss cost, one line each, for the end of a session
+/// (empty when nothing was lost). `marked`: steps stored as incomplete;
+/// `without_start`: steps whose entry was lost, which have no row.
+pub fn loss_warnings(kc: &crate::probes::KernelCounters, marked: u64, without_start: u64) -> Vec<String> {
+    let mut lines = Vec::new();
+    let launch_ring = kc.lost.saturating_sub(kc.lost_step_records);
+    if launch_ring > 0 {
+        lines.push(format!(
+            "{launch_ring} launch or kernel-name records were lost (launch ring full): those launches have no \
+             `launches` row (or kernel no name); steps.launches and the session's total are still exact, counted in \
+             the kernel"
+        ));
+    }
+    if kc.lost_step_records > 0 {
+        let mut line = format!(
+            "{} step, sync or loader records were lost (step ring full): {marked} steps are marked \
+             steps.incomplete = 1 (their sync_wait_ns may be low, inter_step_ns may span unseen steps, end_ns is \
+             NULL where the end was lost, and a lost return with the next entry makes one step of two); every \
+             other step is exact",
+            kc.lost_step_records
+        );
+        if without_start > 0 {
+            line.push_str(&format!("; {without_start} steps whose entry was lost have no row"));
+        }
+        lines.push(line);
+    }
+    if kc.map_failures > 0 {
+        lines.push(format!(
+            "{} kernel map updates failed (maps full): threads that got no state have their launches uncounted \
+             (steps.launches too low, no sequence for their steps), a runtime launch may count twice, a \
+             runtime sync may get two rows, a kernel name may be missing",
+            kc.map_failures
+        ));
+    }
+    lines
 }
 
 #[cfg(test)]
@@ -179,7 +394,8 @@ mod tests {
                 end_ns: 200,
                 inter_step_ns: None,
                 launches: 5,
-                sync_wait_ns: 0
+                sync_wait_ns: 0,
+                incomplete: false
             }
         );
         assert_eq!(t.current_step(1), None);
@@ -268,9 +484,149 @@ mod tests {
         assert_eq!(
             open,
             vec![
-                OpenStep { label: "train", step: 1, tid: 1, start_ns: 25, inter_step_ns: Some(5) },
-                OpenStep { label: "validate", step: 0, tid: 3, start_ns: 26, inter_step_ns: None }
+                OpenStep { label: "train", step: 1, tid: 1, start_ns: 25, inter_step_ns: Some(5), incomplete: false },
+                OpenStep { label: "validate", step: 0, tid: 3, start_ns: 26, inter_step_ns: None, incomplete: false }
             ]
         );
+    }
+
+    /// A thread's records as the kernel numbers them: (kind, probe, ts, launches),
+    /// with the sequence and depth filled in, and the chosen ones dropped.
+    fn feed(
+        t: &mut StepTracker,
+        tid: u32,
+        records: &[(DepthChange, u32, u64, u64)],
+        lost: &[usize],
+    ) -> (Vec<CompletedStep>, Vec<OpenStep>) {
+        let (mut done, mut unseen) = (Vec::new(), Vec::new());
+        let mut depth = 0u32;
+        for (i, &(change, probe, ts, launches)) in records.iter().enumerate() {
+            match change {
+                DepthChange::Enter => depth += 1,
+                DepthChange::Exit => depth = depth.saturating_sub(1),
+                DepthChange::None => {}
+            }
+            if lost.contains(&i) {
+                continue;
+            }
+            t.sequence(tid, probe, i as u32 + 1, depth, change, &mut unseen);
+            match change {
+                DepthChange::Enter => {
+                    t.enter(tid, probe, ts, launches);
+                }
+                DepthChange::Exit => done.extend(t.exit(tid, probe, ts, launches)),
+                DepthChange::None => {}
+            }
+        }
+        (done, unseen)
+    }
+
+    /// Steps k = 0..n of 10 ns each, 5 ns apart, two launches each.
+    fn plain_steps(n: u64) -> Vec<(DepthChange, u32, u64, u64)> {
+        (0..n)
+            .flat_map(|k| [(DepthChange::Enter, 0, 15 * k, 2 * k), (DepthChange::Exit, 0, 15 * k + 10, 2 * k + 2)])
+            .collect()
+    }
+
+    #[test]
+    fn a_lost_return_costs_its_step_not_every_later_one() {
+        let mut t = tracker();
+        // Step 2's return (record 5) is lost.
+        let (done, unseen) = feed(&mut t, 1, &plain_steps(6), &[5]);
+        assert_eq!(t.gaps, 1);
+        assert_eq!(unseen.len(), 1, "step 2 ended unseen");
+        assert_eq!((unseen[0].step, unseen[0].start_ns, unseen[0].incomplete), (2, 30, true));
+        assert_eq!(done.len(), 5);
+        assert!(done.iter().all(|s| s.launches == 2 && s.end_ns - s.start_ns == 10), "{done:?}");
+        // The step after the gap is marked (its gap to the last seen end spans
+        // the unseen one, so it has none); the others are not.
+        let marked: Vec<u64> = done.iter().filter(|s| s.incomplete).map(|s| s.step).collect();
+        assert_eq!(marked, vec![3]);
+        assert_eq!(done.iter().find(|s| s.step == 3).map(|s| s.inter_step_ns), Some(None));
+        assert!(t.open_steps().is_empty());
+    }
+
+    #[test]
+    fn a_lost_entry_ends_no_step_and_the_rest_stay_exact() {
+        let mut t = tracker();
+        let (done, unseen) = feed(&mut t, 1, &plain_steps(5), &[4]);
+        assert!(unseen.is_empty());
+        assert_eq!(t.steps_without_start, 1);
+        assert_eq!(t.unmatched_returns, 0);
+        assert_eq!(done.len(), 4);
+        assert!(done.iter().all(|s| s.launches == 2));
+        assert_eq!(done.iter().filter(|s| s.incomplete).count(), 1, "the step after the gap: {done:?}");
+    }
+
+    #[test]
+    fn a_lost_return_and_entry_make_one_marked_step() {
+        let mut t = tracker();
+        let (done, _) = feed(&mut t, 1, &plain_steps(4), &[3, 4]);
+        let merged: Vec<&CompletedStep> = done.iter().filter(|s| s.incomplete).collect();
+        assert_eq!(merged.len(), 1);
+        assert_eq!((merged[0].start_ns, merged[0].end_ns, merged[0].launches), (15, 40, 4));
+        assert_eq!(done.iter().filter(|s| !s.incomplete).count(), 2);
+    }
+
+    #[test]
+    fn nested_losses_resynchronise_on_the_kernel_depth() {
+        let mut t = tracker();
+        use DepthChange::*;
+        // Step 0 nests a call; its inner and outer returns are lost; step 1 is whole.
+        let records =
+            [(Enter, 0, 0, 0), (Enter, 0, 1, 0), (Exit, 0, 2, 1), (Exit, 0, 3, 1), (Enter, 0, 5, 1), (Exit, 0, 6, 3)];
+        let (done, unseen) = feed(&mut t, 1, &records, &[2, 3]);
+        assert_eq!(unseen.iter().map(|s| s.step).collect::<Vec<_>>(), vec![0]);
+        assert_eq!(done.len(), 1);
+        assert_eq!((done[0].step, done[0].launches, done[0].incomplete), (1, 2, true));
+        // A sync record lost inside a step marks it, and changes nothing else.
+        let mut t = tracker();
+        let records =
+            [(Enter, 0, 0, 0), (DepthChange::None, 101, 1, 0), (DepthChange::None, 101, 2, 0), (Exit, 0, 3, 4)];
+        let (done, _) = feed(&mut t, 1, &records, &[1]);
+        assert_eq!((done.len(), done[0].incomplete, done[0].launches), (1, true, 4));
+    }
+
+    #[test]
+    fn records_without_a_sequence_and_thread_exits() {
+        let mut t = tracker();
+        let mut unseen = Vec::new();
+        assert!(!t.sequence(1, 0, 0, 0, DepthChange::Enter, &mut unseen), "seq 0: no sequence");
+        assert!(!t.sequence(1, 0, 1, 1, DepthChange::Enter, &mut unseen));
+        t.enter(1, 0, 10, 0);
+        assert!(!t.sequence(1, 0, 2, 1, DepthChange::None, &mut unseen));
+        let open = t.thread_exited(1);
+        assert_eq!(open.len(), 1);
+        assert!(!open[0].incomplete);
+        assert!(t.open_steps().is_empty());
+        // The tid comes back as another thread: its sequence starts at 1.
+        assert!(!t.sequence(1, 0, 1, 1, DepthChange::Enter, &mut unseen));
+        assert!(t.sequence(1, 0, 3, 1, DepthChange::Enter, &mut unseen), "a gap");
+        // The sequence wraps past 0.
+        let mut t = tracker();
+        t.next_seq.insert(5, u32::MAX);
+        assert!(!t.sequence(5, 0, u32::MAX, 0, DepthChange::None, &mut unseen));
+        assert!(!t.sequence(5, 0, 1, 0, DepthChange::None, &mut unseen));
+    }
+
+    #[test]
+    fn loss_lines_say_what_each_loss_cost() {
+        let kc = |lost, steps, maps| crate::probes::KernelCounters {
+            lost,
+            lost_step_records: steps,
+            map_failures: maps,
+            launches: 0,
+        };
+        assert!(loss_warnings(&kc(0, 0, 0), 0, 0).is_empty());
+        let l = loss_warnings(&kc(7, 0, 0), 0, 0);
+        assert_eq!(l.len(), 1);
+        assert!(l[0].starts_with("7 launch or kernel-name records were lost") && l[0].contains("still exact"));
+        let l = loss_warnings(&kc(9, 4, 2), 3, 1);
+        assert_eq!(l.len(), 3);
+        assert!(l[0].starts_with("5 launch"), "{l:?}");
+        assert!(
+            l[1].starts_with("4 step") && l[1].contains("3 steps are marked") && l[1].contains("1 steps whose entry")
+        );
+        assert!(l[2].starts_with("2 kernel map updates failed"));
     }
 }

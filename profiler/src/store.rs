@@ -25,7 +25,27 @@ const MIGRATIONS: &[Migration] = &[
     Migration::Sql(crate::samplers::rapl::SCHEMA),
     Migration::Sql(crate::samplers::system::SCHEMA),
     Migration::Code(reconcile_first_four),
+    Migration::Sql(crate::steps::LOSS_SCHEMA),
+    Migration::Sql(KERNELS_OVER_TIME),
 ];
+
+/// Migration 6: a driver handle can name one kernel, then (its module
+/// unloaded, the address reused) another. `kernels` keeps each handle's first
+/// name; each later, different one is a `kernel_renames` row with the time it
+/// was learned. A launch's kernel is its handle's latest rename at or before
+/// it, else its `kernels` name. (A table of its own, not a column: `kernels`
+/// keeps the shape the repair of migration 4 reconciles.)
+const KERNELS_OVER_TIME: &str = r#"
+CREATE TABLE kernel_renames (
+    session_id     INTEGER NOT NULL REFERENCES sessions(id),
+    function       INTEGER NOT NULL,
+    named_ns       INTEGER NOT NULL,
+    name           TEXT    NOT NULL,
+    demangled_name TEXT,
+    source         TEXT    NOT NULL,
+    UNIQUE (session_id, function, named_ns)
+);
+"#;
 
 /// One schema change.
 enum Migration {
@@ -218,6 +238,8 @@ pub struct LaunchRow {
 #[derive(Clone, Debug)]
 pub struct KernelRow {
     pub function: u64,
+    /// When the handle got this name (0: for the whole session).
+    pub named_ns: u64,
     pub name: String,
     pub demangled_name: Option<String>,
     /// `cuModuleGetFunction`, `cuLibraryGetKernel`, `cuKernelGetFunction`, or `symbol` (runtime host stub).
@@ -348,6 +370,8 @@ impl Store {
             tx.pragma_update(None, "user_version", SCHEMA_VERSION).map_err(classify)?;
         }
         tx.commit().map_err(classify)?;
+        // Now, not at the end: a profiler that is killed leaves the user's file.
+        crate::ownership::give_to_invoking_user(path);
         Ok(Self { conn, path: path.to_owned() })
     }
 
@@ -501,7 +525,9 @@ fn reconcile(conn: &Connection, migrations: &[Migration]) -> rusqlite::Result<()
         let same_keys = have.is_empty() || keys(conn, table)? == keys(&target, table)?;
         let plan = if have.is_empty() {
             TablePlan::Create
-        } else if have == want && same_keys {
+        } else if have.starts_with(&want) && same_keys {
+            // Columns past the target's were added by later migrations
+            // (e.g. `steps::LOSS_SCHEMA`): this repair leaves them be.
             TablePlan::Keep
         } else if same_keys
             && want.starts_with(&have)
@@ -621,9 +647,13 @@ impl StoreWriter {
     pub fn finish(self, end: SessionEnd, hooks: Vec<FinishHook>) -> Result<WriterStats, StoreError> {
         self.send(StoreMsg::Finish(end, hooks));
         drop(self.tx);
-        self.join
-            .join()
-            .unwrap_or_else(|_| Ok(WriterStats { first_error: Some("writer panicked".into()), ..Default::default() }))
+        self.join.join().unwrap_or_else(|payload| {
+            let message = crate::panic_message(&*payload);
+            Ok(WriterStats {
+                first_error: Some(format!("the database writer panicked: {message}")),
+                ..Default::default()
+            })
+        })
     }
 }
 
@@ -645,6 +675,8 @@ fn write_batch(
     msgs: &[StoreMsg],
     stats: &mut WriterStats,
 ) -> rusqlite::Result<()> {
+    // Counted once the transaction commits: a batch rolled back stored nothing.
+    let (mut launches, mut steps) = (0, 0);
     let tx = conn.transaction()?;
     {
         let mut launch = tx.prepare_cached(
@@ -666,12 +698,28 @@ fn write_batch(
                     }
                 }
                 StoreMsg::Kernels(rows) => {
-                    let mut stmt = tx.prepare_cached(
+                    // A handle's first name, else a rename (see KERNELS_OVER_TIME):
+                    // the consumer sends a handle's name again only when it changed.
+                    let mut first = tx.prepare_cached(
                         "INSERT OR IGNORE INTO kernels(session_id, function, name, demangled_name, source)
                          VALUES (?1, ?2, ?3, ?4, ?5)",
                     )?;
+                    let mut rename = tx.prepare_cached(
+                        "INSERT OR IGNORE INTO kernel_renames(session_id, function, named_ns, name, demangled_name, source)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                    )?;
                     for r in rows {
-                        stmt.execute(params![session_id, i(r.function), r.name, r.demangled_name, r.source])?;
+                        let params = params![session_id, i(r.function), r.name, r.demangled_name, r.source];
+                        if first.execute(params)? == 0 {
+                            rename.execute(params![
+                                session_id,
+                                i(r.function),
+                                i(r.named_ns),
+                                r.name,
+                                r.demangled_name,
+                                r.source
+                            ])?;
+                        }
                     }
                 }
                 StoreMsg::Syncs(rows) => {
@@ -717,7 +765,7 @@ fn write_batch(
                             r.step.map(|s| i(s.1))
                         ])?;
                     }
-                    stats.launches += rows.len() as u64;
+                    launches += rows.len() as u64;
                 }
                 StoreMsg::Steps(rows) => {
                     for r in rows {
@@ -734,7 +782,7 @@ fn write_batch(
                             r.sync_wait_ns.map(i)
                         ])?;
                     }
-                    stats.steps += rows.len() as u64;
+                    steps += rows.len() as u64;
                 }
                 StoreMsg::Library(l) => {
                     tx.execute(
@@ -754,6 +802,8 @@ fn write_batch(
     }
     tx.commit()?;
     stats.transactions += 1;
+    stats.launches += launches;
+    stats.steps += steps;
     Ok(())
 }
 
@@ -849,8 +899,14 @@ mod tests {
     /// is pinned. A new migration appends its hash; the message gives it.
     #[test]
     fn migrations_are_append_only() {
-        const FROZEN: [u64; 4] =
-            [0x8aee_e93b_06de_c1a5, 0xcbca_4468_d4a3_de19, 0xb9bd_525d_e831_4c63, 0x1668_b8b2_e3c9_65cd];
+        const FROZEN: [u64; 6] = [
+            0x8aee_e93b_06de_c1a5,
+            0xcbca_4468_d4a3_de19,
+            0xb9bd_525d_e831_4c63,
+            0x1668_b8b2_e3c9_65cd,
+            0xa148_fd34_7523_097c,
+            0x6309_9958_b308_0ccd,
+        ];
         let fnv1a = |s: &str| {
             s.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
         };
@@ -947,6 +1003,57 @@ mod tests {
         assert_eq!((dur, name.as_str()), (150, "cuLaunchKernel"));
         let v: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0)).expect("q");
         assert_eq!(v, SCHEMA_VERSION);
+    }
+
+    /// A batch whose transaction is rolled back stored nothing: it is counted
+    /// as failed, not as stored, and `stored_launches` says what is there.
+    #[test]
+    fn a_rolled_back_batch_is_not_counted_as_stored() {
+        let (_d, p) = temp_db();
+        let store = Store::open(&p).expect("open");
+        let id = store.begin_session(&start()).expect("session");
+        // tid 666's rows make the insert fail, as a full disk would.
+        store
+            .conn
+            .execute_batch(
+                "CREATE TRIGGER fail BEFORE INSERT ON launches WHEN NEW.tid = 666 BEGIN SELECT RAISE(ABORT, 'boom'); END;",
+            )
+            .expect("trigger");
+        let launch = |tid| LaunchRow {
+            ts_ns: 200,
+            tid,
+            api: LaunchApi::CuLaunchKernel,
+            function: 1,
+            grid: [1, 1, 1],
+            block: [1, 1, 1],
+            shared_mem_bytes: 0,
+            stream: 0,
+            step: None,
+        };
+        let w = store.spawn_writer(id);
+        w.send(StoreMsg::Launches(vec![launch(7), launch(7)]));
+        // Let the first batch commit on its own before the failing one.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        w.send(StoreMsg::Launches(vec![launch(8), launch(666), launch(8)]));
+        let end = SessionEnd {
+            ended_ns: 2000,
+            end_reason: "x".into(),
+            lost_events: 0,
+            total_launches: 5,
+            unmatched_returns: 0,
+        };
+        let stats = w.finish(end, Vec::new()).expect("finish");
+        assert_eq!((stats.launches, stats.failed_rows), (2, 3), "{stats:?}");
+        assert!(stats.first_error.as_deref().is_some_and(|e| e.contains("boom")), "{stats:?}");
+        let conn = Connection::open(&p).expect("reopen");
+        let (rows, stored): (i64, i64) = conn
+            .query_row(
+                "SELECT (SELECT count(*) FROM launches), stored_launches FROM sessions WHERE id = ?1",
+                [id],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .expect("q");
+        assert_eq!((rows, stored), (2, 2));
     }
 
     #[test]
@@ -1216,6 +1323,7 @@ CREATE VIEW gpu_stats_monitor AS
         }]));
         w.send(StoreMsg::Kernels(vec![KernelRow {
             function: 0x1234,
+            named_ns: 0,
             name: "_Z4axpyPf".into(),
             demangled_name: Some("axpy(float*)".into()),
             source: "cuModuleGetFunction",

@@ -32,6 +32,52 @@ pub fn workdir(test: &str) -> PathBuf {
     d
 }
 
+/// The one way a test says it did not check something on this host: a line
+/// `SKIPPED: <test>: <reason>`, which `cargo xtask test` counts and totals.
+/// Call it where a precondition is not met (then return), or for the part of a
+/// test that cannot run here. It goes straight to stdout, past the harness's
+/// capture, so that it shows in every run, with or without `--show-output`.
+pub fn skip(reason: impl std::fmt::Display) {
+    use std::io::Write;
+    // The harness names each test's thread after the test.
+    let test = std::thread::current().name().unwrap_or("?").to_owned();
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "SKIPPED: {test}: {reason}");
+    let _ = out.flush();
+}
+
+/// The NVIDIA kernel driver, if this host has it loaded: the first line of
+/// /proc/driver/nvidia/version, or the module in /sys/module. (Not
+/// /dev/nvidiactl: the genuine libcuda creates that node when root calls
+/// cuInit, driver or not.)
+pub fn nvidia_driver() -> Option<String> {
+    if let Ok(v) = std::fs::read_to_string("/proc/driver/nvidia/version") {
+        return Some(v.lines().next().unwrap_or("/proc/driver/nvidia/version").trim().to_owned());
+    }
+    Path::new("/sys/module/nvidia").exists().then(|| "the nvidia kernel module".to_owned())
+}
+
+/// Where this host has RAPL, if anywhere: the perf `power` PMU, or powercap
+/// `intel-rapl*` zones (AMD's too) under /sys/class/powercap.
+pub fn host_rapl() -> Option<String> {
+    let pmu = Path::new("/sys/bus/event_source/devices/power");
+    let mut found = Vec::new();
+    if pmu.exists() {
+        found.push(format!("the perf power PMU at {}", pmu.display()));
+    }
+    let zones: Vec<String> = std::fs::read_dir("/sys/class/powercap")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("intel-rapl"))
+        .collect();
+    if !zones.is_empty() {
+        found.push(format!("powercap zones {}", zones.join(", ")));
+    }
+    (!found.is_empty()).then(|| found.join(" and "))
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TruthStep {
     /// `train` unless the truth line names another label (the Python trainer's do).
@@ -365,4 +411,69 @@ pub fn assert_steps_match(truth: &[TruthStep], db: &[DbStep], tolerance_ns: i64)
         errs.end.push(de);
     }
     errs
+}
+
+/// Raises `/proc/sys/kernel/pid_max` for a test and puts the old value back
+/// when dropped (root only). Thread ids above 65 536 exist only where
+/// `pid_max` allows them, as it does on current distributions (4 194 304).
+pub struct PidMax {
+    old: String,
+}
+
+impl PidMax {
+    const PATH: &'static str = "/proc/sys/kernel/pid_max";
+
+    pub fn raise(to: u32) -> PidMax {
+        let old = std::fs::read_to_string(Self::PATH).expect("read pid_max");
+        std::fs::write(Self::PATH, to.to_string()).expect("raise pid_max (needs root)");
+        PidMax { old }
+    }
+
+    /// Makes the next process or thread the kernel creates get id `last + 1`
+    /// or a little above (other processes may take a few in between).
+    pub fn next_pid_after(&self, last: u32) {
+        std::fs::write("/proc/sys/kernel/ns_last_pid", last.to_string()).expect("write ns_last_pid (needs root)");
+    }
+}
+
+impl Drop for PidMax {
+    fn drop(&mut self) {
+        let _ = std::fs::write(Self::PATH, self.old.trim());
+    }
+}
+
+/// What the session stored about loss beyond `lost_events`: step-ring
+/// records lost and failed kernel map updates.
+pub fn session_losses(db: &Path, session: i64) -> (Option<i64>, Option<i64>) {
+    open(db)
+        .query_row("SELECT lost_step_records, map_failures FROM sessions WHERE id = ?1", [session], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .expect("session losses")
+}
+
+/// The session's steps as [`steps`] gives them, each with `steps.incomplete`.
+pub fn steps_with_marks(db: &Path, session: i64) -> Vec<(DbStep, Option<i64>)> {
+    let marks: BTreeMap<(String, i64), Option<i64>> = {
+        let conn = open(db);
+        let mut q = conn.prepare("SELECT label, step, incomplete FROM steps WHERE session_id = ?1").expect("prepare");
+        q.query_map([session], |r| Ok(((r.get(0)?, r.get(1)?), r.get(2)?)))
+            .expect("query")
+            .collect::<Result<_, _>>()
+            .expect("rows")
+    };
+    steps(db, session).into_iter().map(|s| (s.clone(), marks[&(s.label.clone(), s.step)])).collect()
+}
+
+/// Launch rows of the session that lie outside the step they are assigned
+/// to, or on another thread, or have no step: with every launch of the
+/// trainer made inside a step, 0 when each launch was put in its own step.
+pub fn launches_outside_their_step(db: &Path, session: i64) -> i64 {
+    count(
+        db,
+        "SELECT count(*) FROM launches l LEFT JOIN steps s USING (session_id, label, step)
+         WHERE l.session_id = ?1 AND (s.step IS NULL OR l.tid != s.tid OR l.ts_ns < s.start_ns
+                                      OR (s.end_ns IS NOT NULL AND l.ts_ns > s.end_ns))",
+        session,
+    )
 }

@@ -154,18 +154,15 @@ fn step_energy_from_rapl_is_within_its_bound_across_a_wrap() {
     assert_eq!(back, 0);
 }
 
-#[test]
-fn no_rapl_on_this_machine_is_one_line_and_nulls() {
-    if Path::new("/sys/bus/event_source/devices/power").exists()
-        || Path::new("/sys/class/powercap/intel-rapl:0").exists()
-    {
-        println!("this machine has RAPL: nothing to check");
-        return;
-    }
-    let dir = workdir("no-rapl");
+/// Profiles 5 steps with `extra` and checks what no RAPL leaves behind: one
+/// "RAPL unavailable" line, NULL CPU energy for every step, the reason on record.
+fn no_rapl_is_one_line_and_nulls(name: &str, extra: &[&str]) {
+    let dir = workdir(name);
     let db = dir.join("p.db");
     let mut trainer = Trainer::spawn(&dir, &["--steps", "5", "--launches", "2", "--step-sleep-us", "20000"]);
-    let agent = Agent::attach(trainer.pid(), &db, &["--step-symbol", "train_step", "--no-gpu"]);
+    let mut args = vec!["--step-symbol", "train_step", "--no-gpu"];
+    args.extend_from_slice(extra);
+    let agent = Agent::attach(trainer.pid(), &db, &args);
     trainer.go();
     assert!(trainer.wait().success());
     let (status, stderr) = agent.finish();
@@ -180,6 +177,18 @@ fn no_rapl_on_this_machine_is_one_line_and_nulls() {
             s.id
         ) >= 1
     );
+}
+
+#[test]
+fn no_rapl_is_one_line_and_nulls_on_any_host() {
+    // A powercap root with no zones: no RAPL, whatever this host has.
+    let empty = workdir("no-rapl-root");
+    no_rapl_is_one_line_and_nulls("no-rapl-named", &["--powercap-root", &empty.display().to_string()]);
+    // The default sources (perf power PMU, /sys/class/powercap): the same where the host has neither.
+    match host_rapl() {
+        None => no_rapl_is_one_line_and_nulls("no-rapl", &[]),
+        Some(what) => skip(format!("no RAPL from the default sources: this host has {what}")),
+    }
 }
 
 fn meminfo_kb(key: &str) -> f64 {

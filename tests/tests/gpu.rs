@@ -1,6 +1,7 @@
 //! GPU telemetry: the real profiler with the stand-in NVML (readings that are
 //! known functions of time; see tests/fixtures/fake_nvml.c) and with the
-//! genuine NVIDIA library (no GPU on this machine).
+//! genuine NVIDIA library (whose "driver not loaded" is checked where the host
+//! has no NVIDIA driver, and skipped visibly where it has one).
 use std::path::PathBuf;
 
 use integration_tests::*;
@@ -196,20 +197,27 @@ fn steps_shorter_than_the_counter_period_are_flagged_not_zero() {
     );
 }
 
-#[test]
-fn genuine_nvml_without_a_driver_is_one_clear_line() {
-    let dir = workdir("gpu-genuine");
-    let db = dir.join("p.db");
-    let lib = fixtures().join("nvidia/lib/libnvidia-ml.so.1");
-    assert!(lib.exists(), "genuine libnvidia-ml missing: run `cargo xtask fixtures`");
-    let lib = lib.display().to_string();
+/// `profiler run -o DB --nvml-lib LIB [EXTRA] -- /bin/true` with `env`; returns (exit code, stderr).
+fn run_true(db: &str, lib: &str, extra: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let out = std::process::Command::new(profiler_bin())
+        .args(["run", "-o", db, "--nvml-lib", lib])
+        .args(extra)
+        .args(["--", "/bin/true"])
+        .envs(env.iter().copied())
+        .output()
+        .expect("run profiler");
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// NVML that will not initialise because the driver is not loaded: tracing goes
+/// on, one line and a capability row say why, `--require-gpu` makes it an error.
+fn driver_not_loaded_is_one_clear_line(db: &std::path::Path, lib: &str, env: &[(&str, &str)]) {
     let db_s = db.display().to_string();
-    // Tracing goes on without NVML, and the session says why.
-    let (code, stderr) = profiler_output(&["run", "-o", &db_s, "--nvml-lib", &lib, "--", "/bin/true"]);
+    let (code, stderr) = run_true(&db_s, lib, &[], env);
     assert_eq!(code, Some(0), "{stderr}");
-    assert!(stderr.contains("NVIDIA driver not loaded"), "{stderr}");
-    let s = last_session(&db);
-    let reason: String = open(&db)
+    assert_eq!(stderr.lines().filter(|l| l.contains("NVIDIA driver not loaded")).count(), 1, "{stderr}");
+    let s = last_session(db);
+    let reason: String = open(db)
         .query_row(
             "SELECT reason FROM capabilities WHERE session_id = ?1 AND source = 'nvml' AND metric = '*'",
             [s.id],
@@ -217,7 +225,136 @@ fn genuine_nvml_without_a_driver_is_one_clear_line() {
         )
         .expect("capability row");
     assert!(reason.contains("NVIDIA driver not loaded"), "{reason}");
-    // --require-gpu makes it an error.
-    let (code, stderr) = profiler_output(&["run", "-o", &db_s, "--require-gpu", "--nvml-lib", &lib, "--", "/bin/true"]);
+    let (code, stderr) = run_true(&db_s, lib, &["--require-gpu"], env);
     one_error_line(code, &stderr, "NVIDIA driver not loaded");
+}
+
+/// NVML_ERROR_DRIVER_NOT_LOADED from the stand-in (on any host), and from the
+/// genuine library where this host has no NVIDIA driver.
+#[test]
+fn nvml_without_a_driver_is_one_clear_line() {
+    let dir = workdir("gpu-genuine");
+    driver_not_loaded_is_one_clear_line(&dir.join("standin.db"), &stand_in_nvml(), &[("STANDIN_NVML_INIT_ERROR", "9")]);
+
+    let lib = fixtures().join("nvidia/lib/libnvidia-ml.so.1");
+    assert!(lib.exists(), "genuine libnvidia-ml missing: run `cargo xtask fixtures`");
+    let lib = lib.display().to_string();
+    let db = dir.join("genuine.db");
+    match nvidia_driver() {
+        None => driver_not_loaded_is_one_clear_line(&db, &lib, &[]),
+        Some(driver) => {
+            // The 535 library against this host's driver: GPUs, or a reason on record; tracing goes on either way.
+            let (code, stderr) = run_true(&db.display().to_string(), &lib, &[], &[]);
+            assert_eq!(code, Some(0), "{stderr}");
+            let s = last_session(&db);
+            let gpus = count(&db, "SELECT count(*) FROM gpus WHERE session_id = ?1", s.id);
+            let why = count(
+                &db,
+                "SELECT count(*) FROM capabilities WHERE session_id = ?1 AND source = 'nvml' AND metric = '*' AND available = 0",
+                s.id,
+            );
+            assert!(gpus > 0 || why == 1, "neither GPUs nor a reason: {stderr}");
+            skip(format!("the genuine NVML's 'driver not loaded': this host has the NVIDIA driver ({driver})"));
+        }
+    }
+}
+
+/// What `profiler run /bin/true` chose with the stand-in NVML and `env` (the
+/// command inherits the profiler's environment, so these are the target's
+/// CUDA_* variables): the `gpus` rows (logical, NVML index, name), the NVML
+/// `capabilities` rows (metric, available, reason), the exit code and stderr.
+type Chosen = (Vec<(i64, i64, String)>, Vec<(String, bool, String)>, Option<i32>, String);
+
+fn chosen(name: &str, env: &[(&str, &str)], extra: &[&str]) -> Chosen {
+    let db = workdir(name).join("p.db");
+    let mut cmd = std::process::Command::new(profiler_bin());
+    cmd.args(["run", "-o", &db.display().to_string(), "--nvml-lib", &stand_in_nvml()]).args(extra);
+    cmd.args(["--", "/bin/true"]);
+    for var in ["CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "STANDIN_NVML_SLOW", "STANDIN_NVML_MIG"] {
+        cmd.env_remove(var);
+    }
+    let out = cmd.env("STANDIN_NVML_GPUS", "3").envs(env.iter().copied()).output().expect("run profiler");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    if out.status.code() != Some(0) {
+        return (Vec::new(), Vec::new(), out.status.code(), stderr);
+    }
+    let s = last_session(&db);
+    let conn = open(&db);
+    let gpus = conn
+        .prepare("SELECT gpu, nvml_index, name FROM gpus WHERE session_id = ?1 ORDER BY gpu")
+        .expect("prepare")
+        .query_map([s.id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .expect("query")
+        .collect::<Result<_, _>>()
+        .expect("rows");
+    let caps = conn
+        .prepare("SELECT metric, available, coalesce(reason, '') FROM capabilities WHERE session_id = ?1 AND source = 'nvml'")
+        .expect("prepare")
+        .query_map([s.id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .expect("query")
+        .collect::<Result<_, _>>()
+        .expect("rows");
+    (gpus, caps, out.status.code(), stderr)
+}
+
+fn capability(caps: &[(String, bool, String)], metric: &str) -> (String, bool, String) {
+    caps.iter().find(|c| c.0 == metric).cloned().unwrap_or_else(|| panic!("no '{metric}' capability row: {caps:?}"))
+}
+
+#[test]
+fn gpu_numbers_follow_cuda_device_order_and_a_guess_says_so() {
+    let (a10, h200) = ("Stand-in A10".to_string(), "Stand-in H200".to_string());
+    // NVML device 0 is the slower model: CUDA's default order puts the first H200 (NVML 1) first.
+    let (gpus, caps, code, stderr) = chosen("gpu-order-fastest", &[("STANDIN_NVML_SLOW", "0")], &[]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(gpus, [(0, 1, h200.clone()), (1, 0, a10.clone()), (2, 2, h200.clone())]);
+    let (_, exact, why) = capability(&caps, "gpu_order");
+    assert!(!exact && why.contains("approximate"), "{why}");
+
+    let (gpus, _, code, stderr) =
+        chosen("gpu-order-fastest-cvd", &[("STANDIN_NVML_SLOW", "0"), ("CUDA_VISIBLE_DEVICES", "1,0")], &[]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(gpus, [(0, 0, a10.clone()), (1, 1, h200.clone())]);
+
+    let env = [("STANDIN_NVML_SLOW", "0"), ("CUDA_VISIBLE_DEVICES", "0"), ("CUDA_DEVICE_ORDER", "PCI_BUS_ID")];
+    let (gpus, caps, code, stderr) = chosen("gpu-order-pci", &env, &[]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(gpus, [(0, 0, a10)]);
+    let (_, exact, why) = capability(&caps, "gpu_order");
+    assert!(exact && why.contains("PCI_BUS_ID"), "{why}");
+
+    // One model: CUDA's order is PCI bus order, exactly (what the other tests rely on).
+    let (gpus, caps, code, stderr) = chosen("gpu-order-same", &[("CUDA_VISIBLE_DEVICES", "2,0")], &[]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(gpus, [(0, 2, h200.clone()), (1, 0, h200)]);
+    assert!(capability(&caps, "gpu_order").1);
+}
+
+#[test]
+fn a_mig_uuid_samples_its_parent_gpu_and_says_so() {
+    let mig = "MIG-5ca1ab1e-0000-4000-9000-000000000201";
+    let env = [("STANDIN_NVML_MIG", "2"), ("CUDA_VISIBLE_DEVICES", &format!("{mig},0")[..])];
+    let (gpus, caps, code, stderr) = chosen("gpu-mig", &env, &[]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let got: Vec<(i64, i64)> = gpus.iter().map(|g| (g.0, g.1)).collect();
+    assert_eq!(got, [(0, 2), (1, 0)], "the MIG device's parent is NVML device 2");
+    let (_, available, why) = capability(&caps, "GPU_0/mig");
+    assert!(!available && why.contains(mig) && why.contains("whole GPU"), "{why}");
+    assert!(caps.iter().all(|c| c.0 != "GPU_1/mig"), "GPU 0 is not in MIG mode: {caps:?}");
+}
+
+#[test]
+fn a_cuda_visible_devices_that_names_no_gpu_is_one_warning_line() {
+    let env = [("CUDA_VISIBLE_DEVICES", "7,0")];
+    let (gpus, caps, code, stderr) = chosen("gpu-none", &env, &[]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(gpus, []);
+    let lines: Vec<&str> = stderr.lines().filter(|l| l.contains("CUDA_VISIBLE_DEVICES")).collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(lines[0].contains("CUDA_VISIBLE_DEVICES='7,0' names no GPU"), "{stderr}");
+    let (_, available, why) = capability(&caps, "*");
+    assert!(!available && why.contains("names no GPU"), "{why}");
+    // --require-gpu makes it the error.
+    let (_, _, code, stderr) = chosen("gpu-none-required", &env, &["--require-gpu"]);
+    one_error_line(code, &stderr, "names no GPU");
 }

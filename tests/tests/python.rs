@@ -68,24 +68,15 @@ fn python_steps_by_name_with_labels_threads_nesting_and_exceptions() {
     assert_eq!(s.total_launches, Some(truth.total as i64));
 }
 
-#[test]
-fn interpreter_without_usdt_probes_is_a_clear_error() {
-    // The pyenv interpreter this machine puts on PATH is built without --with-dtrace.
-    let Some(python) = std::fs::read_dir("/root/.pyenv/versions")
-        .ok()
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path().join("bin/python3"))
-        .find(|p| p.exists())
-    else {
-        println!("no interpreter without USDT probes on this machine: nothing to check");
-        return;
-    };
-    let dir = workdir("python-noprobes");
+/// Attaching `--step-python` to `python` (sleeping) fails with one line that says what to do.
+fn no_usdt_probes_is_a_clear_error(name: &str, python: &Path, env: &[(&str, &str)]) {
+    let dir = workdir(name);
     let db = dir.join("p.db");
-    let mut child =
-        std::process::Command::new(&python).args(["-c", "import time; time.sleep(30)"]).spawn().expect("python");
+    let mut child = std::process::Command::new(python)
+        .args(["-c", "import time; time.sleep(30)"])
+        .envs(env.iter().copied())
+        .spawn()
+        .expect("python");
     let (code, stderr) = profiler_output(&[
         "attach",
         &child.id().to_string(),
@@ -99,4 +90,32 @@ fn interpreter_without_usdt_probes_is_a_clear_error() {
     let _ = child.wait();
     let error = the_error_line(code, &stderr);
     assert!(error.contains("--with-dtrace") || error.contains("--step-symbol"), "says what to do: {stderr}");
+}
+
+#[test]
+fn interpreter_without_usdt_probes_is_a_clear_error() {
+    // On any host: Debian's interpreter with its USDT notes removed.
+    assert!(Path::new(PYTHON).exists(), "{PYTHON} (Debian's python3.11) is needed");
+    let dir = workdir("python-stripped");
+    let stripped = dir.join("python3.11");
+    let out = std::process::Command::new("objcopy")
+        .args(["--remove-section", ".note.stapsdt", PYTHON])
+        .arg(&stripped)
+        .output()
+        .expect("objcopy (binutils)");
+    assert!(out.status.success(), "objcopy: {}", String::from_utf8_lossy(&out.stderr));
+    no_usdt_probes_is_a_clear_error("python-noprobes-stripped", &stripped, &[("PYTHONHOME", "/usr")]);
+
+    // A python.org-style build (pyenv's are built without --with-dtrace), where this host has one.
+    let pyenv = std::fs::read_dir("/root/.pyenv/versions")
+        .ok()
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("bin/python3"))
+        .find(|p| p.exists());
+    match pyenv {
+        Some(python) => no_usdt_probes_is_a_clear_error("python-noprobes-pyenv", &python, &[]),
+        None => skip("a pyenv interpreter (built without USDT probes): none under /root/.pyenv/versions"),
+    }
 }

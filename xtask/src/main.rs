@@ -4,6 +4,8 @@
 //! llvm-22-dev, bpf-linker built against it) and says what it is doing.
 mod bench;
 mod bench_python;
+mod gpu;
+mod root;
 mod toolchain;
 
 use std::{
@@ -42,6 +44,17 @@ enum Task {
     Bench,
     /// Build everything and profile the bundled synthetic trainer into demo.db.
     Demo,
+    /// Build target/gpu-bundle/: the profiler, the GPU check and its PyTorch loop, for a GPU machine.
+    GpuBundle,
+    /// Build the GPU bundle and run its check here (exit 3 inside, "nothing to check", is success).
+    GpuCheck {
+        /// Rehearse every comparison against the stand-in libcuda/libnvidia-ml (no GPU needed; root for eBPF).
+        #[arg(long)]
+        standin: bool,
+        /// Passed to the check (e.g. `-- --steps 40`).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
 }
 
 pub fn root() -> PathBuf {
@@ -132,39 +145,86 @@ fn fixtures() -> Result<()> {
     Ok(())
 }
 
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
 fn test(args: &[String]) -> Result<()> {
     build()?;
     fixtures()?;
+    let mut skipped = Vec::new();
+    let result = test_phases(args, &mut skipped);
+    // Tests that could not check something on this host say so
+    // (integration_tests::skip); the total comes last, pass or fail.
+    if skipped.is_empty() {
+        say("skipped: none");
+    } else {
+        say(format!("skipped: {} (not checked on this host):", skipped.len()));
+        for line in &skipped {
+            say(format!("  {line}"));
+        }
+    }
+    result
+}
+
+fn test_phases(args: &[String], skipped: &mut Vec<String>) -> Result<()> {
     // Release, like the root runs below: the profiler's test binary built here
     // is the one the `--ignored` run reuses, so nothing is compiled twice.
     say("unit tests (host crates, release, no root needed)");
-    run(cargo().current_dir(root()).args(["test", "--release", "--workspace", "--exclude", "integration-tests"]))?;
-    if !is_root() {
-        bail!("the integration tests load eBPF programs and need root: run `sudo cargo xtask test`");
-    }
+    run_tests(
+        cargo().current_dir(root()).args(["test", "--release", "--workspace", "--exclude", "integration-tests"]),
+        skipped,
+    )?;
+    // Built as the user, run as root: only the runs that load eBPF programs need it.
     say("root unit tests of the USDT attach path (profiler crate, --ignored: they load eBPF programs)");
-    run(cargo().current_dir(root()).args([
-        "test",
-        "--release",
-        "-p",
-        "profiler",
-        "--",
-        "--ignored",
-        "--test-threads=1",
-    ]))?;
+    for exe in root::test_executables("profiler")? {
+        let mut c = root::command(&exe, &[], "loading eBPF programs")?;
+        c.current_dir(root::package_dir("profiler")).args(["--ignored", "--test-threads=1"]);
+        run_tests(&mut c, skipped)?;
+    }
     say("root integration tests: the real profiler against fixtures with known ground truth");
-    let mut c = cargo();
-    c.current_dir(root())
-        .args(["test", "--release", "-p", "integration-tests", "--", "--test-threads=1", "--show-output"])
-        .args(args)
-        .env("PROFILER_BIN", profiler_bin())
-        .env("PROFILER_FIXTURES", fixtures_dir());
-    run(&mut c)
+    let (bin, fx) = (profiler_bin(), fixtures_dir());
+    let env = [("PROFILER_BIN", bin.as_os_str()), ("PROFILER_FIXTURES", fx.as_os_str())];
+    for exe in root::test_executables("integration-tests")? {
+        let mut c = root::command(&exe, &env, "loading eBPF programs")?;
+        c.current_dir(root::package_dir("tests")).args(["--test-threads=1", "--show-output"]).args(args);
+        run_tests(&mut c, skipped)?;
+    }
+    Ok(())
+}
+
+/// Runs a `cargo test` command, passing its stdout through as it comes, and
+/// collects the `SKIPPED: <test>: <reason>` lines the tests print.
+fn run_tests(cmd: &mut Command, skipped: &mut Vec<String>) -> Result<()> {
+    use std::io::{Read, Write};
+    let mut child =
+        cmd.stdout(std::process::Stdio::piped()).spawn().with_context(|| format!("cannot start {cmd:?}"))?;
+    let mut pipe = child.stdout.take().context("stdout is piped")?;
+    let mut out = std::io::stdout();
+    let (mut buf, mut line) = ([0u8; 8192], Vec::new());
+    loop {
+        let n = match pipe.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e).context("reading the tests' output"),
+        };
+        // Partial lines too ("test x ... " before the test runs).
+        out.write_all(&buf[..n])?;
+        out.flush()?;
+        for &b in &buf[..n] {
+            if b != b'\n' {
+                line.push(b);
+                continue;
+            }
+            let text = String::from_utf8_lossy(&line);
+            if let Some(at) = text.find("SKIPPED: ") {
+                skipped.push(text[at..].trim_end().to_owned());
+            }
+            line.clear();
+        }
+    }
+    let status = child.wait()?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
 }
 
 fn lint() -> Result<()> {
@@ -179,21 +239,22 @@ fn lint() -> Result<()> {
 fn demo() -> Result<()> {
     build()?;
     fixtures()?;
-    if !is_root() {
-        bail!("the demo loads eBPF programs and needs root: run `sudo cargo xtask demo`");
-    }
     let db = root().join("demo.db");
     let _ = std::fs::remove_file(&db);
     let fx = fixtures_dir();
     say("profiling the synthetic trainer: 2 threads × 50 steps × 200 launches, all 16 entry points");
-    run(Command::new(profiler_bin())
-        .args(["run", "-o"])
-        .arg(&db)
-        .args(["--step-symbol", "train_step", "--"])
-        .arg(fx.join("trainer"))
-        .args(["--threads", "2", "--steps", "50", "--launches", "200", "--api", "all", "--step-sleep-us", "2000"])
-        .args(["--gap-us", "500", "--after-dlopen-ms", "300"])
-        .env("LD_LIBRARY_PATH", &fx))?;
+    // Under sudo the profiler hands demo.db to the user (SUDO_UID).
+    run(root::command(
+        profiler_bin(),
+        &[("LD_LIBRARY_PATH", fx.as_os_str())],
+        "the profiler (it loads eBPF programs)",
+    )?
+    .args(["run", "-o"])
+    .arg(&db)
+    .args(["--step-symbol", "train_step", "--"])
+    .arg(fx.join("trainer"))
+    .args(["--threads", "2", "--steps", "50", "--launches", "200", "--api", "all", "--step-sleep-us", "2000"])
+    .args(["--gap-us", "500", "--after-dlopen-ms", "300"]))?;
     let conn = rusqlite::Connection::open(&db)?;
     println!("\nsteps (first 5):");
     println!("{:>5} {:>8} {:>12} {:>14} {:>9}", "step", "tid", "duration_ms", "inter_step_ms", "launches");
@@ -243,6 +304,8 @@ fn main() -> Result<()> {
             bench::main()
         }
         Task::Demo => demo(),
+        Task::GpuBundle => gpu::bundle().map(drop),
+        Task::GpuCheck { standin, args } => gpu::check(standin, &args),
         Task::Lint => {
             toolchain::ensure_ebpf_toolchain()?;
             lint()

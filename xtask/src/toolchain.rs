@@ -27,12 +27,12 @@ fn write_if_absent(path: &str, contents: &str) -> Result<bool> {
     if Path::new(path).exists() {
         return Ok(false);
     }
-    std::fs::write(path, contents).with_context(|| format!("cannot write {path} (run as root)"))?;
+    crate::root::write_file(path, contents)?;
     Ok(true)
 }
 
 fn apt_update() -> Result<()> {
-    run(Command::new("apt-get").args(["update", "-qq"]))
+    run(crate::root::command("apt-get", &[], "apt-get update")?.args(["update", "-qq"]))
 }
 
 /// Debian 12 has no LLVM 22; Debian 13 (trixie) does. Its packages are added
@@ -56,9 +56,15 @@ fn ensure_llvm22() -> Result<()> {
         apt_update()?;
     }
     say("installing llvm-22-dev from Debian trixie (needed to build bpf-linker)");
-    run(Command::new("apt-get")
-        .args(["install", "-y", "-q", "-t", "trixie", "llvm-22-dev"])
-        .env("DEBIAN_FRONTEND", "noninteractive"))
+    let noninteractive = [("DEBIAN_FRONTEND", std::ffi::OsStr::new("noninteractive"))];
+    run(crate::root::command("apt-get", &noninteractive, "apt-get install")?.args([
+        "install",
+        "-y",
+        "-q",
+        "-t",
+        "trixie",
+        "llvm-22-dev",
+    ]))
 }
 
 /// rust-src for nightly, and bpf-linker built against LLVM 22.

@@ -15,6 +15,7 @@ pub struct AttachArgs {
 }
 
 pub async fn main(args: AttachArgs) -> anyhow::Result<ExitCode> {
-    session::profile(args.trace.into_config(), Target::Attach(args.pid)).await?;
-    Ok(ExitCode::SUCCESS)
+    let summary = session::profile(args.trace.into_config(), Target::Attach(args.pid)).await?;
+    summary.report_failure();
+    Ok(summary.exit_code())
 }

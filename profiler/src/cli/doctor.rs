@@ -42,9 +42,10 @@ pub struct DoctorArgs {
     /// Check NVML from this file instead of the system's libnvidia-ml.so.1.
     #[arg(long, value_name = "PATH")]
     nvml_lib: Option<PathBuf>,
-    /// Where powercap zones are.
-    #[arg(long, value_name = "PATH", default_value = rapl::POWERCAP_ROOT)]
-    powercap_root: PathBuf,
+    /// Check RAPL in this powercap tree only, as `attach --powercap-root` reads it
+    /// (default: the perf `power` PMU, else /sys/class/powercap).
+    #[arg(long, value_name = "PATH")]
+    powercap_root: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -209,7 +210,8 @@ fn machine_checks(args: &DoctorArgs) -> Vec<Check> {
         checks.push(Check::fail("ring buffer", needs_bpf, "fix the BPF syscall first (above)"));
     }
     checks.push(nvml_check(args.nvml_lib.as_deref()));
-    checks.push(rapl_check(Path::new(rapl::PERF_POWER_PMU), &args.powercap_root));
+    // What the sampler would read: a named tree alone, else the PMU, else powercap.
+    checks.push(rapl_check(rapl::open(args.powercap_root.as_deref())));
     checks
 }
 
@@ -286,10 +288,11 @@ fn nvml_check(lib: Option<&Path>) -> Check {
     }
 }
 
-/// RAPL opened as the CPU/DRAM energy sampler opens it: the perf power PMU at
-/// `pmu_dir` first, powercap zones under `powercap_root` second.
-fn rapl_check(pmu_dir: &Path, powercap_root: &Path) -> Check {
-    let reader = match rapl::open_with(pmu_dir, powercap_root) {
+/// The verdict on RAPL opened as the CPU/DRAM energy sampler opens it
+/// (`rapl::open`: the named powercap tree alone, else the perf power PMU,
+/// else powercap).
+fn rapl_check(opened: Result<rapl::RaplReader, RaplError>) -> Check {
+    let reader = match opened {
         Ok(r) => r,
         Err(e) => {
             let fix = match &e {
@@ -453,7 +456,7 @@ mod tests {
         let root = dir.path().join("powercap");
         write_zone(&root, "intel-rapl:0", "package-0", Some("12345\n"));
         write_zone(&root, "intel-rapl:0:0", "dram", Some("678\n"));
-        let c = rapl_check(&no_pmu, &root);
+        let c = rapl_check(rapl::open_with(&no_pmu, &root));
         assert_eq!(c.status, Status::Pass, "{c:?}");
         assert!(c.detail.starts_with(&format!("powercap intel-rapl zones under {}", root.display())), "{c:?}");
         assert!(c.detail.ends_with(": package, dram"), "{c:?}");
@@ -461,32 +464,32 @@ mod tests {
 
         // A second package whose counter cannot be read: RAPL would fail, so a warning naming the file.
         write_zone(&root, "intel-rapl:1", "package-1", None);
-        let c = rapl_check(&no_pmu, &root);
+        let c = rapl_check(rapl::open_with(&no_pmu, &root));
         assert_eq!(c.status, Status::Warn, "{c:?}");
         assert!(c.detail.contains("intel-rapl:1/energy_uj"), "{c:?}");
         assert!(c.fix.is_some(), "{c:?}");
         std::fs::write(root.join("intel-rapl:1/energy_uj"), "garbage\n").expect("energy");
-        let c = rapl_check(&no_pmu, &root);
+        let c = rapl_check(rapl::open_with(&no_pmu, &root));
         assert_eq!(c.status, Status::Warn, "{c:?}");
         assert!(c.detail.contains("intel-rapl:1/energy_uj"), "{c:?}");
 
         // Package only: still a pass, with why DRAM energy will be NULL.
         let pkg_only = dir.path().join("pkg-only");
         write_zone(&pkg_only, "intel-rapl:0", "package-0", Some("1\n"));
-        let c = rapl_check(&no_pmu, &pkg_only);
+        let c = rapl_check(rapl::open_with(&no_pmu, &pkg_only));
         assert_eq!(c.status, Status::Pass, "{c:?}");
         assert!(c.detail.contains(": package; no RAPL DRAM domain"), "{c:?}");
 
         // No package domain: CPU energy will be NULL, a warning.
         let psys_only = dir.path().join("psys-only");
         write_zone(&psys_only, "intel-rapl:0", "psys", Some("1\n"));
-        let c = rapl_check(&no_pmu, &psys_only);
+        let c = rapl_check(rapl::open_with(&no_pmu, &psys_only));
         assert_eq!(c.status, Status::Warn, "{c:?}");
         assert!(c.detail.contains(": psys; no RAPL package domain"), "{c:?}");
         assert!(c.fix.is_some(), "{c:?}");
 
         // Nothing there at all.
-        let c = rapl_check(&no_pmu, &dir.path().join("nothing"));
+        let c = rapl_check(rapl::open_with(&no_pmu, &dir.path().join("nothing")));
         assert_eq!(c.status, Status::Warn, "{c:?}");
         assert!(c.detail.starts_with("RAPL unavailable: no perf power PMU"), "{c:?}");
         assert!(c.fix.as_deref().is_some_and(|f| f.contains("modprobe")), "{c:?}");

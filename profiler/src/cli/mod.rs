@@ -79,8 +79,9 @@ pub struct TraceArgs {
     /// Load NVML from this file instead of the system's libnvidia-ml.so.1.
     #[arg(long, value_name = "PATH")]
     nvml_lib: Option<PathBuf>,
-    /// GPUs to sample (NVML indices or UUIDs, comma-separated), instead of the
-    /// target's CUDA_VISIBLE_DEVICES or all.
+    /// GPUs to sample (NVML indices, or GPU-/MIG- UUIDs, comma-separated),
+    /// instead of those the target's CUDA_VISIBLE_DEVICES names (numbered in
+    /// its CUDA_DEVICE_ORDER), or all.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     gpus: Option<Vec<String>>,
     /// Do not sample GPUs.
@@ -109,12 +110,21 @@ fn parse_python_step(s: &str) -> Result<PythonStepSpec, String> {
     PythonStepSpec::parse(s).map_err(|e| e.to_string())
 }
 
+/// The longest `--duration`: a year. Longer is a typo, and far enough past
+/// any clock's end that the deadline arithmetic would overflow.
+const MAX_DURATION_SECS: f64 = 365.0 * 24.0 * 3600.0;
+
 fn parse_secs(s: &str) -> Result<Duration, String> {
     let v: f64 = s.parse().map_err(|_| format!("'{s}' is not a number of seconds"))?;
     if !v.is_finite() || v < 0.0 {
         return Err(format!("'{s}' is not a non-negative number of seconds"));
     }
-    Ok(Duration::from_secs_f64(v))
+    if v > MAX_DURATION_SECS {
+        return Err(format!(
+            "'{s}' seconds is more than a year ({MAX_DURATION_SECS} s); leave --duration out to trace until Ctrl-C"
+        ));
+    }
+    Duration::try_from_secs_f64(v).map_err(|e| format!("'{s}': {e}"))
 }
 
 impl TraceArgs {
@@ -190,6 +200,13 @@ mod tests {
     fn rejects_bad_values() {
         assert!(Cli::try_parse_from(["profiler", "attach", "notapid"]).is_err());
         assert!(Cli::try_parse_from(["profiler", "attach", "1", "--duration", "-1"]).is_err());
+        for bad in ["1e20", "inf", "NaN", "31536001", "1s"] {
+            let e = Cli::try_parse_from(["profiler", "attach", "1", "--duration", bad]).expect_err(bad);
+            assert!(e.to_string().contains(bad), "{e}");
+        }
+        assert!(Cli::try_parse_from(["profiler", "attach", "1", "--duration", "31536000"]).is_ok());
+        assert!(Cli::try_parse_from(["profiler", "attach", "1", "--gpu-interval", "0"]).is_err());
+        assert!(Cli::try_parse_from(["profiler", "attach", "1", "--maps-interval", "99999999999999999999"]).is_err());
         assert!(Cli::try_parse_from(["profiler", "attach", "1", "--launches", "some"]).is_err());
         assert!(Cli::try_parse_from(["profiler", "run"]).is_err());
     }

@@ -99,6 +99,9 @@ pub(super) struct ProfileDb {
     pub path: PathBuf,
     /// Table or view → its columns, in order; read once at open.
     tables: BTreeMap<String, Vec<String>>,
+    /// Whether another process had the profile open when this one opened it
+    /// (a profiler still writing it): see [`held_open_elsewhere`].
+    pub held_open_elsewhere: bool,
 }
 
 impl ProfileDb {
@@ -108,6 +111,10 @@ impl ProfileDb {
         if !path.exists() {
             bail!("{} does not exist; pass the file written by `profiler attach/run -o FILE`", path.display());
         }
+        // Looked at before this process opens the profile: closing the file
+        // used to look would drop every fcntl lock this process holds on it,
+        // its own connection's included.
+        let held_open_elsewhere = held_open_elsewhere(path);
         // Read-only: a report must never create, migrate or lock a profile
         // that a running profiler may still be writing.
         let conn =
@@ -123,7 +130,7 @@ impl ProfileDb {
         if !tables.contains_key("sessions") || !tables.contains_key("steps") {
             bail!("{} is a SQLite database but not a profile (it has no sessions and steps tables)", path.display());
         }
-        Ok(Self { conn, path: path.to_owned(), tables })
+        Ok(Self { conn, path: path.to_owned(), tables, held_open_elsewhere })
     }
 
     pub fn has_table(&self, name: &str) -> bool {
@@ -229,6 +236,9 @@ fn id_list(ids: &[i64]) -> String {
 ///     "mode": "attach", "launch_mode": "all", "step_symbol": "train_step",
 ///     "started_utc": "2025-06-01 12:00:03", "started_unix_s": 1748779203.5,
 ///     "duration_s": 61.2,             // null while running or if the profiler was killed
+///     "state": "ended",               // "ended"; "running": not ended, a profiler has the file open;
+///                                     // "unclean": not ended and nobody writing it (the profiler was
+///                                     // killed or crashed: what it committed is there, nothing after)
 ///     "end_reason": "sigint", "lost_events": 0, "total_launches": 10000,
 ///     "stored_launches": 10000, "unmatched_returns": 0,
 ///     "hostname": "gpu1", "kernel_release": "6.8.0", "profiler_version": "0.1.0"
@@ -286,6 +296,8 @@ pub struct SessionInfo {
     pub started_utc: Option<String>,
     pub started_unix_s: f64,
     pub duration_s: Option<f64>,
+    /// `ended`, `running` or `unclean` (see [`SessionState`]).
+    pub state: SessionState,
     pub end_reason: Option<String>,
     pub lost_events: Option<i64>,
     pub total_launches: Option<i64>,
@@ -294,6 +306,59 @@ pub struct SessionInfo {
     pub hostname: Option<String>,
     pub kernel_release: Option<String>,
     pub profiler_version: String,
+}
+
+/// Whether a session ended, is still being written, or stopped without an end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SessionState {
+    /// Its end (time, reason, totals) was written.
+    Ended,
+    /// No end yet, and a process has the profile open: the profiler writing it.
+    Running,
+    /// No end, and nobody writing it: the profiler was killed or crashed. Every
+    /// row it committed is there; what it had not committed, and the end, are not.
+    Unclean,
+}
+
+impl SessionState {
+    fn as_str(self) -> &'static str {
+        match self {
+            SessionState::Ended => "ended",
+            SessionState::Running => "running",
+            SessionState::Unclean => "unclean",
+        }
+    }
+}
+
+/// How `session` stands. Only the newest session of a file can still be
+/// running (a later one started after it), and only while some process keeps
+/// the profile open.
+fn session_state(db: &ProfileDb, session: i64, ended: bool) -> anyhow::Result<SessionState> {
+    if ended {
+        return Ok(SessionState::Ended);
+    }
+    let newest: i64 = db.conn.query_row("SELECT max(id) FROM sessions", [], |r| r.get(0))?;
+    Ok(if newest == session && db.held_open_elsewhere { SessionState::Running } else { SessionState::Unclean })
+}
+
+/// Whether another process holds a lock on the profile's WAL index (`FILE-shm`).
+/// SQLite keeps a shared lock there for as long as a connection is open, so a
+/// live profiler always holds one, and a killed one's went with it (the kernel
+/// drops a process's fcntl locks when it dies). Call it before this process
+/// opens the profile.
+fn held_open_elsewhere(path: &Path) -> bool {
+    let mut shm = path.as_os_str().to_owned();
+    shm.push("-shm");
+    let Ok(file) = std::fs::File::open(&shm) else { return false };
+    // SAFETY: flock is plain data; all-zero is a valid value.
+    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+    lock.l_type = libc::F_WRLCK as libc::c_short;
+    lock.l_whence = libc::SEEK_SET as libc::c_short;
+    // l_start 0, l_len 0: the whole file.
+    // SAFETY: F_GETLK on an fd we own, with a flock the kernel reads and fills in.
+    let rc = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&file), libc::F_GETLK, &mut lock) };
+    rc == 0 && lock.l_type != libc::F_UNLCK as libc::c_short
 }
 
 #[derive(Debug, Serialize)]
@@ -432,7 +497,9 @@ type Measured = HashMap<(String, i64), i64>;
 
 /// Computes the report for `session`.
 pub fn build(db: &ProfileDb, session: i64, label: Option<&str>, skip: u64) -> anyhow::Result<Report> {
-    let info = session_info(db, session)?;
+    let mut info = session_info(db, session)?;
+    // duration_s is NULL exactly when ended_ns is (started_ns is NOT NULL).
+    info.state = session_state(db, session, info.duration_s.is_some())?;
     let capabilities = if db.has_table("capabilities") {
         let mut q = db.conn.prepare(
             "SELECT source, metric, available, reason FROM capabilities WHERE session_id = ?1 ORDER BY source, metric",
@@ -540,6 +607,7 @@ fn session_info(db: &ProfileDb, session: i64) -> anyhow::Result<SessionInfo> {
                 started_utc: r.get(7)?,
                 started_unix_s: r.get(8)?,
                 duration_s: r.get(9)?,
+                state: SessionState::Ended,
                 end_reason: r.get(10)?,
                 lost_events: r.get(11)?,
                 total_launches: r.get(12)?,
@@ -730,13 +798,30 @@ fn top_kernels(db: &ProfileDb, session: i64, launch_mode: &str) -> anyhow::Resul
     if launch_mode == "count" {
         return Ok(None);
     }
-    let (names, kernels) = kernel_names(db, "t.function");
-    let sql = format!(
-        "SELECT t.function, t.n, t.total, a.name, {names} FROM (
-             SELECT function, count(*) AS n, sum(count(*)) OVER () AS total, min(api) AS api
-             FROM launches WHERE session_id = ?1 GROUP BY function ORDER BY n DESC, function LIMIT {TOP_KERNELS}
-         ) t LEFT JOIN apis a ON a.id = t.api {kernels} ORDER BY t.n DESC, t.function"
-    );
+    let sql = if handles_renamed(db, session)? {
+        // Each launch counts for the kernel its handle named at the time: one
+        // rename lookup per launch, only in sessions that renamed a handle.
+        let rrow = rename_at("l.function", "l.ts_ns");
+        format!(
+            "SELECT t.function, t.n, t.total, a.name, coalesce(r.name, k.name),
+                    CASE WHEN r.rowid IS NULL THEN k.demangled_name ELSE r.demangled_name END FROM (
+                 SELECT function, rrow, count(*) AS n, sum(count(*)) OVER () AS total, min(api) AS api FROM (
+                     SELECT l.function, l.api, {rrow} AS rrow FROM launches l WHERE l.session_id = ?1
+                 ) GROUP BY function, rrow ORDER BY n DESC, function LIMIT {TOP_KERNELS}
+             ) t LEFT JOIN apis a ON a.id = t.api
+               LEFT JOIN kernels k ON k.session_id = ?1 AND k.function = t.function
+               LEFT JOIN kernel_renames r ON r.rowid = t.rrow
+             ORDER BY t.n DESC, t.function"
+        )
+    } else {
+        let (names, kernels) = kernel_names(db, "t.function", None);
+        format!(
+            "SELECT t.function, t.n, t.total, a.name, {names} FROM (
+                 SELECT function, count(*) AS n, sum(count(*)) OVER () AS total, min(api) AS api
+                 FROM launches WHERE session_id = ?1 GROUP BY function ORDER BY n DESC, function LIMIT {TOP_KERNELS}
+             ) t LEFT JOIN apis a ON a.id = t.api {kernels} ORDER BY t.n DESC, t.function"
+        )
+    };
     let mut q = db.conn.prepare(&sql)?;
     let rows = q
         .query_map([session], |r| {
@@ -755,17 +840,41 @@ fn top_kernels(db: &ProfileDb, session: i64, launch_mode: &str) -> anyhow::Resul
     Ok(Some(rows))
 }
 
-/// The names of the kernel handle in `function` (a column), for a query
-/// whose `?1` is the session: the two columns `name, demangled_name`, and the
-/// join that provides them (none in files from before kernel names). The
-/// kernels table holds one name per handle and session, so the join never
-/// repeats a row.
-pub(super) fn kernel_names(db: &ProfileDb, function: &str) -> (&'static str, String) {
-    if db.has_table("kernels") {
-        ("k.name, k.demangled_name", format!("LEFT JOIN kernels k ON k.session_id = ?1 AND k.function = {function}"))
-    } else {
-        ("NULL, NULL", String::new())
+/// The names of the kernel handle in `function` (a column) at time `at` (a
+/// column; None: the handle's latest name), for a query whose `?1` is the
+/// session: the two columns `name, demangled_name`, and the joins that provide
+/// them (none in files from before kernel names). Each joins at most one row.
+pub(super) fn kernel_names(db: &ProfileDb, function: &str, at: Option<&str>) -> (&'static str, String) {
+    if !db.has_table("kernels") {
+        return ("NULL, NULL", String::new());
     }
+    let first = format!("LEFT JOIN kernels k ON k.session_id = ?1 AND k.function = {function}");
+    if !db.has_table("kernel_renames") {
+        return ("k.name, k.demangled_name", first);
+    }
+    let at = at.map_or_else(|| i64::MAX.to_string(), str::to_owned);
+    (
+        "coalesce(r.name, k.name), CASE WHEN r.rowid IS NULL THEN k.demangled_name ELSE r.demangled_name END",
+        format!("{first} LEFT JOIN kernel_renames r ON r.rowid = {}", rename_at(function, &at)),
+    )
+}
+
+/// The `kernel_renames` row naming handle `function` at time `at` (SQL
+/// expressions; `?1` the session): its latest rename at or before `at`; NULL
+/// while the handle still has its first name (see `store::KERNELS_OVER_TIME`).
+fn rename_at(function: &str, at: &str) -> String {
+    format!(
+        "(SELECT r2.rowid FROM kernel_renames r2 WHERE r2.session_id = ?1 AND r2.function = {function}
+          AND r2.named_ns <= {at} ORDER BY r2.named_ns DESC LIMIT 1)"
+    )
+}
+
+/// Whether a handle of the session was named again (see [`rename_at`]).
+fn handles_renamed(db: &ProfileDb, session: i64) -> rusqlite::Result<bool> {
+    if !db.has_table("kernel_renames") {
+        return Ok(false);
+    }
+    db.conn.query_row("SELECT EXISTS (SELECT 1 FROM kernel_renames WHERE session_id = ?1)", [session], |r| r.get(0))
 }
 
 /// How a kernel is shown: its (demangled) name, else its handle and entry point.
@@ -825,10 +934,20 @@ pub fn render_table(r: &Report) -> String {
     let s = &r.session;
     let _ = writeln!(o, "{}", fit(&format!("session {} of {}", s.id, r.database), WIDTH));
     let _ = writeln!(o, "  target    {}", fit(&format!("pid {}  {}", s.pid, s.command), WIDTH - 12));
-    let duration = s.duration_s.map_or_else(|| "not ended".to_string(), |d| format!("{d:.3} s"));
-    let ended = s.end_reason.as_deref().unwrap_or(ABSENT);
     let started = s.started_utc.as_deref().map_or(String::new(), |t| format!("from {t} UTC, "));
-    let _ = writeln!(o, "  traced    {}", fit(&format!("{}, {started}{duration}, ended: {ended}", s.mode), WIDTH - 12));
+    let traced = match (s.state, s.duration_s) {
+        (SessionState::Ended, Some(d)) => {
+            format!("{}, {started}{d:.3} s, ended: {}", s.mode, s.end_reason.as_deref().unwrap_or(ABSENT))
+        }
+        (SessionState::Running, _) => format!("{}, {started}still running", s.mode),
+        _ => format!("{}, {started}not ended", s.mode),
+    };
+    let _ = writeln!(o, "  traced    {}", fit(&traced, WIDTH - 12));
+    if s.state == SessionState::Unclean {
+        let _ = writeln!(o, "  end       did not end cleanly (the profiler was killed?)");
+        let _ =
+            writeln!(o, "            {}", fit("committed rows are all here; the end and totals are not", WIDTH - 12));
+    }
     if let Some(sym) = &s.step_symbol {
         let _ = writeln!(o, "  step fn   {}", fit(sym, WIDTH - 12));
     }
@@ -1003,6 +1122,7 @@ fn write_csv(r: &Report, out: &mut impl Write) -> anyhow::Result<()> {
     row("session", "", "launch_mode", Some(s.launch_mode.clone()), "")?;
     row("session", "", "started_utc", s.started_utc.clone(), "")?;
     row("session", "", "duration", f(s.duration_s), "s")?;
+    row("session", "", "state", Some(s.state.as_str().to_owned()), "")?;
     row("session", "", "end_reason", s.end_reason.clone(), "")?;
     row("session", "", "lost_events", i(s.lost_events), "")?;
     row("session", "", "total_launches", i(s.total_launches), "")?;
@@ -1182,5 +1302,75 @@ mod tests {
         Connection::open(&other).expect("create").execute_batch("CREATE TABLE t (x)").expect("table");
         let e = ProfileDb::open(&other).err().expect("foreign fails").to_string();
         assert!(e.contains("not a profile"), "{e}");
+    }
+
+    /// A handle named twice (its address reused for another kernel): each
+    /// launch counts for the kernel the handle named at its time, in the
+    /// report's top kernels and in the export's per-launch names.
+    #[test]
+    fn a_reused_handle_names_each_launch_by_its_time() {
+        use crate::store::{KernelRow, LaunchRow, SessionEnd, SessionStart, Store, StoreMsg};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("p.db");
+        let store = Store::open(&path).expect("open");
+        let id = store
+            .begin_session(&SessionStart {
+                pid: 1,
+                command: "x".into(),
+                exe: None,
+                mode: "run",
+                launch_mode: "all",
+                step_symbol: None,
+                started_ns: 0,
+                unix_offset_ns: 0,
+                hostname: None,
+                kernel_release: None,
+            })
+            .expect("session");
+        let w = store.spawn_writer(id);
+        let kernel = |named_ns, name: &str| KernelRow {
+            function: 0x77,
+            named_ns,
+            name: name.into(),
+            demangled_name: None,
+            source: "cuModuleGetFunction",
+        };
+        w.send(StoreMsg::Kernels(vec![kernel(50, "first"), kernel(200, "second")]));
+        let launch = |ts_ns| LaunchRow {
+            ts_ns,
+            tid: 1,
+            api: profiler_common::LaunchApi::CuLaunchKernel,
+            function: 0x77,
+            grid: [1, 1, 1],
+            block: [1, 1, 1],
+            shared_mem_bytes: 0,
+            stream: 0,
+            step: None,
+        };
+        // One launch under the first name, two under the second; one before
+        // any naming counts for the first.
+        w.send(StoreMsg::Launches(vec![launch(10), launch(100), launch(250), launch(300)]));
+        let end = SessionEnd {
+            ended_ns: 400,
+            end_reason: "x".into(),
+            lost_events: 0,
+            total_launches: 4,
+            unmatched_returns: 0,
+        };
+        w.finish(end, Vec::new()).expect("finish");
+        let db = ProfileDb::open(&path).expect("a profile");
+        let top = top_kernels(&db, id, "all").expect("query").expect("launch rows");
+        let got: Vec<(Option<&str>, i64)> = top.iter().map(|k| (k.name.as_deref(), k.launches)).collect();
+        assert_eq!(got, vec![(Some("first"), 2), (Some("second"), 2)]);
+        let (names, join) = kernel_names(&db, "l.function", Some("l.ts_ns"));
+        let per_launch: Vec<String> = db
+            .conn
+            .prepare(&format!("SELECT {names} FROM launches l {join} WHERE l.session_id = ?1 ORDER BY l.ts_ns"))
+            .expect("prepare")
+            .query_map([id], |r| r.get::<_, String>(0))
+            .expect("query")
+            .collect::<rusqlite::Result<_>>()
+            .expect("rows");
+        assert_eq!(per_launch, ["first", "first", "second", "second"]);
     }
 }

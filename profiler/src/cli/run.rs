@@ -86,8 +86,6 @@ pub async fn main(args: RunArgs) -> anyhow::Result<ExitCode> {
     drop(gate_read);
     let launched = LaunchedChild { child, release: gate_write, exe, command: args.command.join(" ") };
     let summary = session::profile(args.trace.into_config(), Target::Run(Box::new(launched))).await?;
-    Ok(match summary.exit_code {
-        Some(0) | None => ExitCode::SUCCESS,
-        Some(c) => ExitCode::from(u8::try_from(c).unwrap_or(1)),
-    })
+    summary.report_failure();
+    Ok(summary.exit_code())
 }

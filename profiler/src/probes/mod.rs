@@ -18,13 +18,13 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, Map, MapData, PerCpuArray, RingBuf},
     programs::{
-        UProbe,
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
+        RawTracePoint, UProbe,
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeScope},
     },
 };
 use profiler_common::{
-    ApiLayer, LaunchApi, LaunchRecord, LaunchStage, RUNTIME_TEXTS, STAGE_LEN, STAGES, SyncApi, globals,
-    maps as map_names, name_call, programs,
+    ApiLayer, EVENTS_BYTES, LaunchApi, LaunchRecord, LaunchStage, RUNTIME_TEXTS, STAGE_LEN, STAGES, STEP_EVENTS_BYTES,
+    SyncApi, globals, maps as map_names, name_call, programs,
 };
 
 use self::maps::LibraryKind;
@@ -71,10 +71,23 @@ pub struct ProbePoint {
 /// Kernel-side counters, summed over CPUs.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct KernelCounters {
-    /// Records the ring buffer had no room for.
+    /// Records the rings had no room for, both rings together.
     pub lost: u64,
+    /// Of those, step-ring records (steps, syncs, thread exits, loader changes).
+    pub lost_step_records: u64,
+    /// Map updates that failed (see `profiler_common::maps::MAP_FAILURES`).
+    pub map_failures: u64,
     /// Launches seen, each counted once, whether a record was kept or not.
     pub launches: u64,
+}
+
+/// The two ring buffers, which the caller owns so that they outlive the
+/// probes (they are drained once more after the probes are detached).
+pub struct Rings {
+    /// Launch and kernel-name records.
+    pub launches: RingBuf<MapData>,
+    /// Step, sync and thread-exit records, and loader changes.
+    pub steps: RingBuf<MapData>,
 }
 
 /// The loaded programs and their attachments to one target process.
@@ -86,11 +99,12 @@ pub struct Probes {
     kernel: Option<placement::KernelVersion>,
     /// (st_dev, st_ino) of files already probed.
     probed: HashSet<(u64, u64)>,
-    lost: PerCpuArray<MapData, u64>,
-    launches: PerCpuArray<MapData, u64>,
+    counters: [PerCpuArray<MapData, u64>; 4],
     stages: StagedLaunches,
     /// Entries of `RUNTIME_TEXT` in use.
     runtime_texts: u32,
+    /// Every uprobe attached, owned here so that `detach` closes them all at once.
+    links: Vec<UProbeLink>,
 }
 
 /// The launch records threads have staged in the kernel and not yet written
@@ -113,20 +127,49 @@ impl StagedLaunches {
     }
 }
 
-/// Stands in for `pid_max` when sizing the per-thread launch slots: with a
-/// handful, threads share slots, which exercises the kernel side's fallback
-/// counters. For tests.
+/// Stands in for `pid_max` when sizing the per-thread slots (and so the
+/// fallback map): with a handful, threads share slots, which exercises the
+/// kernel side's fallback entries. For tests.
 const THREAD_SLOTS_ENV: &str = "PROFILER_THREAD_SLOTS";
 
-/// The most per-thread launch slots the kernel side gets (16 bytes each).
+/// Sizes of the launch ring and the step ring in bytes (a power of two, at
+/// least a page), instead of `EVENTS_BYTES` / `STEP_EVENTS_BYTES`: a small
+/// ring overflows on purpose. For tests.
+const RING_BYTES_ENV: &str = "PROFILER_RING_BYTES";
+const STEP_RING_BYTES_ENV: &str = "PROFILER_STEP_RING_BYTES";
+
+/// The most per-thread slots the kernel side gets (40 bytes each).
 const MAX_THREAD_SLOTS: u32 = 1 << 16;
 
-/// How many per-thread launch slots to create: enough that no two tids share
-/// one (`pid_max` rounded up to a power of two) where that is at most
-/// [`MAX_THREAD_SLOTS`]; otherwise that many, and the rare thread whose slot
-/// another holds counts in a hash map instead.
+/// The fewest `THREAD_FALLBACK` entries.
+const MIN_THREAD_FALLBACK: u32 = 1024;
+
+/// How many per-thread slots to create: enough that no two tids share one
+/// (`pid_max` rounded up to a power of two) where that is at most
+/// [`MAX_THREAD_SLOTS`]; otherwise that many. Exits release slots, so only
+/// live threads share them.
 fn thread_slots(pid_max: Option<u32>) -> u32 {
     pid_max.map_or(MAX_THREAD_SLOTS, |p| p.max(2).next_power_of_two().min(MAX_THREAD_SLOTS))
+}
+
+/// Entries of `THREAD_FALLBACK`, for live threads whose slot another live
+/// thread holds: with `slots` slots and n live threads about n²/2·slots of
+/// them while n is well below `slots`, so a quarter of `slots` holds the
+/// overflow of some 30 000 live threads on 65 536 slots.
+fn thread_fallback_entries(slots: u32) -> u32 {
+    (slots / 4).max(MIN_THREAD_FALLBACK)
+}
+
+/// A ring size from the environment (tests), if it is a usable one.
+fn ring_bytes(var: &str, default: u32) -> u32 {
+    match std::env::var(var).ok().and_then(|s| s.trim().parse::<u32>().ok()) {
+        Some(n) if n.is_power_of_two() && n >= 4096 => n,
+        Some(n) => {
+            log::warn!("{var}={n} is not a power of two of at least 4096: using {default}");
+            default
+        }
+        None => default,
+    }
 }
 
 fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<Map, ProbeError> {
@@ -134,14 +177,9 @@ fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<Map, ProbeError> {
 }
 
 impl Probes {
-    /// Loads all programs, filtering on `pid`'s tgid. Returns the probes and
-    /// the ring buffer, which the caller owns so that it outlives the probes
-    /// (it is drained once more after they are detached).
-    pub fn load(
-        pid: NonZeroU32,
-        emit_launches: bool,
-        place_probes: bool,
-    ) -> Result<(Self, RingBuf<MapData>), ProbeError> {
+    /// Loads all programs, filtering on `pid`'s tgid, and attaches the
+    /// thread-exit hook. Returns the probes and the rings.
+    pub fn load(pid: NonZeroU32, emit_launches: bool, place_probes: bool) -> Result<(Self, Rings), ProbeError> {
         if EBPF_OBJECT.is_empty() {
             return Err(ProbeError::NoObject);
         }
@@ -160,6 +198,10 @@ impl Probes {
             .override_global(globals::EMIT_LAUNCHES, &emit, true)
             .override_global(globals::THREAD_SLOT_MASK, &slot_mask, true)
             .map_max_entries(map_names::THREAD_SLOTS, slots)
+            .map_max_entries(map_names::SLOT_CLAIMS, slots)
+            .map_max_entries(map_names::THREAD_FALLBACK, thread_fallback_entries(slots))
+            .map_max_entries(map_names::EVENTS, ring_bytes(RING_BYTES_ENV, EVENTS_BYTES))
+            .map_max_entries(map_names::STEP_EVENTS, ring_bytes(STEP_RING_BYTES_ENV, STEP_EVENTS_BYTES))
             .load(EBPF_OBJECT)?;
         for name in program_names() {
             let prog: &mut UProbe = ebpf
@@ -169,12 +211,29 @@ impl Probes {
                 .map_err(|source| ProbeError::Program { name, source })?;
             prog.load().map_err(|source| ProbeError::Program { name, source })?;
         }
-        let ring = RingBuf::try_from(take_map(&mut ebpf, map_names::EVENTS)?)
-            .map_err(|source| ProbeError::Map { name: map_names::EVENTS, source })?;
-        let lost = PerCpuArray::try_from(take_map(&mut ebpf, map_names::LOST)?)
-            .map_err(|source| ProbeError::Map { name: map_names::LOST, source })?;
-        let launches = PerCpuArray::try_from(take_map(&mut ebpf, map_names::LAUNCHES)?)
-            .map_err(|source| ProbeError::Map { name: map_names::LAUNCHES, source })?;
+        // Released when a target thread exits: before any probe, so that no
+        // thread's state outlives it.
+        let name = programs::THREAD_EXIT;
+        let exit_hook: &mut RawTracePoint = ebpf
+            .program_mut(name)
+            .ok_or(ProbeError::Missing(name))?
+            .try_into()
+            .map_err(|source| ProbeError::Program { name, source })?;
+        exit_hook.load().map_err(|source| ProbeError::Program { name, source })?;
+        exit_hook.attach(programs::THREAD_EXIT_TRACEPOINT).map_err(|source| ProbeError::Program { name, source })?;
+        let mut ring = |name: &'static str| {
+            RingBuf::try_from(take_map(&mut ebpf, name)?).map_err(|source| ProbeError::Map { name, source })
+        };
+        let rings = Rings { launches: ring(map_names::EVENTS)?, steps: ring(map_names::STEP_EVENTS)? };
+        let mut counter = |name: &'static str| {
+            PerCpuArray::try_from(take_map(&mut ebpf, name)?).map_err(|source| ProbeError::Map { name, source })
+        };
+        let counters = [
+            counter(map_names::LOST)?,
+            counter(map_names::LOST_STEPS)?,
+            counter(map_names::MAP_FAILURES)?,
+            counter(map_names::LAUNCHES)?,
+        ];
         let stages = Array::try_from(take_map(&mut ebpf, map_names::LAUNCH_STAGES)?)
             .map_err(|source| ProbeError::Map { name: map_names::LAUNCH_STAGES, source })?;
         let kernel = if place_probes {
@@ -183,7 +242,9 @@ impl Probes {
             None
         };
         let stages = StagedLaunches(stages);
-        Ok((Self { ebpf, pid, kernel, probed: HashSet::new(), lost, launches, stages, runtime_texts: 0 }, ring))
+        let probes =
+            Self { ebpf, pid, kernel, probed: HashSet::new(), counters, stages, runtime_texts: 0, links: Vec::new() };
+        Ok((probes, rings))
     }
 
     fn attach(&mut self, program: &'static str, path: &Path, offset: u64, cookie: u64) -> Result<(), ProbeError> {
@@ -197,8 +258,11 @@ impl Probes {
         // OneProcess: the kernel installs the breakpoints only in the target's
         // address space (all its threads), so other processes using the same
         // library pay nothing.
-        prog.attach(point, path, UProbeScope::OneProcess(self.pid))
+        let id = prog
+            .attach(point, path, UProbeScope::OneProcess(self.pid))
             .map_err(|source| ProbeError::Program { name: program, source })?;
+        let link = prog.take_link(id).map_err(|source| ProbeError::Program { name: program, source })?;
+        self.links.push(link);
         Ok(())
     }
 
@@ -337,18 +401,28 @@ impl Probes {
     }
 
     pub fn counters(&self) -> KernelCounters {
-        read_counters(&self.lost, &self.launches)
+        let sum = |m: &PerCpuArray<MapData, u64>| m.get(&0, 0).map(|v| v.iter().sum::<u64>()).unwrap_or(0);
+        let [lost, lost_steps, map_failures, launches] = &self.counters;
+        let lost_step_records = sum(lost_steps);
+        KernelCounters {
+            lost: sum(lost) + lost_step_records,
+            lost_step_records,
+            map_failures: sum(map_failures),
+            launches: sum(launches),
+        }
     }
 
-    /// Detaches every probe.
+    /// Detaches every probe, each on a thread of its own (see [`close_all`]).
     ///
-    /// Step probes go first, and sync return probes after their entry probes,
-    /// so that no step ends with launch probes already gone and no thread is
-    /// left marked as inside a runtime sync while driver sync probes still fire. The kernel
-    /// retires uprobes asynchronously all the same, so the caller also drops
-    /// records stamped after its stop time. Returns the launches still staged.
+    /// The order in which probes go does not matter: the caller drops records
+    /// stamped after its stop time, taken before this, when every probe was in.
+    /// Returns the launches still staged.
     pub fn detach(self) -> StagedLaunches {
-        let Self { mut ebpf, stages, .. } = self;
+        let Self { mut ebpf, stages, links, .. } = self;
+        let (count, t0) = (links.len(), std::time::Instant::now());
+        close_all(links);
+        // The benchmark reads this line (`cargo xtask bench`, RUST_LOG=info).
+        log::info!("detached {count} uprobes in {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
         for name in program_names() {
             let prog: Option<&mut UProbe> = ebpf.program_mut(name).and_then(|p| p.try_into().ok());
             if let Some(prog) = prog
@@ -356,6 +430,15 @@ impl Probes {
             {
                 log::warn!("detaching {name}: {e}");
             }
+        }
+        // The exit hook last: a thread that exits from now on leaves its
+        // staged launches in the map, where the caller reads them.
+        let name = programs::THREAD_EXIT;
+        let hook: Option<&mut RawTracePoint> = ebpf.program_mut(name).and_then(|p| p.try_into().ok());
+        if let Some(hook) = hook
+            && let Err(e) = hook.unload()
+        {
+            log::warn!("detaching {name}: {e}");
         }
         stages
     }
@@ -374,9 +457,26 @@ fn program_names() -> impl Iterator<Item = &'static str> {
     ])
 }
 
-fn read_counters(lost: &PerCpuArray<MapData, u64>, launches: &PerCpuArray<MapData, u64>) -> KernelCounters {
-    let sum = |m: &PerCpuArray<MapData, u64>| m.get(&0, 0).map(|v| v.iter().sum::<u64>()).unwrap_or(0);
-    KernelCounters { lost: sum(lost), launches: sum(launches) }
+/// Drops `items` (links, whose drop detaches them) each on a thread of its
+/// own, and returns when all are dropped. A thread that cannot be started
+/// drops its item on this one.
+///
+/// Closing a uprobe waits for the kernel's grace periods (tasks-trace RCU and
+/// the uretprobe SRCU, ≈90 ms here). For the perf-event uprobes aya 0.14
+/// makes, the kernel holds its global `event_mutex` across that wait
+/// (`perf_uprobe_destroy`), so their closes still run one after another:
+/// 51 probes take ≈4 s. Links of the kind that do not take it (a
+/// `BPF_TRACE_UPROBE_MULTI` link, kernel 6.6+) would overlap their waits here.
+pub fn close_all<T: Send>(items: Vec<T>) {
+    std::thread::scope(|scope| {
+        for item in items {
+            if let Err(e) =
+                std::thread::Builder::new().name("profiler-detach".into()).spawn_scoped(scope, || drop(item))
+            {
+                log::debug!("detaching on the caller's thread: {e}");
+            }
+        }
+    });
 }
 
 /// Maps a file read-only (libraries can be a gigabyte; callers touch only

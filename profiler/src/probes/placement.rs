@@ -738,7 +738,7 @@ mod tests {
         match std::fs::read(&path) {
             Ok(data) => Some(data),
             Err(e) => {
-                eprintln!("skipping: {} not readable ({e})", path.display());
+                crate::skip_test(format!("{} not readable ({e})", path.display()));
                 None
             }
         }
@@ -782,7 +782,7 @@ mod tests {
     fn shaped_fixture_entry_points_get_their_designed_placements() {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/fixtures/shaped/libcuda.so.1");
         let Ok(data) = std::fs::read(&path) else {
-            eprintln!("skipping: {} not built", path.display());
+            crate::skip_test(format!("{} not built", path.display()));
             return;
         };
         let symbols = crate::probes::elf::function_symbols(&data).expect("parse fixture");

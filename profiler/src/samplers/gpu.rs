@@ -112,7 +112,7 @@ pub struct GpuConfig {
     /// `--nvml-lib`; None: the system's libnvidia-ml.so.1.
     pub nvml_lib: Option<PathBuf>,
     pub interval: Duration,
-    /// `--gpus`: NVML indices or UUIDs (prefixes allowed).
+    /// `--gpus`: NVML indices, UUIDs or MIG UUIDs (prefixes allowed).
     pub gpus: Option<Vec<String>>,
 }
 
@@ -125,64 +125,268 @@ pub enum GpuError {
     Selection(String),
 }
 
-/// A GPU chosen for sampling: its index as the target's CUDA sees it, and NVML's.
+/// How CUDA numbers the GPUs it sees (the target's `CUDA_DEVICE_ORDER`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceOrder {
+    /// CUDA's default: "fastest first" by an undocumented heuristic (see [`cuda_order`]).
+    FastestFirst,
+    /// `PCI_BUS_ID`: ascending PCI bus id, the order of NVML and nvidia-smi.
+    PciBusId,
+}
+
+impl DeviceOrder {
+    /// CUDA knows `PCI_BUS_ID` and `FASTEST_FIRST`; unset (or anything else) is the default.
+    pub fn from_env(value: Option<&str>) -> Self {
+        match value.map(str::trim) {
+            Some("PCI_BUS_ID") => Self::PciBusId,
+            _ => Self::FastestFirst,
+        }
+    }
+}
+
+/// What NVML says about one GPU (NVML device `i` is `facts[i]`), as far as
+/// choosing and numbering GPUs needs it. `None`: NVML could not say.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GpuFacts {
+    pub uuid: String,
+    pub name: Option<String>,
+    /// PCI (domain, bus, device).
+    pub pci: Option<(u32, u32, u32)>,
+    /// CUDA cores (`nvmlDeviceGetNumGpuCores`).
+    pub cores: Option<u32>,
+    pub max_sm_clock_mhz: Option<u32>,
+    pub compute_capability: Option<(i32, i32)>,
+    pub mig_enabled: bool,
+    /// UUIDs (`MIG-…`) of the GPU's MIG devices.
+    pub mig_uuids: Vec<String>,
+}
+
+/// A GPU chosen for sampling: its index as the target's CUDA sees it, NVML's,
+/// and the MIG devices of it that the target was given by UUID (NVML's
+/// readings are for the whole GPU, never for one MIG device).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SelectedGpu {
     pub logical: u32,
     pub nvml_index: u32,
+    pub mig: Vec<String>,
 }
 
-/// Which GPUs to sample, and their logical numbers. `override_list` (`--gpus`)
-/// wins; otherwise the target's `CUDA_VISIBLE_DEVICES` (indices or UUIDs,
-/// in the order CUDA numbers them); otherwise all GPUs. `uuids[i]` is the UUID
-/// of NVML device i. Entries CUDA would stop at (an invalid one ends the list,
-/// as in CUDA) end the list here too.
+/// The sampled GPUs, and what the profiler wants said about how it chose and
+/// numbered them: `(metric, available, reason)` rows for `capabilities`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuSelection {
+    pub gpus: Vec<SelectedGpu>,
+    pub notes: Vec<(String, bool, String)>,
+}
+
+/// NVML indices in PCI bus order (NVML's own order where a GPU has no PCI info).
+fn pci_order(gpus: &[GpuFacts]) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..gpus.len() as u32).collect();
+    if gpus.iter().all(|g| g.pci.is_some()) {
+        order.sort_by_key(|&i| gpus[i as usize].pci);
+    }
+    order
+}
+
+/// NVML indices in the order CUDA numbers the GPUs, and whether that order is
+/// exact (`true`) or an approximation, with a sentence that says which.
+///
+/// `PCI_BUS_ID` is exact. CUDA's default, FASTEST_FIRST, is "fastest to
+/// slowest using a simple heuristic" (CUDA programming guide) that NVIDIA does
+/// not publish. GPUs of one model tie, and CUDA numbers them in PCI bus order:
+/// exact again. For mixed models, what users report seeing
+/// (ethereum-mining/ethminer#283: one GTX 1080 and three 1080 Ti numbered
+/// 1080 Ti, 1080, 1080 Ti, 1080 Ti; xmrig/xmrig-nvidia#69, likewise with 750
+/// and 750 Ti) is the fastest GPU moved to the front and the rest left in PCI
+/// bus order, not a full sort; that is what this does, with "fastest" as
+/// CUDA's samples' `gpuGetMaxGflopsDeviceId` reckons it: cores × clock, then
+/// compute capability (NVML: `num_cores` × max SM clock), else compute
+/// capability, then max SM clock. The result is marked as an approximation.
+pub fn cuda_order(order: DeviceOrder, gpus: &[GpuFacts]) -> (Vec<u32>, bool, String) {
+    let pci = pci_order(gpus);
+    if order == DeviceOrder::PciBusId {
+        return (pci, true, "CUDA_DEVICE_ORDER=PCI_BUS_ID: logical numbers follow PCI bus order".into());
+    }
+    let first_name = gpus.first().and_then(|g| g.name.as_deref());
+    if gpus.len() <= 1 || (first_name.is_some() && gpus.iter().all(|g| g.name.as_deref() == first_name)) {
+        let what = first_name.map_or_else(|| "one GPU".to_string(), |n| format!("every GPU is {n}"));
+        return (pci, true, format!("CUDA_DEVICE_ORDER=FASTEST_FIRST (CUDA's default) and {what}: PCI bus order"));
+    }
+    let cc = |g: &GpuFacts| {
+        g.compute_capability.map_or(0, |(major, minor)| (major.max(0) as u64) << 32 | minor.max(0) as u64)
+    };
+    let advice = "set CUDA_DEVICE_ORDER=PCI_BUS_ID in the target, or name GPUs by UUID, for an exact mapping";
+    let clock = |g: &GpuFacts| g.max_sm_clock_mhz.map_or(0, u64::from);
+    let throughput = |g: &GpuFacts| u64::from(g.cores.unwrap_or(0)) * clock(g);
+    type Speed<'a> = &'a dyn Fn(&GpuFacts) -> (u64, u64);
+    let (basis, speed): (&str, Speed) = if gpus.iter().all(|g| g.cores.is_some() && g.max_sm_clock_mhz.is_some()) {
+        ("cores × max SM clock", &|g| (throughput(g), cc(g)))
+    } else if gpus.iter().all(|g| g.compute_capability.is_some()) {
+        ("compute capability", &|g| (cc(g), clock(g)))
+    } else {
+        let why = "GPU numbers follow PCI bus order, which may not be CUDA's default order (FASTEST_FIRST) \
+                       for GPUs of different models: NVML gives no cores, clocks or compute capability to rank them";
+        return (pci, false, format!("{why}; {advice}"));
+    };
+    let speeds: Vec<(u64, u64)> = pci.iter().map(|&i| speed(&gpus[i as usize])).collect();
+    // The first of the fastest in PCI order: `max_by_key` keeps the last of equals.
+    let fastest = (0..pci.len()).rev().max_by_key(|&k| speeds[k]).unwrap_or(0);
+    let mut out = vec![pci[fastest]];
+    out.extend(pci.iter().enumerate().filter(|&(k, _)| k != fastest).map(|(_, &i)| i));
+    let name = gpus[pci[fastest] as usize].name.as_deref().unwrap_or("unnamed");
+    let why = format!(
+        "GPU numbers approximate CUDA's default order (FASTEST_FIRST, undocumented) for GPUs of different models: \
+         NVML {} ({name}) first as the fastest by {basis}, the rest in PCI bus order",
+        pci[fastest]
+    );
+    (out, false, format!("{why}; {advice}"))
+}
+
+/// A `CUDA_VISIBLE_DEVICES` / `--gpus` entry as it resolves: a GPU, or a MIG
+/// device (its parent's NVML index, its full UUID).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Entry {
+    Gpu(u32),
+    Mig(u32, String),
+}
+
+impl Entry {
+    fn gpu(&self) -> u32 {
+        match self {
+            Entry::Gpu(i) | Entry::Mig(i, _) => *i,
+        }
+    }
+}
+
+/// Resolves one entry as CUDA does: an integer is the `numbered[i]` GPU; a
+/// `GPU-` or `MIG-` UUID may be shortened to any prefix that names one device;
+/// `MIG-GPU-<uuid>/<gi>/<ci>` (CUDA 11's form) names a MIG device of that GPU.
+fn resolve(entry: &str, gpus: &[GpuFacts], numbered: &[u32]) -> Option<Entry> {
+    let e = entry.trim();
+    if let Ok(i) = e.parse::<u32>() {
+        return numbered.get(i as usize).map(|&n| Entry::Gpu(n));
+    }
+    let unique = |mut hits: Vec<Entry>| (hits.len() == 1).then(|| hits.remove(0));
+    if let Some(rest) = e.strip_prefix("MIG-") {
+        if let Some((parent, _)) = rest.split_once('/') {
+            return gpus.iter().position(|g| g.uuid == parent).map(|i| Entry::Mig(i as u32, e.to_string()));
+        }
+        let hits = gpus.iter().enumerate().flat_map(|(i, g)| {
+            g.mig_uuids.iter().filter(|u| u.starts_with(e)).map(move |u| Entry::Mig(i as u32, u.clone()))
+        });
+        return unique(hits.collect());
+    }
+    let hits = gpus
+        .iter()
+        .enumerate()
+        .filter(|(_, g)| g.uuid.starts_with(e) || g.uuid.strip_prefix("GPU-").is_some_and(|s| s.starts_with(e)))
+        .map(|(i, _)| Entry::Gpu(i as u32));
+    if e.is_empty() { None } else { unique(hits.collect()) }
+}
+
+/// Which GPUs to sample, and their logical numbers. `override_list` (`--gpus`:
+/// NVML indices, UUIDs, MIG UUIDs; logical numbers are list positions) wins;
+/// otherwise the target's `CUDA_VISIBLE_DEVICES`, read as CUDA reads it:
+/// integers count in CUDA's order (`order`, see [`cuda_order`]), the first
+/// entry that names nothing or repeats one ends the list, and the logical
+/// number is the entry's place; otherwise all GPUs, in CUDA's order. A MIG
+/// device is sampled as its parent GPU (once, however many of its MIG devices
+/// the target sees), and a note says so. An unknown `--gpus` entry, or a
+/// `CUDA_VISIBLE_DEVICES` that names no GPU here, is the error.
 pub fn select_gpus(
     override_list: Option<&[String]>,
     cuda_visible_devices: Option<&str>,
-    uuids: &[String],
-) -> Result<Vec<SelectedGpu>, String> {
-    let find = |entry: &str| -> Option<u32> {
-        let e = entry.trim();
-        if let Ok(i) = e.parse::<u32>() {
-            return ((i as usize) < uuids.len()).then_some(i);
-        }
-        let matches: Vec<usize> = uuids
-            .iter()
-            .enumerate()
-            .filter(|(_, u)| u.starts_with(e) || u.strip_prefix("GPU-").is_some_and(|s| s.starts_with(e)))
-            .map(|(i, _)| i)
-            .collect();
-        (matches.len() == 1).then(|| matches[0] as u32)
+    order: DeviceOrder,
+    gpus: &[GpuFacts],
+) -> Result<GpuSelection, String> {
+    let known = || {
+        let list: Vec<String> = gpus.iter().enumerate().map(|(i, g)| format!("{i} {}", g.uuid)).collect();
+        format!("{} GPUs: {}", gpus.len(), list.join(", "))
     };
-    if let Some(list) = override_list {
+    let (cuda, exact, how) = cuda_order(order, gpus);
+    let mut notes = Vec::new();
+    let entries: Vec<(u32, Entry)> = if let Some(list) = override_list {
+        let identity: Vec<u32> = (0..gpus.len() as u32).collect();
         let mut out = Vec::new();
         for (logical, entry) in list.iter().enumerate() {
-            let nvml_index = find(entry).ok_or_else(|| {
-                format!(
-                    "--gpus: '{entry}' is not a GPU index or UUID here ({} GPUs: {})",
-                    uuids.len(),
-                    uuids.join(", ")
-                )
-            })?;
-            out.push(SelectedGpu { logical: logical as u32, nvml_index });
+            let hit = resolve(entry, gpus, &identity)
+                .ok_or_else(|| format!("--gpus: '{entry}' is not a GPU index, UUID or MIG UUID here ({})", known()))?;
+            out.push((logical as u32, hit));
         }
-        return Ok(out);
-    }
-    match cuda_visible_devices {
-        Some(cvd) => {
-            let mut out: Vec<SelectedGpu> = Vec::new();
-            for entry in cvd.split(',').filter(|e| !e.trim().is_empty()) {
-                let Some(nvml_index) = find(entry) else { break };
-                if out.iter().any(|g| g.nvml_index == nvml_index) {
-                    break;
-                }
-                out.push(SelectedGpu { logical: out.len() as u32, nvml_index });
+        notes.push(("gpu_order".to_string(), true, "--gpus: logical numbers are places in the --gpus list".into()));
+        out
+    } else if let Some(cvd) = cuda_visible_devices {
+        let listed: Vec<&str> = cvd.split(',').map(str::trim).filter(|e| !e.is_empty()).collect();
+        let mut out: Vec<(u32, Entry)> = Vec::new();
+        for &entry in &listed {
+            let hit = resolve(entry, gpus, &cuda);
+            let repeated = hit.as_ref().is_some_and(|h| out.iter().any(|(_, seen)| seen == h));
+            let Some(hit) = hit.filter(|_| !repeated) else {
+                let what = if repeated { "repeats an earlier one" } else { "names no GPU" };
+                notes.push((
+                    "gpu_selection".to_string(),
+                    true,
+                    format!(
+                        "the target's CUDA_VISIBLE_DEVICES='{cvd}': entry '{entry}' {what}, so CUDA ignores it and \
+                         every entry after it, and so does the profiler"
+                    ),
+                ));
+                break;
+            };
+            out.push((out.len() as u32, hit));
+        }
+        if out.is_empty() {
+            return Err(format!("the target's CUDA_VISIBLE_DEVICES='{cvd}' names no GPU that NVML sees ({})", known()));
+        }
+        if listed[..out.len()].iter().any(|e| e.parse::<u32>().is_ok()) {
+            notes.push(("gpu_order".to_string(), exact, how));
+        } else {
+            let how = "the target's CUDA_VISIBLE_DEVICES names GPUs by UUID: logical numbers are places in that list";
+            notes.push(("gpu_order".to_string(), true, how.into()));
+        }
+        out
+    } else {
+        notes.push(("gpu_order".to_string(), exact, how));
+        cuda.iter().enumerate().map(|(logical, &i)| (logical as u32, Entry::Gpu(i))).collect()
+    };
+
+    let mut selected: Vec<SelectedGpu> = Vec::new();
+    for (logical, hit) in entries {
+        let nvml_index = hit.gpu();
+        let k = match selected.iter().position(|s| s.nvml_index == nvml_index) {
+            Some(k) => k,
+            None => {
+                selected.push(SelectedGpu { logical, nvml_index, mig: Vec::new() });
+                selected.len() - 1
             }
-            Ok(out)
+        };
+        if let Entry::Mig(_, uuid) = hit
+            && !selected[k].mig.contains(&uuid)
+        {
+            selected[k].mig.push(uuid);
         }
-        None => Ok((0..uuids.len() as u32).map(|i| SelectedGpu { logical: i, nvml_index: i }).collect()),
     }
+    for s in &selected {
+        let gpu = &gpus[s.nvml_index as usize];
+        if s.mig.is_empty() && !gpu.mig_enabled {
+            continue;
+        }
+        let n = s.nvml_index;
+        let reason = if s.mig.is_empty() {
+            format!(
+                "readings are the whole GPU's (NVML {n} is in MIG mode), shared by all its MIG devices; CUDA numbers \
+                 MIG devices, not GPUs: name the target's by its MIG- UUID for an exact mapping"
+            )
+        } else {
+            format!(
+                "readings are the whole GPU's (NVML {n}), shared by all its MIG devices, not those of the target's \
+                 MIG device {}",
+                s.mig.join(", ")
+            )
+        };
+        notes.push((format!("GPU_{}/mig", s.logical), false, reason));
+    }
+    Ok(GpuSelection { gpus: selected, notes })
 }
 
 struct GpuState {
@@ -203,6 +407,8 @@ pub struct GpuSampler {
     out: Option<(RowSender, CapabilityLog)>,
     info_rows: Vec<Vec<Value>>,
     power_sources: Vec<(u32, bool)>,
+    /// How the GPUs were chosen and numbered ([`GpuSelection::notes`]).
+    selection_notes: Vec<(String, bool, String)>,
     pid: u32,
     interval: Duration,
     ticks: u64,
@@ -229,6 +435,47 @@ fn field_u32(sample: Option<&Result<FieldValueSample, NvmlError>>) -> Result<f64
     }
 }
 
+/// What NVML says about `dev` for [`select_gpus`]; a call NVML cannot answer
+/// (an older driver, a stand-in library) leaves its field `None`.
+fn gpu_facts(dev: &Device<'_>, uuid: String) -> GpuFacts {
+    // nvmlDeviceGetMigMode's NVML_DEVICE_MIG_ENABLE.
+    let mig_enabled = dev.mig_mode().is_ok_and(|m| m.current == 1);
+    // Slots up to the maximum; an empty slot is an error, and skipped.
+    let mig_uuids = match mig_enabled {
+        true => (0..dev.mig_device_count().unwrap_or(0))
+            .filter_map(|k| dev.mig_device_by_index(k).and_then(|m| m.uuid()).ok())
+            .collect(),
+        false => Vec::new(),
+    };
+    GpuFacts {
+        uuid,
+        name: dev.name().ok(),
+        pci: dev.pci_info().ok().map(|p| (p.domain, p.bus, p.device)),
+        cores: dev.num_cores().ok(),
+        max_sm_clock_mhz: dev.max_clock_info(Clock::SM).ok(),
+        compute_capability: dev.cuda_compute_capability().ok().map(|c| (c.major, c.minor)),
+        mig_enabled,
+        mig_uuids,
+    }
+}
+
+/// A full MIG UUID among `entries` that no GPU listed as its own (NVML would
+/// not enumerate its MIG devices) is looked up directly and filed under the
+/// parent NVML names for it (`nvmlDeviceGetDeviceHandleFromMigDeviceHandle`).
+fn find_mig_parents(nvml: &Nvml, entries: &[&str], facts: &mut [GpuFacts]) {
+    for e in entries.iter().map(|e| e.trim()) {
+        let listed = facts.iter().any(|g| g.mig_uuids.iter().any(|u| u.starts_with(e)));
+        if !e.starts_with("MIG-") || e.contains('/') || listed {
+            continue;
+        }
+        let parent = nvml.device_by_uuid(e).and_then(|m| m.mig_parent_device()).and_then(|p| p.index());
+        if let Some(g) = parent.ok().and_then(|p| facts.get_mut(p as usize)) {
+            g.mig_enabled = true;
+            g.mig_uuids.push(e.to_string());
+        }
+    }
+}
+
 /// Loads NVML from `lib` (None: the system's libnvidia-ml.so.1) and
 /// initialises it; the error says which of the two failed.
 pub fn init_nvml(lib: Option<&Path>) -> Result<Nvml, GpuError> {
@@ -242,19 +489,28 @@ pub fn init_nvml(lib: Option<&Path>) -> Result<Nvml, GpuError> {
 }
 
 impl GpuSampler {
-    /// Initialises NVML and picks the GPUs; nothing is written until [`Self::start`].
-    pub fn open(cfg: &GpuConfig, pid: u32, target_cvd: Option<&str>) -> Result<Self, GpuError> {
+    /// Initialises NVML and picks the GPUs the target sees, reading its
+    /// `CUDA_VISIBLE_DEVICES` and `CUDA_DEVICE_ORDER` through `target_var`;
+    /// nothing is written until [`Self::start`].
+    pub fn open(cfg: &GpuConfig, pid: u32, target_var: &dyn Fn(&str) -> Option<String>) -> Result<Self, GpuError> {
         let nvml = init_nvml(cfg.nvml_lib.as_deref())?;
         let count = nvml.device_count().map_err(|e| GpuError::Unavailable(format!("NVML device count: {e}")))?;
-        let mut uuids = Vec::new();
+        let mut facts = Vec::new();
         for i in 0..count {
-            let uuid = nvml
-                .device_by_index(i)
-                .and_then(|d| d.uuid())
-                .map_err(|e| GpuError::Unavailable(format!("NVML device {i}: {e}")))?;
-            uuids.push(uuid);
+            let dev = nvml.device_by_index(i).map_err(|e| GpuError::Unavailable(format!("NVML device {i}: {e}")))?;
+            let uuid = dev.uuid().map_err(|e| GpuError::Unavailable(format!("NVML device {i}: {e}")))?;
+            facts.push(gpu_facts(&dev, uuid));
         }
-        let selected = select_gpus(cfg.gpus.as_deref(), target_cvd, &uuids).map_err(GpuError::Selection)?;
+        let cvd = target_var("CUDA_VISIBLE_DEVICES");
+        let order = DeviceOrder::from_env(target_var("CUDA_DEVICE_ORDER").as_deref());
+        let named: Vec<&str> = match (&cfg.gpus, &cvd) {
+            (Some(list), _) => list.iter().map(String::as_str).collect(),
+            (None, Some(cvd)) => cvd.split(',').collect(),
+            (None, None) => Vec::new(),
+        };
+        find_mig_parents(&nvml, &named, &mut facts);
+        let GpuSelection { gpus: selected, notes: selection_notes } =
+            select_gpus(cfg.gpus.as_deref(), cvd.as_deref(), order, &facts).map_err(GpuError::Selection)?;
         let driver = nvml.sys_driver_version().ok();
         let mut gpus = Vec::new();
         let mut power_sources = Vec::new();
@@ -268,7 +524,7 @@ impl GpuSampler {
             info_rows.push(vec![
                 Value::Integer(sel.logical.into()),
                 Value::Integer(sel.nvml_index.into()),
-                Value::Text(uuids[sel.nvml_index as usize].clone()),
+                Value::Text(facts[sel.nvml_index as usize].uuid.clone()),
                 dev.name().map(Value::Text).unwrap_or(Value::Null),
                 dev.memory_info().map(|m| Value::Real(m.total as f64 / 1048576.0)).unwrap_or(Value::Null),
                 dev.power_management_limit().map(|mw| Value::Real(f64::from(mw) / 1000.0)).unwrap_or(Value::Null),
@@ -284,6 +540,7 @@ impl GpuSampler {
             live: GpuLive::default(),
             info_rows,
             power_sources,
+            selection_notes,
             pid,
             interval: cfg.interval,
             ticks: 0,
@@ -294,6 +551,9 @@ impl GpuSampler {
     /// Records the GPUs in `gpus` and starts sending rows to the store.
     pub fn start(&mut self, sender: RowSender) {
         let mut caps = CapabilityLog::new(sender.clone(), "nvml");
+        for (metric, available, reason) in std::mem::take(&mut self.selection_notes) {
+            caps.record(&metric, available, Some(reason));
+        }
         for &(logical, instant) in &self.power_sources {
             let how = if instant { "instant power (field 186)" } else { "power usage (1 s average)" };
             caps.record(&format!("GPU_{logical}/power_source"), true, Some(how.into()));
@@ -525,41 +785,219 @@ mod tests {
 
     const MS: u64 = 1_000_000;
 
-    fn uuids(n: usize) -> Vec<String> {
-        (0..n).map(|i| format!("GPU-5ca1ab1e-0000-4000-8000-{i:012}")).collect()
+    /// NVML device `i`: an H200 on PCI bus 0x18 + 0x10 i.
+    fn h200(i: usize) -> GpuFacts {
+        GpuFacts {
+            uuid: format!("GPU-5ca1ab1e-0000-4000-8000-{i:012}"),
+            name: Some("NVIDIA H200".into()),
+            pci: Some((0, 0x18 + 0x10 * i as u32, 0)),
+            cores: Some(16896),
+            max_sm_clock_mhz: Some(1980),
+            compute_capability: Some((9, 0)),
+            ..Default::default()
+        }
     }
 
-    fn sel(pairs: &[(u32, u32)]) -> Vec<SelectedGpu> {
-        pairs.iter().map(|&(logical, nvml_index)| SelectedGpu { logical, nvml_index }).collect()
+    fn a10(i: usize) -> GpuFacts {
+        let name = Some("NVIDIA A10".into());
+        GpuFacts { name, cores: Some(9216), max_sm_clock_mhz: Some(1695), compute_capability: Some((8, 6)), ..h200(i) }
+    }
+
+    fn h200s(n: usize) -> Vec<GpuFacts> {
+        (0..n).map(h200).collect()
+    }
+
+    /// GPU 1 with MIG on and two MIG devices.
+    fn with_mig(mut gpus: Vec<GpuFacts>) -> Vec<GpuFacts> {
+        gpus[1].mig_enabled = true;
+        gpus[1].mig_uuids =
+            vec!["MIG-aaaa1111-0000-4000-9000-000000000000".into(), "MIG-aaaa2222-0000-4000-9000-000000000000".into()];
+        gpus
+    }
+
+    /// (logical, NVML index) of each selected GPU.
+    fn picked(r: &Result<GpuSelection, String>) -> Vec<(u32, u32)> {
+        r.as_ref().expect("a selection").gpus.iter().map(|g| (g.logical, g.nvml_index)).collect()
+    }
+
+    fn note(r: &Result<GpuSelection, String>, metric: &str) -> Option<(bool, String)> {
+        let notes = &r.as_ref().expect("a selection").notes;
+        notes.iter().find(|(m, _, _)| m == metric).map(|(_, available, reason)| (*available, reason.clone()))
+    }
+
+    fn cvd(value: &str, gpus: &[GpuFacts]) -> Result<GpuSelection, String> {
+        select_gpus(None, Some(value), DeviceOrder::FastestFirst, gpus)
     }
 
     #[test]
     fn all_gpus_without_cuda_visible_devices() {
-        assert_eq!(select_gpus(None, None, &uuids(3)), Ok(sel(&[(0, 0), (1, 1), (2, 2)])));
+        let r = select_gpus(None, None, DeviceOrder::FastestFirst, &h200s(3));
+        assert_eq!(picked(&r), [(0, 0), (1, 1), (2, 2)]);
+        let (exact, how) = note(&r, "gpu_order").expect("order note");
+        assert!(exact && how.contains("every GPU is NVIDIA H200: PCI bus order"), "{how}");
+        assert_eq!(note(&r, "GPU_0/mig"), None);
     }
 
     #[test]
-    fn cuda_visible_devices_maps_logical_to_physical() {
-        assert_eq!(select_gpus(None, Some("2,0"), &uuids(4)), Ok(sel(&[(0, 2), (1, 0)])));
-        let u = uuids(4);
-        let by_uuid = format!("{},GPU-5ca1ab1e-0000-4000-8000-000000000001", u[3]);
-        assert_eq!(select_gpus(None, Some(&by_uuid), &u), Ok(sel(&[(0, 3), (1, 1)])));
-        // CUDA stops at the first invalid entry, and at a repeated one.
-        assert_eq!(select_gpus(None, Some("1,7,0"), &uuids(4)), Ok(sel(&[(0, 1)])));
-        assert_eq!(select_gpus(None, Some("1,1,0"), &uuids(4)), Ok(sel(&[(0, 1)])));
-        assert_eq!(select_gpus(None, Some(""), &uuids(2)), Ok(vec![]));
-        assert_eq!(select_gpus(None, Some("-1"), &uuids(2)), Ok(vec![]));
+    fn cuda_device_order_is_read_as_cuda_reads_it() {
+        assert_eq!(DeviceOrder::from_env(Some("PCI_BUS_ID")), DeviceOrder::PciBusId);
+        for v in [None, Some("FASTEST_FIRST"), Some("pci"), Some("")] {
+            assert_eq!(DeviceOrder::from_env(v), DeviceOrder::FastestFirst, "{v:?}");
+        }
     }
 
     #[test]
-    fn override_wins_and_rejects_unknown() {
-        let o = vec!["1".to_string()];
-        assert_eq!(select_gpus(Some(&o), Some("0"), &uuids(2)), Ok(sel(&[(0, 1)])));
-        let bad = vec!["9".to_string()];
-        assert!(select_gpus(Some(&bad), None, &uuids(2)).is_err());
-        // An ambiguous UUID prefix is not a match.
-        let amb = vec!["GPU-5ca1ab1e".to_string()];
-        assert!(select_gpus(Some(&amb), None, &uuids(2)).is_err());
+    fn integers_count_in_cuda_order_for_one_model() {
+        assert_eq!(picked(&cvd("2,0", &h200s(4))), [(0, 2), (1, 0)]);
+        assert_eq!(picked(&cvd(" 3 , 1 ", &h200s(4))), [(0, 3), (1, 1)]);
+        // Same model, different clocks (one power-capped): still PCI order.
+        let mut gpus = h200s(2);
+        gpus[1].max_sm_clock_mhz = Some(1980 + 100);
+        let r = cvd("0", &gpus);
+        assert_eq!(picked(&r), [(0, 0)]);
+        assert!(note(&r, "gpu_order").expect("order").0);
+    }
+
+    #[test]
+    fn fastest_first_moves_the_fastest_to_the_front_and_says_it_approximates() {
+        // PCI order A10, H200, A10, H200: CUDA numbers the first H200 0, the rest keep PCI order.
+        let gpus = vec![a10(0), h200(1), a10(2), h200(3)];
+        let r = select_gpus(None, None, DeviceOrder::FastestFirst, &gpus);
+        assert_eq!(picked(&r), [(0, 1), (1, 0), (2, 2), (3, 3)]);
+        let (exact, how) = note(&r, "gpu_order").expect("order note");
+        assert!(!exact, "a guess is never silent");
+        assert!(how.contains("approximate") && how.contains("NVML 1 (NVIDIA H200)") && how.contains("PCI_BUS_ID"));
+        assert_eq!(picked(&cvd("0,1", &gpus)), [(0, 1), (1, 0)]);
+        assert!(!note(&cvd("0", &gpus), "gpu_order").expect("order").0);
+        // UUIDs do not depend on the order: exact.
+        let r = cvd(&gpus[2].uuid, &gpus);
+        assert_eq!(picked(&r), [(0, 2)]);
+        assert!(note(&r, "gpu_order").expect("order").0);
+        // PCI_BUS_ID: NVML's order, exact.
+        let r = select_gpus(None, Some("0,1"), DeviceOrder::PciBusId, &gpus);
+        assert_eq!(picked(&r), [(0, 0), (1, 1)]);
+        let (exact, how) = note(&r, "gpu_order").expect("order note");
+        assert!(exact && how.contains("PCI_BUS_ID"), "{how}");
+    }
+
+    #[test]
+    fn the_order_follows_pci_bus_ids_and_degrades_to_what_nvml_knows() {
+        // NVML's index order is not the bus order here.
+        let mut gpus = h200s(3);
+        gpus[0].pci = Some((0, 0xca, 0));
+        assert_eq!(cuda_order(DeviceOrder::PciBusId, &gpus).0, [1, 2, 0]);
+        assert_eq!(cuda_order(DeviceOrder::FastestFirst, &gpus).0, [1, 2, 0]);
+        // Without PCI info for every GPU, NVML's order.
+        gpus[1].pci = None;
+        assert_eq!(cuda_order(DeviceOrder::PciBusId, &gpus).0, [0, 1, 2]);
+        // No core counts: compute capability decides.
+        let mut gpus = vec![a10(0), a10(1), h200(2)];
+        gpus.iter_mut().for_each(|g| g.cores = None);
+        let (order, exact, how) = cuda_order(DeviceOrder::FastestFirst, &gpus);
+        assert_eq!((order, exact), (vec![2, 0, 1], false));
+        assert!(how.contains("NVML 2 (NVIDIA H200) first as the fastest by compute capability"), "{how}");
+        // Nothing to rank by: PCI order, and it says it may not be CUDA's.
+        gpus.iter_mut().for_each(|g| g.compute_capability = None);
+        let (order, exact, how) = cuda_order(DeviceOrder::FastestFirst, &gpus);
+        assert_eq!((order, exact), (vec![0, 1, 2], false));
+        assert!(how.contains("may not be CUDA's"), "{how}");
+        // Cores × clock, not compute capability alone: more, older SMs win.
+        let mut big = a10(1);
+        big.cores = Some(30000);
+        let (order, _, _) = cuda_order(DeviceOrder::FastestFirst, &[h200(0), big]);
+        assert_eq!(order, [1, 0]);
+    }
+
+    #[test]
+    fn uuids_and_unique_prefixes_name_gpus() {
+        let u = h200s(4);
+        let by_uuid = format!("{},GPU-5ca1ab1e-0000-4000-8000-000000000001", u[3].uuid);
+        assert_eq!(picked(&cvd(&by_uuid, &u)), [(0, 3), (1, 1)]);
+        // A prefix that names one GPU is that GPU, with or without "GPU-".
+        let mut u = h200s(2);
+        u[1].uuid = "GPU-b0b0cafe-0000-4000-8000-000000000001".into();
+        assert_eq!(picked(&cvd("GPU-b0b0,GPU-5ca1", &u)), [(0, 1), (1, 0)]);
+        assert_eq!(picked(&cvd("b0b0cafe", &u)), [(0, 1)]);
+        // A prefix that names several names none, and ends the list.
+        let r = cvd("1,GPU-", &u);
+        assert_eq!(picked(&r), [(0, 1)]);
+        let (_, why) = note(&r, "gpu_selection").expect("a note on the ignored entries");
+        assert!(why.contains("'GPU-' names no GPU"), "{why}");
+    }
+
+    #[test]
+    fn a_mig_device_is_sampled_as_its_parent_and_says_so() {
+        let gpus = with_mig(h200s(3));
+        let r = cvd("MIG-aaaa2", &gpus);
+        let want = SelectedGpu { logical: 0, nvml_index: 1, mig: vec![gpus[1].mig_uuids[1].clone()] };
+        assert_eq!(r.as_ref().map(|s| s.gpus.clone()), Ok(vec![want]));
+        let (available, why) = note(&r, "GPU_0/mig").expect("a MIG note");
+        assert!(!available);
+        assert!(why.contains("MIG-aaaa2222-0000-4000-9000-000000000000") && why.contains("whole GPU"), "{why}");
+        // Two MIG devices of one GPU: the GPU is sampled once, as the first one's number.
+        let r = cvd("MIG-aaaa1,2,MIG-aaaa2", &gpus);
+        assert_eq!(picked(&r), [(0, 1), (1, 2)]);
+        assert_eq!(r.as_ref().map(|s| s.gpus[0].mig.len()), Ok(2));
+        // CUDA 11's form names the parent by its UUID.
+        let legacy = format!("MIG-{}/1/0", gpus[1].uuid);
+        assert_eq!(picked(&cvd(&legacy, &gpus)), [(0, 1)]);
+        assert!(cvd(&format!("MIG-{}/1/0", "GPU-0000"), &gpus).is_err());
+        // An ambiguous MIG prefix, or a MIG UUID nobody has, names nothing.
+        assert!(cvd("MIG-aaaa", &gpus).is_err());
+        assert!(cvd("MIG-ffff", &gpus).is_err());
+        // A GPU in MIG mode chosen by number: its readings are still the whole GPU's.
+        let r = select_gpus(None, None, DeviceOrder::FastestFirst, &gpus);
+        let (available, why) = note(&r, "GPU_1/mig").expect("a MIG note");
+        assert!(!available && why.contains("NVML 1 is in MIG mode") && why.contains("MIG- UUID"), "{why}");
+        assert_eq!(note(&r, "GPU_0/mig"), None);
+    }
+
+    #[test]
+    fn the_first_invalid_entry_ends_the_list() {
+        let r = cvd("1,7,0", &h200s(4));
+        assert_eq!(picked(&r), [(0, 1)]);
+        let (available, why) = note(&r, "gpu_selection").expect("a note");
+        assert!(available && why.contains("'7' names no GPU"), "{why}");
+        // CUDA's own example: 0,2,-1,1 shows 0 and 2.
+        assert_eq!(picked(&cvd("0,2,-1,1", &h200s(3))), [(0, 0), (1, 2)]);
+        assert_eq!(note(&cvd("0,2", &h200s(3)), "gpu_selection"), None);
+    }
+
+    #[test]
+    fn nothing_matched_is_an_error_that_names_the_gpus() {
+        for value in ["", " , ", "-1", "7", "GPU-ffff", "MIG-ffff,0"] {
+            let e = cvd(value, &h200s(2)).expect_err(value);
+            assert!(e.contains(&format!("CUDA_VISIBLE_DEVICES='{value}' names no GPU")), "{e}");
+            assert!(e.contains("2 GPUs: 0 GPU-5ca1ab1e-0000-4000-8000-000000000000, 1 GPU-"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_repeated_entry_ends_the_list() {
+        let r = cvd("1,1,0", &h200s(4));
+        assert_eq!(picked(&r), [(0, 1)]);
+        assert!(note(&r, "gpu_selection").expect("a note").1.contains("'1' repeats an earlier one"));
+        let gpus = h200s(2);
+        assert_eq!(picked(&cvd(&format!("0,{}", gpus[0].uuid), &gpus)), [(0, 0)]);
+        let gpus = with_mig(h200s(2));
+        assert_eq!(picked(&cvd("MIG-aaaa1,MIG-aaaa1111,0", &gpus)), [(0, 1)]);
+    }
+
+    #[test]
+    fn override_wins_takes_nvml_indices_and_rejects_unknown() {
+        let gpus = vec![a10(0), h200(1)];
+        let o = vec!["0".to_string()];
+        let r = select_gpus(Some(&o), Some("1"), DeviceOrder::FastestFirst, &gpus);
+        assert_eq!(picked(&r), [(0, 0)], "--gpus numbers are NVML's, whatever CUDA's order");
+        assert!(note(&r, "gpu_order").expect("order").1.contains("--gpus"));
+        let mig = vec!["1".to_string(), "MIG-aaaa2".to_string()];
+        let r = select_gpus(Some(&mig), None, DeviceOrder::FastestFirst, &with_mig(h200s(2)));
+        assert_eq!(picked(&r), [(0, 1)]);
+        for bad in ["9", "GPU-5ca1ab1e", "MIG-aaaa"] {
+            let e = select_gpus(Some(&[bad.to_string()]), None, DeviceOrder::FastestFirst, &with_mig(h200s(2)))
+                .expect_err(bad);
+            assert!(e.starts_with(&format!("--gpus: '{bad}' is not")), "{e}");
+        }
     }
 
     #[test]

@@ -24,6 +24,7 @@ use crate::store::{Capability, FinishHook, RowSender, StoreMsg};
 /// not bunched), and once more when stopped, so that its series covers the
 /// whole session.
 pub struct SamplerThread {
+    name: String,
     stop: Arc<AtomicBool>,
     join: JoinHandle<Option<FinishHook>>,
 }
@@ -60,14 +61,18 @@ impl SamplerThread {
             }
             sampler.finish()
         })?;
-        Ok(Self { stop, join })
+        Ok(Self { name: name.to_owned(), stop, join })
     }
 
-    /// Stops after one last sample; returns the sampler's finish hook.
-    pub fn stop(self) -> Option<FinishHook> {
+    /// Stops after one last sample; returns the sampler's finish hook, or,
+    /// when the sampler panicked, one line that says so (its series ends at
+    /// the panic; the rest of the session is unaffected).
+    pub fn stop(self) -> Result<Option<FinishHook>, String> {
         self.stop.store(true, Ordering::Release);
         self.join.thread().unpark();
-        self.join.join().ok().flatten()
+        self.join
+            .join()
+            .map_err(|payload| format!("the {} sampler panicked: {}", self.name, crate::panic_message(&*payload)))
     }
 }
 
@@ -234,5 +239,33 @@ pub(crate) mod testing {
             .expect("q")
             .collect::<rusqlite::Result<_>>()
             .expect("rows")
+    }
+}
+
+#[cfg(test)]
+mod thread_tests {
+    use super::*;
+
+    struct Panicking;
+
+    impl Sampler for Panicking {
+        fn tick(&mut self, _now_ns: u64) {
+            panic!("no such device");
+        }
+    }
+
+    struct Quiet;
+
+    impl Sampler for Quiet {
+        fn tick(&mut self, _now_ns: u64) {}
+    }
+
+    #[test]
+    fn a_sampler_panic_is_reported_not_swallowed() {
+        let t = SamplerThread::spawn("gpu", Duration::from_millis(1), Panicking).expect("spawn");
+        let err = t.stop().err().expect("the panic must surface");
+        assert_eq!(err, "the gpu sampler panicked: no such device");
+        let t = SamplerThread::spawn("system", Duration::from_millis(1), Quiet).expect("spawn");
+        assert!(t.stop().is_ok_and(|hook| hook.is_none()));
     }
 }

@@ -544,7 +544,7 @@ mod tests {
     fn finds_debians_python_probes_when_present() {
         let path = PathBuf::from("/usr/bin/python3.11");
         let Ok(bytes) = std::fs::read(&path) else {
-            eprintln!("skipped: {} not installed", path.display());
+            crate::skip_test(format!("{} not installed", path.display()));
             return;
         };
         let found = resolve(std::slice::from_ref(&path), |_| Some(&bytes[..])).expect("Debian's python3.11 has USDT");

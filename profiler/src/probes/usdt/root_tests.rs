@@ -14,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use aya::{maps::MapData, programs::UProbe};
+use aya::programs::UProbe;
 use profiler_common::programs;
 
 use super::{
@@ -204,9 +204,13 @@ fn semaphore_of(pid: NonZeroU32, python: &PythonProbes) -> (u16, Option<u16>) {
     (read(entry), python.tracing_switch.as_ref().map(|t| read(t.line_semaphore_file_offset)))
 }
 
-fn drain(ring: &mut aya::maps::RingBuf<MapData>, events: &mut Vec<Event>) {
-    while let Some(item) = ring.next() {
-        events.extend(records(&item).map(|r| decode(r).expect("a valid record")));
+/// Both rings' records (steps do not need the launches' order here: their
+/// launch counts come with them).
+fn drain(rings: &mut crate::probes::Rings, events: &mut Vec<Event>) {
+    for ring in [&mut rings.launches, &mut rings.steps] {
+        while let Some(item) = ring.next() {
+            events.extend(records(&item).map(|r| decode(r).expect("a valid record")));
+        }
     }
 }
 
@@ -273,6 +277,7 @@ fn run_traced(args: &[&str], specs: &[&str]) -> Traced {
             | Event::SyncEnter(_)
             | Event::SyncExit(_)
             | Event::KernelName(_)
+            | Event::ThreadExit(_)
             | Event::LoaderChange { .. } => {}
         }
     }
