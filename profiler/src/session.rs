@@ -316,7 +316,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
 
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer, labels, pid);
-    let mut watcher = LibraryWatcher { pid, seen: HashSet::new(), loader_hooked: false };
+    let mut watcher = LibraryWatcher { pid, seen: HashSet::new(), loader_hooked: false, failed: HashSet::new() };
     let probed =
         attach_all(&cfg, pid, mode, &exe, &mut probes, &mut watcher, &resolved_steps, python.as_ref(), &target_var);
     let mut python_steps = None;
@@ -464,7 +464,7 @@ fn attach_all(
                 watcher.seen.insert(cand.clone());
                 libraries.push(library_row(&cand, LibraryKind::Driver, placed, "predicted"));
             }
-            Err(e) => log::warn!("could not probe {}: {e}", cand.display()),
+            Err(e) => libraries.extend(watcher.not_probed(&cand, LibraryKind::Driver, "predicted", &e)),
         }
     }
     // The step probes go in last, so that every step they see has the launch
@@ -616,6 +616,8 @@ struct LibraryWatcher {
     seen: HashSet<PathBuf>,
     /// Whether the dynamic loader's hook is probed (see `attach_all`).
     loader_hooked: bool,
+    /// Paths whose probes failed, already reported (see `not_probed`).
+    failed: HashSet<PathBuf>,
 }
 
 /// How often the maps are polled when the loader's hook is probed.
@@ -665,10 +667,35 @@ impl LibraryWatcher {
                     }
                     rows.push(library_row(&file.path, kind, placed, how));
                 }
-                Err(e) => log::warn!("could not probe {}: {e}", file.path.display()),
+                Err(e) => {
+                    // Nothing of it stays probed (all or nothing): the next look tries again.
+                    self.seen.remove(&file.path);
+                    rows.extend(self.not_probed(&file.path, kind, how, &e));
+                }
             }
         }
         Some(maps)
+    }
+
+    /// A library whose probes could not all attach: a warning and a
+    /// `libraries` row (0 probes, and why), the first time only, since every
+    /// later look tries it again.
+    fn not_probed(&mut self, path: &Path, kind: LibraryKind, how: &str, e: &probes::ProbeError) -> Option<LibraryRow> {
+        if !self.failed.insert(path.to_owned()) {
+            return None;
+        }
+        // The OS error sits at the end of the chain (aya's says only which syscall failed).
+        let mut why = e.to_string();
+        let mut source = std::error::Error::source(e);
+        while let Some(s) = source {
+            let s_text = s.to_string();
+            if !why.ends_with(&s_text) {
+                why = format!("{why}: {s_text}");
+            }
+            source = s.source();
+        }
+        log::warn!("could not probe {} (tried again at each look for new libraries): {why}", path.display());
+        Some(probe_row(path, kind.as_str(), 0, format!("not probed ({how}): {why}")))
     }
 }
 

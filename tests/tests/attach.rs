@@ -831,3 +831,39 @@ fn sigkill_mid_session_keeps_every_committed_row_and_report_says_so() {
         count(&db, "SELECT count(*) FROM launches WHERE session_id = ?1", s.id)
     );
 }
+
+/// A driver library whose probes attach only half way (its second launch
+/// entry point lies past the end of the file, where the kernel refuses a
+/// uprobe): none of its probes stay, one warning and a `libraries` row say
+/// why, and the session goes on.
+#[test]
+fn a_library_probed_half_way_keeps_no_probe_and_says_why() {
+    let dir = workdir("halfway");
+    let db = dir.join("p.db");
+    let lib_dir = fixtures().join("halfway");
+    let args: Vec<String> =
+        ["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--", "true"].iter().map(|s| s.to_string()).collect();
+    let agent = Agent::start_with_env(&args, &[("LD_LIBRARY_PATH", lib_dir.to_str().expect("utf-8"))], false);
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "{stderr}");
+    let s = last_session(&db);
+    let lib = lib_dir.join("libcuda.so.1").display().to_string();
+    let (kind, probes, how): (String, i64, String) = open(&db)
+        .query_row(
+            "SELECT kind, probes, how FROM libraries WHERE session_id = ?1 AND path = ?2",
+            rusqlite::params![s.id, lib],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .expect("a libraries row for the library that could not be probed");
+    assert_eq!((kind.as_str(), probes), ("driver", 0), "{how}");
+    assert!(how.starts_with("not probed (predicted): "), "{how}");
+    let placed: i64 = open(&db)
+        .query_row(
+            "SELECT count(*) FROM probes WHERE session_id = ?1 AND library = ?2",
+            rusqlite::params![s.id, lib],
+            |r| r.get(0),
+        )
+        .expect("probes");
+    assert_eq!(placed, 0);
+    assert_eq!(stderr.matches("could not probe").count(), 1, "{stderr}");
+}

@@ -135,6 +135,9 @@ fn fixtures() -> Result<()> {
     // probe placement moves its probes.
     std::fs::create_dir_all(dir.join("shaped"))?;
     gcc(&["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", &out("shaped/libcuda.so.1"), "shaped_cuda.S"])?;
+    // A stand-in driver whose second launch entry point the kernel refuses to probe.
+    std::fs::create_dir_all(dir.join("halfway"))?;
+    gcc(&["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", &out("halfway/libcuda.so.1"), "halfway_cuda.S"])?;
     gcc(&[&common[..], &["-rdynamic", "-o", &out("trainer"), "trainer.c", "-ldl", "-lpthread"]].concat())?;
     gcc(&[&common[..], &["-o", &out("genuine_launch"), "genuine_launch.c", "-ldl"]].concat())?;
     // A copy of the stand-in driver in a directory nobody's search path names:

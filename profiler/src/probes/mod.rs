@@ -269,7 +269,8 @@ impl Probes {
     /// Probes the launch entry points, host synchronisation calls and (for
     /// the driver) kernel-naming calls `path` exports; returns where each probe
     /// went (empty when the file exports none), or None when this file (by
-    /// device and inode) was already probed, under whatever name.
+    /// device and inode) was already probed, under whatever name. On an error
+    /// none of its probes stay attached.
     ///
     /// `text`: where a runtime library's code is mapped in the target, so that
     /// the driver probes can tell the runtime's calls to the driver.
@@ -279,13 +280,33 @@ impl Probes {
         path: &Path,
         text: &[(u64, u64)],
     ) -> Result<Option<Vec<PlacedProbe>>, ProbeError> {
-        let read_err = |source| ProbeError::Read { path: path.to_owned(), source };
-        let meta = std::fs::metadata(path).map_err(read_err)?;
-        if !self.probed.insert((meta.dev(), meta.ino())) {
+        let meta = std::fs::metadata(path).map_err(|source| ProbeError::Read { path: path.to_owned(), source })?;
+        let file = (meta.dev(), meta.ino());
+        if !self.probed.insert(file) {
             return Ok(None);
         }
+        // All or nothing: a library probed half way would count some of its
+        // launches and miss the others for the rest of the session. On any
+        // failure the probes attached so far come off (dropping a link
+        // detaches it), and the file is left for the next look to try again.
+        let links_before = self.links.len();
+        let placed = self.probe_library(kind, path, text);
+        if placed.is_err() {
+            self.links.truncate(links_before);
+            self.probed.remove(&file);
+        }
+        placed.map(Some)
+    }
+
+    /// The probes of [`Self::attach_cuda_library`], all of them or an error.
+    fn probe_library(
+        &mut self,
+        kind: LibraryKind,
+        path: &Path,
+        text: &[(u64, u64)],
+    ) -> Result<Vec<PlacedProbe>, ProbeError> {
         // Mapped, not read: only the symbol tables and the entry blocks are touched.
-        let data = map_file(path).map_err(read_err)?;
+        let data = map_file(path).map_err(|source| ProbeError::Read { path: path.to_owned(), source })?;
         let symbols =
             elf::function_symbols(&data).map_err(|source| ProbeError::Elf { path: path.to_owned(), source })?;
         let layer = match kind {
@@ -339,7 +360,7 @@ impl Probes {
                 placed.push(PlacedProbe { symbol, offset: 0, reason: "kernel name entry and return".into() });
             }
         }
-        Ok(Some(placed))
+        Ok(placed)
     }
 
     /// Where a hot probe on `sym` (in the file `data`) goes: placement's choice,
