@@ -464,6 +464,8 @@ pub const STEP_EVENTS_BYTES: u32 = 2 * 1024 * 1024;
 pub mod maps {
     /// `RingBuf` carrying launch and kernel-name records.
     pub const EVENTS: &str = "EVENTS";
+    /// `Array<u32>` of one: set to 1 when the session stops; every program then returns at once.
+    pub const STOPPED: &str = "STOPPED";
     /// `RingBuf` carrying [`super::StepRecord`]s (steps, syncs, thread exits)
     /// and loader changes: small, and never crowded out by launches.
     pub const STEP_EVENTS: &str = "STEP_EVENTS";

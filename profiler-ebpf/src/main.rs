@@ -202,12 +202,26 @@ fn submit_flags() -> u64 {
     BPF_RB_NO_WAKEUP
 }
 
+/// `[0]` is set by the agent when the session stops: from then on every
+/// program returns at once, so that the rings and stages it reads no longer
+/// change while the kernel takes the probes off, at its own pace (≈90 ms a
+/// probe, in a process the agent leaves behind: see `Probes::detach`).
+#[map]
+static STOPPED: Array<u32> = Array::with_max_entries(1, 0);
+
 #[inline(always)]
 fn target_tid() -> Option<u32> {
     let pid_tgid = bpf_get_current_pid_tgid();
     // SAFETY: a plain read of a global the loader patched.
     let target = unsafe { core::ptr::read_volatile(&TARGET_TGID) };
-    if (pid_tgid >> 32) as u32 == target { Some(pid_tgid as u32) } else { None }
+    if (pid_tgid >> 32) as u32 != target {
+        return None;
+    }
+    // An array lookup the verifier inlines (no helper call).
+    if STOPPED.get(0).is_some_and(|s| *s != 0) {
+        return None;
+    }
+    Some(pid_tgid as u32)
 }
 
 #[inline(always)]
