@@ -458,7 +458,10 @@ pub mod globals {
 /// Bytes of the launch ring (`maps::EVENTS`), unless the agent sets another size.
 pub const EVENTS_BYTES: u32 = 32 * 1024 * 1024;
 /// Bytes of the step ring (`maps::STEP_EVENTS`), unless the agent sets another size.
-pub const STEP_EVENTS_BYTES: u32 = 2 * 1024 * 1024;
+/// 8 MiB: ≈200 000 records, seconds of a thread-churning target's steps, syncs
+/// and exits while the agent is held up behind a slow disk (2 MiB overflowed
+/// once in a test of 66 400 short-lived threads on the 2-core VM).
+pub const STEP_EVENTS_BYTES: u32 = 8 * 1024 * 1024;
 
 /// Names of the maps the agent reads.
 pub mod maps {

@@ -65,7 +65,7 @@ static THREAD_SLOT_MASK: u32 = 0;
 static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_BYTES, 0);
 
 /// Step, sync and thread-exit records (`StepRecord`) and loader changes: a
-/// few per step, so 2 MiB (~40 000 records) is ample between two drains, and
+/// few per step, so 8 MiB (~200 000 records) is ample between two drains, and
 /// launches, which can fill `EVENTS`, never take their room.
 #[map]
 static STEP_EVENTS: RingBuf = RingBuf::with_byte_size(STEP_EVENTS_BYTES, 0);

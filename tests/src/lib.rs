@@ -247,12 +247,39 @@ impl Agent {
         unsafe { libc::kill(self.child.id() as i32, sig) };
     }
 
-    /// Waits for exit; returns the status and everything it printed.
+    /// Waits for exit, and for the kernel to finish removing its probes;
+    /// returns the status and everything it printed.
     pub fn finish(mut self) -> (ExitStatus, String) {
         let status = self.child.wait().expect("wait profiler");
         // Let the reader thread take the last lines.
         std::thread::sleep(Duration::from_millis(50));
+        wait_for_probe_removal();
         (status, self.stderr())
+    }
+}
+
+/// Waits (up to 30 s) until no orphaned `profiler` process is still
+/// removing a finished session's probes. The profiler hands that removal
+/// (≈90 ms a probe, under a kernel-wide lock) to a process of its own and
+/// exits; a test that attached again at once would find its own attaches
+/// queued behind it, and late-loaded libraries probed too late.
+pub fn wait_for_probe_removal() {
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(30) {
+        let busy = std::fs::read_dir("/proc").into_iter().flatten().flatten().any(|e| {
+            let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+            // "PID (comm) STATE PPID …": an orphan (PPID 1) not yet a zombie.
+            let Some(rest) = stat.strip_prefix(&format!("{} (profiler) ", e.file_name().to_string_lossy())) else {
+                return false;
+            };
+            let mut fields = rest.split_whitespace();
+            let (state, ppid) = (fields.next(), fields.next());
+            ppid == Some("1") && state != Some("Z")
+        });
+        if !busy {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
