@@ -1131,16 +1131,7 @@ impl Consumer {
     fn finish(mut self, mut end: SessionEnd, hooks: Vec<FinishHook>) -> anyhow::Result<(String, Vec<String>)> {
         self.name_runtime_stubs();
         for s in self.tracker.open_steps() {
-            self.steps.push(StepRow {
-                sync_wait_ns: None,
-                label: s.label.to_owned(),
-                step: s.step,
-                tid: s.tid,
-                start_ns: s.start_ns,
-                end_ns: None,
-                inter_step_ns: s.inter_step_ns,
-                launches: None,
-            });
+            self.store_open_step(s);
         }
         self.flush();
         end.unmatched_returns = self.tracker.unmatched_returns;
