@@ -288,7 +288,9 @@ fn median(mut runs: Vec<Measured>) -> Measured {
 pub fn main() -> Result<()> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        bail!("the benchmark loads eBPF programs and needs root: run `sudo cargo xtask bench`");
+        bail!(
+            "the benchmark loads eBPF programs throughout and needs root: run it as root, e.g. `sudo env \"PATH=$PATH\" cargo xtask bench` (sudo's secure_path hides rustup's cargo)"
+        );
     }
     let work: PathBuf = crate::root().join("target/bench");
     std::fs::create_dir_all(&work)?;
