@@ -227,9 +227,15 @@ fn files_written_under_sudo_belong_to_the_user_who_ran_it() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let m = std::fs::metadata(&trace).expect("trace");
     assert_eq!((m.uid(), m.gid()), (4242, 4343));
-    // Without sudo's variables, root's files stay root's.
+    // Without sudo's variables (these tests may themselves run under sudo), root's files stay root's.
     let plain = dir.join("plain.db");
-    let (status, stderr) = Agent::start(&run_args(&plain, &[], &["true"]), false).finish();
-    assert!(status.success(), "{stderr}");
+    let out = Command::new(profiler_bin())
+        .args(run_args(&plain, &[], &["true"]))
+        .env_remove("SUDO_UID")
+        .env_remove("SUDO_GID")
+        .output()
+        .expect("run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    wait_for_probe_removal();
     assert_eq!(std::fs::metadata(&plain).expect("db").uid(), 0);
 }
