@@ -771,28 +771,6 @@ proptest! {
 // ---------------------------------------------------------------------------------------------------------------
 // Probe placement
 
-/// Mnemonics the walk may pass (placement's side-effect-free list).
-const PASSABLE: [Mnemonic; 18] = [
-    Mnemonic::Cmp,
-    Mnemonic::Test,
-    Mnemonic::Bt,
-    Mnemonic::Mov,
-    Mnemonic::Movzx,
-    Mnemonic::Movsx,
-    Mnemonic::Movsxd,
-    Mnemonic::Lea,
-    Mnemonic::Add,
-    Mnemonic::Sub,
-    Mnemonic::And,
-    Mnemonic::Or,
-    Mnemonic::Xor,
-    Mnemonic::Inc,
-    Mnemonic::Dec,
-    Mnemonic::Nop,
-    Mnemonic::Endbr64,
-    Mnemonic::Push,
-];
-
 /// A placement is at an instruction boundary inside the bytes, reached from the entry by `passed` straight-line,
 /// side-effect-free instructions, on an instruction class the kernel emulates; it does not depend on bytes after
 /// the probe point's instruction; a fallback stays at the entry.
@@ -816,7 +794,11 @@ fn check_placement(code: &[u8], address: u64, kernel: placement::KernelVersion) 
                 decoder.decode_out(&mut insn);
                 prop_assert!(!insn.is_invalid());
                 prop_assert_eq!(insn.flow_control(), FlowControl::Next, "passed {:?}", insn.mnemonic());
-                prop_assert!(PASSABLE.contains(&insn.mnemonic()), "passed {:?}", insn.mnemonic());
+                prop_assert!(
+                    crate::probes::placement::SIDE_EFFECT_FREE.contains(&insn.mnemonic()),
+                    "passed {:?}",
+                    insn.mnemonic()
+                );
             }
             prop_assert_eq!(decoder.position() as u64, p.offset, "{}: not the instruction after {} passed", p, passed);
             decoder.decode_out(&mut insn);

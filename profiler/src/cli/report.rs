@@ -1309,24 +1309,10 @@ mod tests {
     /// report's top kernels and in the export's per-launch names.
     #[test]
     fn a_reused_handle_names_each_launch_by_its_time() {
-        use crate::store::{KernelRow, LaunchRow, SessionEnd, SessionStart, Store, StoreMsg};
+        use crate::store::{KernelRow, LaunchRow, StoreMsg};
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("p.db");
-        let store = Store::open(&path).expect("open");
-        let id = store
-            .begin_session(&SessionStart {
-                pid: 1,
-                command: "x".into(),
-                exe: None,
-                mode: "run",
-                launch_mode: "all",
-                step_symbol: None,
-                started_ns: 0,
-                unix_offset_ns: 0,
-                hostname: None,
-                kernel_release: None,
-            })
-            .expect("session");
+        let (store, id) = crate::samplers::testing::open_store(&path);
         let w = store.spawn_writer(id);
         let kernel = |named_ns, name: &str| KernelRow {
             function: 0x77,
@@ -1350,13 +1336,7 @@ mod tests {
         // One launch under the first name, two under the second; one before
         // any naming counts for the first.
         w.send(StoreMsg::Launches(vec![launch(10), launch(100), launch(250), launch(300)]));
-        let end = SessionEnd {
-            ended_ns: 400,
-            end_reason: "x".into(),
-            lost_events: 0,
-            total_launches: 4,
-            unmatched_returns: 0,
-        };
+        let end = crate::samplers::testing::end();
         w.finish(end, Vec::new()).expect("finish");
         let db = ProfileDb::open(&path).expect("a profile");
         let top = top_kernels(&db, id, "all").expect("query").expect("launch rows");

@@ -333,7 +333,7 @@ fn emulated_on(bytes: &[u8], kernel: KernelVersion) -> Option<Emulated> {
 }
 
 /// Mnemonics that, operands permitting (see [`passable`]), change nothing but registers and flags.
-const SIDE_EFFECT_FREE: [Mnemonic; 18] = [
+pub(crate) const SIDE_EFFECT_FREE: [Mnemonic; 18] = [
     Mnemonic::Cmp,
     Mnemonic::Test,
     Mnemonic::Bt,
