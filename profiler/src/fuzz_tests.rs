@@ -33,7 +33,7 @@ use std::{
     sync::LazyLock,
 };
 
-use iced_x86::{Decoder, DecoderOptions, FlowControl, Instruction, Mnemonic};
+use iced_x86::{Decoder, DecoderOptions, FlowControl, Instruction};
 use object::{Object, ObjectSection};
 use profiler_common::{KernelNameRecord, LaunchApi, LaunchRecord, RecordHeader, RecordKind, StepRecord};
 use proptest::{prelude::*, sample::Index, test_runner::TestCaseError};

@@ -14,18 +14,14 @@ fn invoking_user() -> Option<(u32, u32)> {
     (uid != 0).then_some((uid, gid))
 }
 
-/// Hands `path`, and the SQLite side files next to it (`-wal`, `-shm`), to
-/// the user who ran `sudo`, where they are root's: a file someone else owns is
-/// left alone. Does nothing outside `sudo`. A failure is a warning: the
-/// profile is still there, owned by root.
+/// Hands `path`, which this run created, and the SQLite side files next to
+/// it (`-wal`, `-shm`), to the user who ran `sudo`, where they are root's: a
+/// file someone else owns is left alone, and so is any file that was there
+/// before (callers pass only what they created). Does nothing outside `sudo`.
+/// A failure is a warning: the profile is still there, owned by root.
 pub fn give_to_invoking_user(path: &Path) {
     let Some((uid, gid)) = invoking_user() else { return };
-    let mut side = path.as_os_str().to_owned();
-    side.push("-wal");
-    let wal = std::path::PathBuf::from(&side);
-    let mut side = path.as_os_str().to_owned();
-    side.push("-shm");
-    let shm = std::path::PathBuf::from(&side);
+    let (wal, shm) = (crate::store::side_file(path, "-wal"), crate::store::side_file(path, "-shm"));
     for p in [path, wal.as_path(), shm.as_path()] {
         match std::fs::symlink_metadata(p) {
             Ok(m) if m.is_file() && m.uid() == 0 => {

@@ -279,7 +279,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         hostname: std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|s| s.trim().to_owned()),
         kernel_release: std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().map(|s| s.trim().to_owned()),
     })?;
-    let output = store.path().to_owned();
+    let (output, created) = (store.path().to_owned(), store.created());
     let writer = store.spawn_writer(session_id);
 
     // Samplers start before the step probes, so their series cover every step.
@@ -316,7 +316,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
 
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer, labels, pid);
-    let mut watcher = LibraryWatcher { pid, seen: HashSet::new(), loader_hooked: false, failed: HashSet::new() };
+    let mut watcher = LibraryWatcher { pid, seen: HashSet::new(), loader_hooked: false, failed: Default::default() };
     let probed =
         attach_all(&cfg, pid, mode, &exe, &mut probes, &mut watcher, &resolved_steps, python.as_ref(), &target_var);
     let mut python_steps = None;
@@ -392,7 +392,9 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     }
     problems.extend(written);
     // The side files SQLite made since the open, under `sudo`.
-    crate::ownership::give_to_invoking_user(&output);
+    if created {
+        crate::ownership::give_to_invoking_user(&output);
+    }
     let failure = (!problems.is_empty())
         .then(|| format!("{}; what was committed is in {}", problems.join("; "), output.display()));
 
@@ -616,9 +618,12 @@ struct LibraryWatcher {
     seen: HashSet<PathBuf>,
     /// Whether the dynamic loader's hook is probed (see `attach_all`).
     loader_hooked: bool,
-    /// Paths whose probes failed, already reported (see `not_probed`).
-    failed: HashSet<PathBuf>,
+    /// Paths whose probes failed (reported once, see `not_probed`), and when they were last tried.
+    failed: std::collections::HashMap<PathBuf, std::time::Instant>,
 }
+
+/// How long a library whose probes failed waits before it is tried again.
+const RETRY_FAILED: Duration = Duration::from_secs(10);
 
 /// How often the maps are polled when the loader's hook is probed.
 const LOADER_SAFETY_NET: Duration = Duration::from_secs(2);
@@ -645,6 +650,14 @@ impl LibraryWatcher {
         how: &str,
     ) -> Option<procfs::process::MemoryMaps> {
         let maps = procfs::process::Process::new(self.pid as i32).and_then(|p| p.maps()).ok()?;
+        // Each try of a failing library maps and parses it and takes back
+        // what attached (≈90 ms a probe), on the loop that drains the rings:
+        // not at every look.
+        let due: Vec<PathBuf> =
+            self.failed.iter().filter(|(_, at)| at.elapsed() >= RETRY_FAILED).map(|(p, _)| p.clone()).collect();
+        for path in due {
+            self.seen.remove(&path);
+        }
         for (kind, file) in maps::cuda_libraries(&maps) {
             let text = maps::executable_ranges(&maps, &file);
             if kind == LibraryKind::Runtime && text.is_empty() {
@@ -660,6 +673,7 @@ impl LibraryWatcher {
             match probes.attach_cuda_library(kind, &visible, &text) {
                 Ok(None) => {}
                 Ok(Some(placed)) => {
+                    self.failed.remove(&file.path);
                     if placed.is_empty() {
                         log::warn!("{} exports no launch entry point", file.path.display());
                     } else {
@@ -667,11 +681,9 @@ impl LibraryWatcher {
                     }
                     rows.push(library_row(&file.path, kind, placed, how));
                 }
-                Err(e) => {
-                    // Nothing of it stays probed (all or nothing): the next look tries again.
-                    self.seen.remove(&file.path);
-                    rows.extend(self.not_probed(&file.path, kind, how, &e));
-                }
+                // Nothing of it stays probed (all or nothing); a look after
+                // RETRY_FAILED tries again (see the top of this function).
+                Err(e) => rows.extend(self.not_probed(&file.path, kind, how, &e)),
             }
         }
         Some(maps)
@@ -681,7 +693,7 @@ impl LibraryWatcher {
     /// `libraries` row (0 probes, and why), the first time only, since every
     /// later look tries it again.
     fn not_probed(&mut self, path: &Path, kind: LibraryKind, how: &str, e: &probes::ProbeError) -> Option<LibraryRow> {
-        if !self.failed.insert(path.to_owned()) {
+        if self.failed.insert(path.to_owned(), std::time::Instant::now()).is_some() {
             return None;
         }
         // The OS error sits at the end of the chain (aya's says only which syscall failed).

@@ -186,6 +186,9 @@ pub enum StoreError {
         "{path} has schema version {found}, newer than this profiler's {SCHEMA_VERSION}; upgrade profiler or pass a new file with -o"
     )]
     TooNew { path: PathBuf, found: i64 },
+    /// The session lock (see [`written_by_a_live_profiler`]) could not be taken.
+    #[error("cannot lock {path} for this session ({source})")]
+    Lock { path: PathBuf, source: std::io::Error },
     #[error("database error: {0}")]
     Sql(#[from] rusqlite::Error),
 }
@@ -194,6 +197,29 @@ pub enum StoreError {
 pub struct Store {
     conn: Connection,
     path: PathBuf,
+    /// This open created the file (so under `sudo` it is the user's).
+    created: bool,
+    /// A shared `flock` on the file for as long as this profiler may write
+    /// it: what tells `report` a session is still running (see
+    /// [`written_by_a_live_profiler`]). SQLite's own locks cannot: readers hold them too.
+    session_lock: std::fs::File,
+}
+
+/// The SQLite file next to the profile at `path` with `suffix` (`-wal`, `-shm`).
+pub fn side_file(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(suffix);
+    PathBuf::from(name)
+}
+
+/// Whether a profiler that may still write the profile at `path` is alive:
+/// one holds a shared `flock` on it from open to the end of its session, and
+/// the kernel drops it when that process dies. Checked with an exclusive
+/// non-blocking lock, let go at once.
+pub fn written_by_a_live_profiler(path: &Path) -> bool {
+    use rustix::fs::{FlockOperation, flock};
+    let Ok(file) = std::fs::File::open(path) else { return false };
+    flock(&file, FlockOperation::NonBlockingLockExclusive).is_err()
 }
 
 /// What the session row holds at the start.
@@ -331,6 +357,7 @@ fn i(v: u64) -> i64 {
 impl Store {
     /// Opens (or creates) `path`, checks it is ours, creates or migrates the schema.
     pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let created = !path.exists();
         let conn = Connection::open(path).map_err(|source| StoreError::Open { path: path.to_owned(), source })?;
         let classify = |source: rusqlite::Error| match source.sqlite_error_code() {
             Some(ErrorCode::NotADatabase) => StoreError::NotADatabase { path: path.to_owned(), source },
@@ -371,12 +398,25 @@ impl Store {
         }
         tx.commit().map_err(classify)?;
         // Now, not at the end: a profiler that is killed leaves the user's file.
-        crate::ownership::give_to_invoking_user(path);
-        Ok(Self { conn, path: path.to_owned() })
+        if created {
+            crate::ownership::give_to_invoking_user(path);
+        }
+        // A second descriptor, never closed before the connection: closing one
+        // would drop this process's SQLite (fcntl) locks on the file.
+        let session_lock =
+            std::fs::File::open(path).map_err(|e| StoreError::Lock { path: path.to_owned(), source: e })?;
+        rustix::fs::flock(&session_lock, rustix::fs::FlockOperation::LockShared)
+            .map_err(|e| StoreError::Lock { path: path.to_owned(), source: e.into() })?;
+        Ok(Self { conn, path: path.to_owned(), created, session_lock })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Whether this open created the file.
+    pub fn created(&self) -> bool {
+        self.created
     }
 
     /// Inserts the session row (ended_ns NULL until the end, so a crash leaves
@@ -408,7 +448,12 @@ impl Store {
         let (tx, rx) = sync_channel::<StoreMsg>(256);
         let join = std::thread::Builder::new()
             .name("profiler-store".into())
-            .spawn(move || write_loop(self.conn, session_id, rx))
+            .spawn(move || {
+                let stats = write_loop(self.conn, session_id, rx);
+                // After the connection has closed (see `session_lock`).
+                drop(self.session_lock);
+                stats
+            })
             .expect("spawning a thread only fails when the system is out of resources");
         StoreWriter { tx, join }
     }

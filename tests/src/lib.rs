@@ -194,6 +194,8 @@ impl Agent {
 
     /// As [`Agent::start`], with extra environment variables for the profiler.
     pub fn start_with_env(args: &[String], env: &[(&str, &str)], ready: bool) -> Agent {
+        // After a run that did not go through `finish` (a raw `Command`).
+        wait_for_probe_removal();
         let mut child = Command::new(profiler_bin())
             .args(args)
             .envs(env.iter().copied())
@@ -258,27 +260,34 @@ impl Agent {
     }
 }
 
-/// Waits (up to 30 s) until no orphaned `profiler` process is still
-/// removing a finished session's probes. The profiler hands that removal
-/// (≈90 ms a probe, under a kernel-wide lock) to a process of its own and
-/// exits; a test that attached again at once would find its own attaches
-/// queued behind it, and late-loaded libraries probed too late.
+/// Waits (up to 60 s, else fails) until no `profiler` process other than
+/// this test's own children is alive: the orphan a finished session leaves
+/// removing its probes. The profiler hands that removal (≈90 ms a probe,
+/// under a kernel-wide lock) to a process of its own and exits; a test that
+/// attached again at once would find its own attaches queued behind it, and
+/// late-loaded libraries probed too late.
 pub fn wait_for_probe_removal() {
+    let me = std::process::id().to_string();
     let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_secs(30) {
-        let busy = std::fs::read_dir("/proc").into_iter().flatten().flatten().any(|e| {
-            let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
-            // "PID (comm) STATE PPID …": an orphan (PPID 1) not yet a zombie.
-            let Some(rest) = stat.strip_prefix(&format!("{} (profiler) ", e.file_name().to_string_lossy())) else {
-                return false;
-            };
-            let mut fields = rest.split_whitespace();
-            let (state, ppid) = (fields.next(), fields.next());
-            ppid == Some("1") && state != Some("Z")
-        });
-        if !busy {
+    loop {
+        let busy: Vec<String> = std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let pid = e.file_name().to_string_lossy().into_owned();
+                let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+                // "PID (comm) STATE PPID …": alive, not a zombie, not ours.
+                let rest = stat.strip_prefix(&format!("{pid} (profiler) "))?;
+                let mut fields = rest.split_whitespace();
+                let (state, ppid) = (fields.next()?, fields.next()?);
+                (state != "Z" && ppid != me).then_some(pid)
+            })
+            .collect();
+        if busy.is_empty() {
             return;
         }
+        assert!(t0.elapsed() < Duration::from_secs(60), "profiler processes {busy:?} still removing probes after 60 s");
         std::thread::sleep(Duration::from_millis(20));
     }
 }

@@ -38,7 +38,7 @@ fn run_exits_128_plus_the_signal_that_killed_the_command() {
     let (status, stderr) = agent.finish();
     assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{stderr}");
     // Killed after --duration ended the profiling window, while the profiler waits for it.
-    let agent = Agent::start(&run_args(&db, &["--duration", "0.2"], &["sh", "-c", "sleep 1; kill -KILL $$"]), false);
+    let agent = Agent::start(&run_args(&db, &["--duration", "0.2"], &["sh", "-c", "sleep 3; kill -KILL $$"]), false);
     let (status, stderr) = agent.finish();
     assert_eq!(status.code(), Some(128 + libc::SIGKILL), "{stderr}");
     assert_eq!(last_session(&db).end_reason.as_deref(), Some("duration"));

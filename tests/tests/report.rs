@@ -808,19 +808,12 @@ fn doctor_on_this_machine() {
     assert_eq!(code, Some(0), "{out}");
     let nvml = check(&out, "NVML").0;
     assert!(nvml.starts_with("✓ ") && nvml.contains("3 GPUs"), "{out}");
-    // Both domains of the zones above. Doctor tries the perf power PMU first:
-    // where this host's opens, doctor reports it instead.
+    // Both domains of the zones above: doctor reads the named tree alone, as the sampler does.
     let rapl = check(&out, "RAPL").0;
-    if rapl.contains("perf power PMU") {
-        assert!(Path::new("/sys/bus/event_source/devices/power").exists(), "{out}");
-        assert!(rapl.starts_with("✓ "), "{out}");
-        skip("doctor reading a --powercap-root tree: this host's perf power PMU comes first");
-    } else {
-        assert!(
-            rapl.starts_with("✓ ") && rapl.contains(&powercap.display().to_string()) && rapl.contains("package, dram"),
-            "{out}"
-        );
-    }
+    assert!(
+        rapl.starts_with("✓ ") && rapl.contains(&powercap.display().to_string()) && rapl.contains("package, dram"),
+        "{out}"
+    );
 
     // The stand-in NVML that fails as NVML does without a driver (NVML_ERROR_DRIVER_NOT_LOADED).
     let (code, out) = doctor(&["--nvml-lib", &stand_in_nvml()], &[("STANDIN_NVML_INIT_ERROR", "9")]);

@@ -286,8 +286,7 @@ fn median(mut runs: Vec<Measured>) -> Measured {
 }
 
 pub fn main() -> Result<()> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !crate::root::is_root() {
         bail!(
             "the benchmark loads eBPF programs throughout and needs root: run it as root, e.g. `sudo env \"PATH=$PATH\" cargo xtask bench` (sudo's secure_path hides rustup's cargo)"
         );

@@ -59,8 +59,11 @@ pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
     let to_file = args.output.as_deref().filter(|p| *p != Path::new("-"));
     let sink: Box<dyn Write> = match to_file {
         Some(p) => {
+            let created = !p.exists();
             let file = File::create(p).with_context(|| format!("cannot create {}", p.display()))?;
-            crate::ownership::give_to_invoking_user(p);
+            if created {
+                crate::ownership::give_to_invoking_user(p);
+            }
             Box::new(file)
         }
         None => Box::new(std::io::stdout().lock()),
@@ -384,7 +387,7 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
 /// Launch instants, named by kernel where the profile knows the name.
 fn write_launches<W: Write>(db: &ProfileDb, session: i64, t: Timeline, w: &mut TraceWriter<W>) -> anyhow::Result<u64> {
     let label = if db.has_column("launches", "label") { "l.label" } else { "NULL" };
-    let (names, kernels) = kernel_names(db, "l.function", Some("l.ts_ns"));
+    let (names, kernels) = kernel_names(db, session, "l.function", "l.ts_ns")?;
     let sql = format!(
         "SELECT l.ts_ns, l.tid, l.function, a.name, {names}, l.grid_x, l.grid_y, l.grid_z,
                 l.block_x, l.block_y, l.block_z, l.shared_mem_bytes, l.stream, {label}, l.step

@@ -124,7 +124,7 @@ fn parse_secs(s: &str) -> Result<Duration, String> {
             "'{s}' seconds is more than a year ({MAX_DURATION_SECS} s); leave --duration out to trace until Ctrl-C"
         ));
     }
-    Duration::try_from_secs_f64(v).map_err(|e| format!("'{s}': {e}"))
+    Ok(Duration::from_secs_f64(v))
 }
 
 impl TraceArgs {

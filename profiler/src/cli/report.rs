@@ -99,9 +99,9 @@ pub(super) struct ProfileDb {
     pub path: PathBuf,
     /// Table or view → its columns, in order; read once at open.
     tables: BTreeMap<String, Vec<String>>,
-    /// Whether another process had the profile open when this one opened it
-    /// (a profiler still writing it): see [`held_open_elsewhere`].
-    pub held_open_elsewhere: bool,
+    /// Whether a live profiler may still write the profile (checked before
+    /// this process opened it): see [`crate::store::written_by_a_live_profiler`].
+    pub written_by_a_live_profiler: bool,
 }
 
 impl ProfileDb {
@@ -114,7 +114,7 @@ impl ProfileDb {
         // Looked at before this process opens the profile: closing the file
         // used to look would drop every fcntl lock this process holds on it,
         // its own connection's included.
-        let held_open_elsewhere = held_open_elsewhere(path);
+        let written_by_a_live_profiler = crate::store::written_by_a_live_profiler(path);
         // Read-only: a report must never create, migrate or lock a profile
         // that a running profiler may still be writing.
         let conn =
@@ -130,7 +130,7 @@ impl ProfileDb {
         if !tables.contains_key("sessions") || !tables.contains_key("steps") {
             bail!("{} is a SQLite database but not a profile (it has no sessions and steps tables)", path.display());
         }
-        Ok(Self { conn, path: path.to_owned(), tables, held_open_elsewhere })
+        Ok(Self { conn, path: path.to_owned(), tables, written_by_a_live_profiler })
     }
 
     pub fn has_table(&self, name: &str) -> bool {
@@ -236,7 +236,7 @@ fn id_list(ids: &[i64]) -> String {
 ///     "mode": "attach", "launch_mode": "all", "step_symbol": "train_step",
 ///     "started_utc": "2025-06-01 12:00:03", "started_unix_s": 1748779203.5,
 ///     "duration_s": 61.2,             // null while running or if the profiler was killed
-///     "state": "ended",               // "ended"; "running": not ended, a profiler has the file open;
+///     "state": "ended",               // "ended"; "running": not ended, its profiler is alive;
 ///                                     // "unclean": not ended and nobody writing it (the profiler was
 ///                                     // killed or crashed: what it committed is there, nothing after)
 ///     "end_reason": "sigint", "lost_events": 0, "total_launches": 10000,
@@ -332,33 +332,13 @@ impl SessionState {
 }
 
 /// How `session` stands. Only the newest session of a file can still be
-/// running (a later one started after it), and only while some process keeps
-/// the profile open.
+/// running (a later one started after it), and only while its profiler lives.
 fn session_state(db: &ProfileDb, session: i64, ended: bool) -> anyhow::Result<SessionState> {
     if ended {
         return Ok(SessionState::Ended);
     }
     let newest: i64 = db.conn.query_row("SELECT max(id) FROM sessions", [], |r| r.get(0))?;
-    Ok(if newest == session && db.held_open_elsewhere { SessionState::Running } else { SessionState::Unclean })
-}
-
-/// Whether another process holds a lock on the profile's WAL index (`FILE-shm`).
-/// SQLite keeps a shared lock there for as long as a connection is open, so a
-/// live profiler always holds one, and a killed one's went with it (the kernel
-/// drops a process's fcntl locks when it dies). Call it before this process
-/// opens the profile.
-fn held_open_elsewhere(path: &Path) -> bool {
-    let mut shm = path.as_os_str().to_owned();
-    shm.push("-shm");
-    let Ok(file) = std::fs::File::open(&shm) else { return false };
-    // SAFETY: flock is plain data; all-zero is a valid value.
-    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
-    lock.l_type = libc::F_WRLCK as libc::c_short;
-    lock.l_whence = libc::SEEK_SET as libc::c_short;
-    // l_start 0, l_len 0: the whole file.
-    // SAFETY: F_GETLK on an fd we own, with a flock the kernel reads and fills in.
-    let rc = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&file), libc::F_GETLK, &mut lock) };
-    rc == 0 && lock.l_type != libc::F_UNLCK as libc::c_short
+    Ok(if newest == session && db.written_by_a_live_profiler { SessionState::Running } else { SessionState::Unclean })
 }
 
 #[derive(Debug, Serialize)]
@@ -803,8 +783,7 @@ fn top_kernels(db: &ProfileDb, session: i64, launch_mode: &str) -> anyhow::Resul
         // rename lookup per launch, only in sessions that renamed a handle.
         let rrow = rename_at("l.function", "l.ts_ns");
         format!(
-            "SELECT t.function, t.n, t.total, a.name, coalesce(r.name, k.name),
-                    CASE WHEN r.rowid IS NULL THEN k.demangled_name ELSE r.demangled_name END FROM (
+            "SELECT t.function, t.n, t.total, a.name, {RENAMED_NAMES} FROM (
                  SELECT function, rrow, count(*) AS n, sum(count(*)) OVER () AS total, min(api) AS api FROM (
                      SELECT l.function, l.api, {rrow} AS rrow FROM launches l WHERE l.session_id = ?1
                  ) GROUP BY function, rrow ORDER BY n DESC, function LIMIT {TOP_KERNELS}
@@ -814,7 +793,7 @@ fn top_kernels(db: &ProfileDb, session: i64, launch_mode: &str) -> anyhow::Resul
              ORDER BY t.n DESC, t.function"
         )
     } else {
-        let (names, kernels) = kernel_names(db, "t.function", None);
+        let (names, kernels) = kernel_names(db, session, "t.function", "0")?;
         format!(
             "SELECT t.function, t.n, t.total, a.name, {names} FROM (
                  SELECT function, count(*) AS n, sum(count(*)) OVER () AS total, min(api) AS api
@@ -841,23 +820,28 @@ fn top_kernels(db: &ProfileDb, session: i64, launch_mode: &str) -> anyhow::Resul
 }
 
 /// The names of the kernel handle in `function` (a column) at time `at` (a
-/// column; None: the handle's latest name), for a query whose `?1` is the
-/// session: the two columns `name, demangled_name`, and the joins that provide
+/// column), for a query whose `?1` is `session`: the two columns `name, demangled_name`, and the joins that provide
 /// them (none in files from before kernel names). Each joins at most one row.
-pub(super) fn kernel_names(db: &ProfileDb, function: &str, at: Option<&str>) -> (&'static str, String) {
+pub(super) fn kernel_names(
+    db: &ProfileDb,
+    session: i64,
+    function: &str,
+    at: &str,
+) -> rusqlite::Result<(&'static str, String)> {
     if !db.has_table("kernels") {
-        return ("NULL, NULL", String::new());
+        return Ok(("NULL, NULL", String::new()));
     }
     let first = format!("LEFT JOIN kernels k ON k.session_id = ?1 AND k.function = {function}");
-    if !db.has_table("kernel_renames") {
-        return ("k.name, k.demangled_name", first);
+    // The rename lookup costs one query per row: only for sessions that need it.
+    if !handles_renamed(db, session)? {
+        return Ok(("k.name, k.demangled_name", first));
     }
-    let at = at.map_or_else(|| i64::MAX.to_string(), str::to_owned);
-    (
-        "coalesce(r.name, k.name), CASE WHEN r.rowid IS NULL THEN k.demangled_name ELSE r.demangled_name END",
-        format!("{first} LEFT JOIN kernel_renames r ON r.rowid = {}", rename_at(function, &at)),
-    )
+    Ok((RENAMED_NAMES, format!("{first} LEFT JOIN kernel_renames r ON r.rowid = {}", rename_at(function, at))))
 }
+
+/// The name columns where `r` is the handle's rename at the time (NULL: none) and `k` its first name.
+const RENAMED_NAMES: &str =
+    "coalesce(r.name, k.name), CASE WHEN r.rowid IS NULL THEN k.demangled_name ELSE r.demangled_name END";
 
 /// The `kernel_renames` row naming handle `function` at time `at` (SQL
 /// expressions; `?1` the session): its latest rename at or before `at`; NULL
@@ -1342,7 +1326,7 @@ mod tests {
         let top = top_kernels(&db, id, "all").expect("query").expect("launch rows");
         let got: Vec<(Option<&str>, i64)> = top.iter().map(|k| (k.name.as_deref(), k.launches)).collect();
         assert_eq!(got, vec![(Some("first"), 2), (Some("second"), 2)]);
-        let (names, join) = kernel_names(&db, "l.function", Some("l.ts_ns"));
+        let (names, join) = kernel_names(&db, id, "l.function", "l.ts_ns").expect("names");
         let per_launch: Vec<String> = db
             .conn
             .prepare(&format!("SELECT {names} FROM launches l {join} WHERE l.session_id = ?1 ORDER BY l.ts_ns"))

@@ -461,7 +461,8 @@ impl Probes {
                 None
             }
         };
-        close_all(links);
+        // Reference drops when the grandchild holds copies; else the slow closes, here.
+        drop(links);
         drop(ebpf);
         // Lets the grandchild go: it closes the last references.
         drop(releaser);
@@ -488,12 +489,15 @@ fn stop_programs(ebpf: &mut Ebpf) -> Result<(), ProbeError> {
 /// dies), and exits; init reaps it.
 fn release_elsewhere() -> std::io::Result<std::os::fd::OwnedFd> {
     let (read_end, write_end) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
-    // SAFETY: the child and grandchild only make async-signal-safe calls
-    // (fork, sigprocmask, close, read, _exit) before they exit.
+    // SAFETY: the child and grandchild only make raw system calls (the
+    // grandchild's fork as a plain syscall: glibc's fork runs atfork handlers)
+    // and async-signal-safe calls (sigprocmask, close, read, _exit). The
+    // grandchild also inherits the database's and samplers' descriptors; it
+    // only closes them, and holds no lock (fcntl locks are not inherited).
     match unsafe { libc::fork() } {
         -1 => Err(std::io::Error::last_os_error()),
         0 => unsafe {
-            if libc::fork() == 0 {
+            if libc::syscall(libc::SYS_fork) == 0 {
                 let mut all: libc::sigset_t = std::mem::zeroed();
                 libc::sigfillset(&mut all);
                 libc::sigprocmask(libc::SIG_BLOCK, &all, std::ptr::null_mut());
@@ -514,8 +518,7 @@ fn release_elsewhere() -> std::io::Result<std::os::fd::OwnedFd> {
     }
 }
 
-/// The uprobe programs `Probes` loads (the USDT ones are `usdt`'s), in the
-/// order they are detached (see [`Probes::detach`]).
+/// The uprobe programs `Probes` loads (the USDT ones are `usdt`'s).
 fn program_names() -> impl Iterator<Item = &'static str> {
     [programs::STEP_EXIT, programs::STEP_ENTER].into_iter().chain(LaunchApi::programs()).chain([
         programs::SYNC_ENTER,
@@ -525,28 +528,6 @@ fn program_names() -> impl Iterator<Item = &'static str> {
         programs::LOADER,
         programs::BARE,
     ])
-}
-
-/// Drops `items` (links, whose drop detaches them) each on a thread of its
-/// own, and returns when all are dropped. A thread that cannot be started
-/// drops its item on this one.
-///
-/// Closing a uprobe waits for the kernel's grace periods (tasks-trace RCU and
-/// the uretprobe SRCU, ≈90 ms here). For the perf-event uprobes aya 0.14
-/// makes, the kernel holds its global `event_mutex` across that wait
-/// (`perf_uprobe_destroy`), so their closes still run one after another:
-/// 51 probes take ≈4 s. Links of the kind that do not take it (a
-/// `BPF_TRACE_UPROBE_MULTI` link, kernel 6.6+) would overlap their waits here.
-pub fn close_all<T: Send>(items: Vec<T>) {
-    std::thread::scope(|scope| {
-        for item in items {
-            if let Err(e) =
-                std::thread::Builder::new().name("profiler-detach".into()).spawn_scoped(scope, || drop(item))
-            {
-                log::debug!("detaching on the caller's thread: {e}");
-            }
-        }
-    });
 }
 
 /// Maps a file read-only (libraries can be a gigabyte; callers touch only

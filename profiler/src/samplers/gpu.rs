@@ -263,6 +263,9 @@ impl Entry {
 /// `MIG-GPU-<uuid>/<gi>/<ci>` (CUDA 11's form) names a MIG device of that GPU.
 fn resolve(entry: &str, gpus: &[GpuFacts], numbered: &[u32]) -> Option<Entry> {
     let e = entry.trim();
+    if e.is_empty() {
+        return None;
+    }
     if let Ok(i) = e.parse::<u32>() {
         return numbered.get(i as usize).map(|&n| Entry::Gpu(n));
     }
@@ -281,7 +284,7 @@ fn resolve(entry: &str, gpus: &[GpuFacts], numbered: &[u32]) -> Option<Entry> {
         .enumerate()
         .filter(|(_, g)| g.uuid.starts_with(e) || g.uuid.strip_prefix("GPU-").is_some_and(|s| s.starts_with(e)))
         .map(|(i, _)| Entry::Gpu(i as u32));
-    if e.is_empty() { None } else { unique(hits.collect()) }
+    unique(hits.collect())
 }
 
 /// Which GPUs to sample, and their logical numbers. `override_list` (`--gpus`:

@@ -24,7 +24,6 @@ use crate::store::{Capability, FinishHook, RowSender, StoreMsg};
 /// not bunched), and once more when stopped, so that its series covers the
 /// whole session.
 pub struct SamplerThread {
-    name: String,
     stop: Arc<AtomicBool>,
     join: JoinHandle<Option<FinishHook>>,
 }
@@ -61,7 +60,7 @@ impl SamplerThread {
             }
             sampler.finish()
         })?;
-        Ok(Self { name: name.to_owned(), stop, join })
+        Ok(Self { stop, join })
     }
 
     /// Stops after one last sample; returns the sampler's finish hook, or,
@@ -70,9 +69,9 @@ impl SamplerThread {
     pub fn stop(self) -> Result<Option<FinishHook>, String> {
         self.stop.store(true, Ordering::Release);
         self.join.thread().unpark();
-        self.join
-            .join()
-            .map_err(|payload| format!("the {} sampler panicked: {}", self.name, crate::panic_message(&*payload)))
+        // The thread is named `sampler-NAME` (see `spawn`).
+        let name = self.join.thread().name().and_then(|n| n.strip_prefix("sampler-")).unwrap_or("?").to_owned();
+        self.join.join().map_err(|payload| format!("the {name} sampler panicked: {}", crate::panic_message(&*payload)))
     }
 }
 
