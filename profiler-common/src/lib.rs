@@ -6,26 +6,31 @@
 //! a change on one side cannot silently desynchronise the other.
 #![no_std]
 
+// Host-side decoding reads records from the ring's bytes without `unsafe`;
+// the eBPF build, which has no use for it, does not pull the crate in.
+#[cfg(feature = "user")]
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
+
 /// What a ring-buffer record is. Stored as `u32` in [`RecordHeader::kind`].
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RecordKind {
     /// A [`LaunchRecord`].
     Launch = 1,
-    /// A [`StepRecord`] written at the step function's entry.
+    /// An [`OrderedRecord`] written at the step function's entry.
     StepEnter = 2,
-    /// A [`StepRecord`] written at the step function's return.
+    /// An [`OrderedRecord`] written at the step function's return.
     StepExit = 3,
-    /// A [`StepRecord`] at the entry of a synchronisation call (`probe`: a [`SyncApi`]).
+    /// An [`OrderedRecord`] at the entry of a synchronisation call (`probe`: a [`SyncApi`]).
     SyncEnter = 4,
-    /// A [`StepRecord`] at the return of a synchronisation call.
+    /// An [`OrderedRecord`] at the return of a synchronisation call.
     SyncExit = 5,
     /// A [`KernelNameRecord`].
     KernelName = 6,
     /// A bare [`RecordHeader`]: the dynamic loader changed the target's
     /// libraries (`_dl_debug_state`, on every `dlopen` and `dlclose`).
     LoaderChange = 7,
-    /// A [`StepRecord`] written when a thread of the target exits (`probe` 0):
+    /// An [`OrderedRecord`] written when a thread of the target exits (`probe` 0):
     /// its kernel-side state is released, and the tid may come back as
     /// another thread, whose sequence starts again at 1.
     ThreadExit = 8,
@@ -237,6 +242,7 @@ impl SyncApi {
 /// First field of every record.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(feature = "user", derive(FromBytes, IntoBytes, KnownLayout, Immutable))]
 pub struct RecordHeader {
     /// A [`RecordKind`] as `u32`.
     pub kind: u32,
@@ -249,6 +255,7 @@ pub struct RecordHeader {
 /// One kernel or graph launch.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(feature = "user", derive(FromBytes, IntoBytes, KnownLayout, Immutable))]
 pub struct LaunchRecord {
     pub header: RecordHeader,
     /// A [`LaunchApi`] as `u32`.
@@ -291,16 +298,17 @@ pub const STAGES: u32 = 256;
 pub const RUNTIME_TEXTS: u32 = 8;
 
 /// Entry or return of a step function or a synchronisation call, or a
-/// thread's exit: the records of the step ring, which launches cannot crowd
-/// out (see `maps::STEP_EVENTS`).
+/// thread's exit: the records each thread numbers in order (`seq`), on the
+/// ordered ring, which launches cannot crowd out (see `maps::ORDERED_EVENTS`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct StepRecord {
+#[cfg_attr(feature = "user", derive(FromBytes, IntoBytes, KnownLayout, Immutable))]
+pub struct OrderedRecord {
     pub header: RecordHeader,
     /// Which step probe fired (index into the agent's list of step sources),
     /// or the [`SyncApi`] id.
     pub probe: u32,
-    /// This thread's step-ring records so far, this one included: 1, 2, …
+    /// This thread's ordered records so far, this one included: 1, 2, …
     /// (never 0 once it wraps). A gap says records of the thread were lost.
     /// 0: the kernel side had no room to keep the thread's state (a map
     /// update failed, and was counted), so there is no sequence.
@@ -332,6 +340,7 @@ pub mod name_call {
 /// A handle the driver returned, with the kernel name it was asked for.
 #[repr(C)]
 #[derive(Clone, Copy)]
+#[cfg_attr(feature = "user", derive(FromBytes, IntoBytes, KnownLayout, Immutable))]
 pub struct KernelNameRecord {
     pub header: RecordHeader,
     /// A [`name_call`] constant.
@@ -348,7 +357,7 @@ pub struct KernelNameRecord {
 // The decoder reads these sizes; keep them in step with the eBPF side.
 const _: () = assert!(core::mem::size_of::<RecordHeader>() == 16);
 const _: () = assert!(core::mem::size_of::<LaunchRecord>() == 64);
-const _: () = assert!(core::mem::size_of::<StepRecord>() == 40);
+const _: () = assert!(core::mem::size_of::<OrderedRecord>() == 40);
 const _: () = assert!(core::mem::size_of::<KernelNameRecord>() == 40 + KERNEL_NAME_CAP);
 
 /// What a [`UsdtArgSpec`] reads. Stored as `u32` in [`UsdtArgSpec::kind`].
@@ -427,7 +436,7 @@ pub struct PyTarget {
     pub name_len: u32,
     /// 0: any file.
     pub suffix_len: u32,
-    /// Written to [`StepRecord::probe`] when this target matches.
+    /// Written to [`OrderedRecord::probe`] when this target matches.
     pub label_id: u32,
     pub _pad: u32,
 }
@@ -457,11 +466,11 @@ pub mod globals {
 
 /// Bytes of the launch ring (`maps::EVENTS`), unless the agent sets another size.
 pub const EVENTS_BYTES: u32 = 32 * 1024 * 1024;
-/// Bytes of the step ring (`maps::STEP_EVENTS`), unless the agent sets another size.
+/// Bytes of the ordered ring (`maps::ORDERED_EVENTS`), unless the agent sets another size.
 /// 8 MiB: ≈200 000 records, seconds of a thread-churning target's steps, syncs
 /// and exits while the agent is held up behind a slow disk (2 MiB overflowed
 /// once in a test of 66 400 short-lived threads on the 2-core VM).
-pub const STEP_EVENTS_BYTES: u32 = 8 * 1024 * 1024;
+pub const ORDERED_EVENTS_BYTES: u32 = 8 * 1024 * 1024;
 
 /// Names of the maps the agent reads.
 pub mod maps {
@@ -469,13 +478,13 @@ pub mod maps {
     pub const EVENTS: &str = "EVENTS";
     /// `Array<u32>` of one: set to 1 when the session stops; every program then returns at once.
     pub const STOPPED: &str = "STOPPED";
-    /// `RingBuf` carrying [`super::StepRecord`]s (steps, syncs, thread exits)
+    /// `RingBuf` carrying [`super::OrderedRecord`]s (steps, syncs, thread exits)
     /// and loader changes: small, and never crowded out by launches.
-    pub const STEP_EVENTS: &str = "STEP_EVENTS";
+    pub const ORDERED_EVENTS: &str = "ORDERED_EVENTS";
     /// `PerCpuArray<u64>[1]`: reservations in `EVENTS` that failed.
     pub const LOST: &str = "LOST";
-    /// `PerCpuArray<u64>[1]`: reservations in `STEP_EVENTS` that failed.
-    pub const LOST_STEPS: &str = "LOST_STEPS";
+    /// `PerCpuArray<u64>[1]`: reservations in `ORDERED_EVENTS` that failed.
+    pub const LOST_ORDERED: &str = "LOST_ORDERED";
     /// `PerCpuArray<u64>[1]`: map updates that failed (a map full): each one
     /// costs a thread its launch counter or a mark (see the README's *Loss*).
     pub const MAP_FAILURES: &str = "MAP_FAILURES";
@@ -538,7 +547,7 @@ mod user {
     // SAFETY: plain-old-data: `#[repr(C)]`, no padding, every bit pattern valid.
     unsafe impl aya::Pod for super::LaunchRecord {}
     // SAFETY: as above.
-    unsafe impl aya::Pod for super::StepRecord {}
+    unsafe impl aya::Pod for super::OrderedRecord {}
     // SAFETY: as above (two u32 then 8-byte-aligned records).
     unsafe impl aya::Pod for super::LaunchStage {}
     // SAFETY: as above (USDT_ARGS values).

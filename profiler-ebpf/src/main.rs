@@ -14,8 +14,8 @@
 //! exits, so the maps hold live threads only. A map update that fails is
 //! counted (`MAP_FAILURES`), never silent.
 //!
-//! Step, sync and thread-exit records go to a ring of their own
-//! (`STEP_EVENTS`), which launch records cannot fill.
+//! Step, sync and thread-exit records, which each thread numbers in order,
+//! go to a ring of their own (`ORDERED_EVENTS`), which launch records cannot fill.
 //!
 //! Each launch entry point has a program of its own with its `LaunchApi` id
 //! built in (`launch_programs`); a probe moved past `push`es uses its argument
@@ -38,8 +38,8 @@ use aya_ebpf::{
     programs::{ProbeContext, RawTracePointContext, RetProbeContext},
 };
 use profiler_common::{
-    ApiLayer, EVENTS_BYTES, KernelNameRecord, LaunchApi, LaunchRecord, LaunchStage, RUNTIME_TEXTS, RecordHeader,
-    RecordKind, STAGE_LEN, STAGES, STEP_EVENTS_BYTES, StepRecord, name_call,
+    ApiLayer, EVENTS_BYTES, KernelNameRecord, LaunchApi, LaunchRecord, LaunchStage, ORDERED_EVENTS_BYTES,
+    OrderedRecord, RUNTIME_TEXTS, RecordHeader, RecordKind, STAGE_LEN, STAGES, name_call,
 };
 
 /// bpf_probe_read_user and bpf_get_attach_cookie are GPL-only helpers.
@@ -64,19 +64,19 @@ static THREAD_SLOT_MASK: u32 = 0;
 #[map]
 static EVENTS: RingBuf = RingBuf::with_byte_size(EVENTS_BYTES, 0);
 
-/// Step, sync and thread-exit records (`StepRecord`) and loader changes: a
+/// Step, sync and thread-exit records (`OrderedRecord`) and loader changes: a
 /// few per step, so 8 MiB (~200 000 records) is ample between two drains, and
 /// launches, which can fill `EVENTS`, never take their room.
 #[map]
-static STEP_EVENTS: RingBuf = RingBuf::with_byte_size(STEP_EVENTS_BYTES, 0);
+static ORDERED_EVENTS: RingBuf = RingBuf::with_byte_size(ORDERED_EVENTS_BYTES, 0);
 
 /// Reservations in `EVENTS` that failed (records lost), per CPU.
 #[map]
 static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
-/// Reservations in `STEP_EVENTS` that failed (records lost), per CPU.
+/// Reservations in `ORDERED_EVENTS` that failed (records lost), per CPU.
 #[map]
-static LOST_STEPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+static LOST_ORDERED: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 /// Map updates that failed and lost something (a map full, or a bucket
 /// lock not taken), per CPU: a thread's state that could not be kept (its
@@ -106,11 +106,11 @@ struct RuntimeFrame {
 #[derive(Clone, Copy)]
 struct ThreadSlot {
     tid: u32,
-    /// Step-ring records written (`StepRecord::seq` of the last one).
-    step_seq: u32,
+    /// Ordered records written (`OrderedRecord::seq` of the last one).
+    seq: u32,
     launches: u64,
     runtime: RuntimeFrame,
-    /// Step functions the thread is inside (`StepRecord::depth`).
+    /// Step functions the thread is inside (`OrderedRecord::depth`).
     step_depth: u32,
     /// Non-zero while the thread is inside a runtime-API synchronisation
     /// call (marked by its entry probe, cleared by its return probe): the
@@ -736,7 +736,7 @@ pub fn sync_enter(ctx: ProbeContext) -> u32 {
     } else if in_runtime_sync(tid) {
         return 0;
     }
-    emit_step(tid, RecordKind::SyncEnter, api);
+    emit_ordered(tid, RecordKind::SyncEnter, api);
     0
 }
 
@@ -750,7 +750,7 @@ pub fn sync_exit(ctx: RetProbeContext) -> u32 {
     } else if in_runtime_sync(tid) {
         return 0;
     }
-    emit_step(tid, RecordKind::SyncExit, api);
+    emit_ordered(tid, RecordKind::SyncExit, api);
     0
 }
 
@@ -825,13 +825,13 @@ pub fn name_exit(ctx: RetProbeContext) -> u32 {
     0
 }
 
-/// Writes a step-ring record for the thread (`kind`: a step or sync entry or
+/// Writes an ordered record for the thread (`kind`: a step or sync entry or
 /// return), with its sequence number and step depth.
 #[inline(always)]
-fn emit_step(tid: u32, kind: RecordKind, probe: u32) {
+fn emit_ordered(tid: u32, kind: RecordKind, probe: u32) {
     // The thread's staged launches go first: the agent, reading the launch
-    // ring before the step ring, then has every launch that precedes a step
-    // record by the time it reads that record (see `profiler::events::StepQueue`).
+    // ring before the ordered ring, then has every launch that precedes an ordered
+    // record by the time it reads that record (see `profiler::events::OrderedQueue`).
     if let Some(stage) = thread_stage(tid, false) {
         // SAFETY: a valid array element; only its holder, this thread, writes it.
         flush_stage(unsafe { &mut *stage });
@@ -840,17 +840,17 @@ fn emit_step(tid: u32, kind: RecordKind, probe: u32) {
         Some(state) => {
             // SAFETY: only this thread writes its own state.
             let state = unsafe { &mut *state };
-            state.step_seq = next_seq(state.step_seq);
+            state.seq = next_seq(state.seq);
             if kind == RecordKind::StepEnter {
                 state.step_depth += 1;
             } else if kind == RecordKind::StepExit {
                 state.step_depth = state.step_depth.saturating_sub(1);
             }
-            (state.step_seq, state.step_depth, state.launches)
+            (state.seq, state.step_depth, state.launches)
         }
         None => (0, 0, 0),
     };
-    write_step_record(tid, kind, probe, seq, depth, thread_launches);
+    write_ordered_record(tid, kind, probe, seq, depth, thread_launches);
 }
 
 /// The sequence number after `seq`: 0 means "none", so it is skipped.
@@ -860,10 +860,10 @@ fn next_seq(seq: u32) -> u32 {
 }
 
 #[inline(always)]
-fn write_step_record(tid: u32, kind: RecordKind, probe: u32, seq: u32, depth: u32, thread_launches: u64) {
-    match STEP_EVENTS.reserve::<StepRecord>(0) {
+fn write_ordered_record(tid: u32, kind: RecordKind, probe: u32, seq: u32, depth: u32, thread_launches: u64) {
+    match ORDERED_EVENTS.reserve::<OrderedRecord>(0) {
         Some(mut entry) => {
-            entry.write(StepRecord {
+            entry.write(OrderedRecord {
                 // SAFETY: a helper without preconditions.
                 header: RecordHeader { kind: kind as u32, tid, ts_ns: unsafe { bpf_ktime_get_ns() } },
                 probe,
@@ -874,7 +874,7 @@ fn write_step_record(tid: u32, kind: RecordKind, probe: u32, seq: u32, depth: u3
             });
             entry.submit(submit_flags());
         }
-        None => bump(&LOST_STEPS),
+        None => bump(&LOST_ORDERED),
     }
 }
 
@@ -916,7 +916,7 @@ pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
         }
     };
     // SAFETY: a valid map value; its thread is exiting, so nothing else writes it.
-    let (seq, depth, launches) = unsafe { (next_seq((*state).step_seq), (*state).step_depth, (*state).launches) };
+    let (seq, depth, launches) = unsafe { (next_seq((*state).seq), (*state).step_depth, (*state).launches) };
     if in_slot {
         // SAFETY: as above.
         unsafe { core::ptr::write_bytes(slot, 0, 1) };
@@ -924,7 +924,7 @@ pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
     } else if THREAD_FALLBACK.remove(tid).is_err() {
         map_failed();
     }
-    write_step_record(tid, RecordKind::ThreadExit, 0, seq, depth, launches);
+    write_ordered_record(tid, RecordKind::ThreadExit, 0, seq, depth, launches);
     0
 }
 
@@ -933,7 +933,7 @@ pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
 #[uprobe]
 pub fn step_enter(ctx: ProbeContext) -> u32 {
     if let Some(tid) = target_tid() {
-        emit_step(tid, RecordKind::StepEnter, cookie(&ctx) as u32);
+        emit_ordered(tid, RecordKind::StepEnter, cookie(&ctx) as u32);
     }
     0
 }
@@ -943,7 +943,7 @@ pub fn step_enter(ctx: ProbeContext) -> u32 {
 #[uretprobe]
 pub fn step_exit(ctx: RetProbeContext) -> u32 {
     if let Some(tid) = target_tid() {
-        emit_step(tid, RecordKind::StepExit, cookie(&ctx) as u32);
+        emit_ordered(tid, RecordKind::StepExit, cookie(&ctx) as u32);
     }
     0
 }
@@ -955,8 +955,8 @@ pub fn step_exit(ctx: RetProbeContext) -> u32 {
 #[uprobe]
 pub fn loader_change(_ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
-    // On the step ring: rare, and not to be crowded out by launches.
-    match STEP_EVENTS.reserve::<RecordHeader>(0) {
+    // On the ordered ring: rare, and not to be crowded out by launches.
+    match ORDERED_EVENTS.reserve::<RecordHeader>(0) {
         Some(mut entry) => {
             // SAFETY: a helper without preconditions.
             entry.write(RecordHeader {
@@ -966,7 +966,7 @@ pub fn loader_change(_ctx: ProbeContext) -> u32 {
             });
             entry.submit(submit_flags());
         }
-        None => bump(&LOST_STEPS),
+        None => bump(&LOST_ORDERED),
     }
     0
 }

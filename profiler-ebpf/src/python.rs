@@ -31,7 +31,7 @@ use profiler_common::{
     UsdtProbeSpec,
 };
 
-use crate::{cookie, emit_step, target_tid};
+use crate::{cookie, emit_ordered, target_tid};
 
 /// Argument specs of each attached USDT probe site, indexed by the attach cookie.
 #[map]
@@ -249,7 +249,7 @@ fn python_step(ctx: &ProbeContext, kind: RecordKind) {
                 _ => continue,
             }
         }
-        emit_step(tid, kind, target.label_id);
+        emit_ordered(tid, kind, target.label_id);
         return;
     }
 }

@@ -1,8 +1,10 @@
 //! Decoding of ring-buffer records into typed events, and putting the two
-//! rings' events back in each thread's order ([`StepQueue`]).
+//! rings' events back in each thread's order ([`OrderedQueue`]).
 use std::collections::VecDeque;
 
-use profiler_common::{KernelNameRecord, LaunchApi, LaunchRecord, RecordHeader, RecordKind, StepRecord};
+use zerocopy::FromBytes;
+
+use profiler_common::{KernelNameRecord, LaunchApi, LaunchRecord, OrderedRecord, RecordHeader, RecordKind};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchEvent {
@@ -16,30 +18,33 @@ pub struct LaunchEvent {
     pub shared_mem_bytes: u32,
 }
 
-/// A record of the step ring: a step or sync entry or return, or a thread's exit.
+/// A record of the ordered ring: a step or sync entry or return, or a thread's exit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StepEvent {
+pub struct OrderedEvent {
     pub ts_ns: u64,
     pub tid: u32,
     pub probe: u32,
     /// The thread's launch count when the probe fired.
     pub thread_launches: u64,
-    /// The thread's step-ring records so far (0: none kept; see `StepRecord::seq`).
+    /// The thread's ordered records so far (0: none kept; see `OrderedRecord::seq`).
     pub seq: u32,
     /// Step functions the thread is inside after this record.
     pub depth: u32,
 }
 
+// TEMP alias until session.rs is ported
+pub use self::{OrderedEvent as StepEvent, OrderedQueue as StepQueue};
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
     Launch(LaunchEvent),
-    StepEnter(StepEvent),
-    StepExit(StepEvent),
+    StepEnter(OrderedEvent),
+    StepExit(OrderedEvent),
     /// Entry of a synchronisation call (`probe`: its `SyncApi` id).
-    SyncEnter(StepEvent),
-    SyncExit(StepEvent),
+    SyncEnter(OrderedEvent),
+    SyncExit(OrderedEvent),
     /// A thread of the target exited.
-    ThreadExit(StepEvent),
+    ThreadExit(OrderedEvent),
     KernelName(KernelNameEvent),
     /// The dynamic loader changed the target's libraries.
     LoaderChange {
@@ -85,20 +90,14 @@ pub enum DecodeError {
     Api(u32),
 }
 
-fn read<T: Copy>(bytes: &[u8]) -> T {
-    debug_assert!(bytes.len() >= std::mem::size_of::<T>());
-    // SAFETY: callers check the length; T is a #[repr(C)] plain-old-data record
-    // from profiler-common, valid for any bit pattern; read_unaligned copes with
-    // the ring buffer's 8-byte (not T-) alignment.
-    unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) }
-}
-
-fn exact<T>(bytes: &[u8], kind: u32) -> Result<(), DecodeError> {
-    let expected = std::mem::size_of::<T>();
-    if bytes.len() != expected {
-        return Err(DecodeError::Length { kind, len: bytes.len(), expected });
-    }
-    Ok(())
+/// The record of type `T` that is exactly `bytes`, copied out (the ring
+/// buffer aligns records to 8 bytes, not to `T`).
+fn exact<T: FromBytes>(bytes: &[u8], kind: u32) -> Result<T, DecodeError> {
+    T::read_from_bytes(bytes).map_err(|_| DecodeError::Length {
+        kind,
+        len: bytes.len(),
+        expected: std::mem::size_of::<T>(),
+    })
 }
 
 /// The records in one ring-buffer record: itself, or the launch records of a
@@ -107,7 +106,7 @@ pub fn records(bytes: &[u8]) -> std::slice::Chunks<'_, u8> {
     const LAUNCH: usize = std::mem::size_of::<LaunchRecord>();
     let run = bytes.len() > LAUNCH
         && bytes.len().is_multiple_of(LAUNCH)
-        && read::<RecordHeader>(bytes).kind == RecordKind::Launch as u32;
+        && RecordHeader::read_from_prefix(bytes).is_ok_and(|(h, _)| h.kind == RecordKind::Launch as u32);
     bytes.chunks(if run { LAUNCH } else { bytes.len().max(1) })
 }
 
@@ -128,15 +127,9 @@ pub fn launch(r: &LaunchRecord) -> Result<Event, DecodeError> {
 
 /// Decodes one record.
 pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
-    if bytes.len() < std::mem::size_of::<RecordHeader>() {
-        return Err(DecodeError::Short(bytes.len()));
-    }
-    let header: RecordHeader = read(bytes);
+    let (header, _) = RecordHeader::read_from_prefix(bytes).map_err(|_| DecodeError::Short(bytes.len()))?;
     match RecordKind::from_u32(header.kind) {
-        Some(RecordKind::Launch) => {
-            exact::<LaunchRecord>(bytes, header.kind)?;
-            launch(&read(bytes))
-        }
+        Some(RecordKind::Launch) => launch(&exact::<LaunchRecord>(bytes, header.kind)?),
         Some(
             kind @ (RecordKind::StepEnter
             | RecordKind::StepExit
@@ -144,9 +137,8 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             | RecordKind::SyncExit
             | RecordKind::ThreadExit),
         ) => {
-            exact::<StepRecord>(bytes, header.kind)?;
-            let r: StepRecord = read(bytes);
-            let e = StepEvent {
+            let r: OrderedRecord = exact(bytes, header.kind)?;
+            let e = OrderedEvent {
                 ts_ns: header.ts_ns,
                 tid: header.tid,
                 probe: r.probe,
@@ -163,8 +155,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             })
         }
         Some(RecordKind::KernelName) => {
-            exact::<KernelNameRecord>(bytes, header.kind)?;
-            let r: KernelNameRecord = read(bytes);
+            let r: KernelNameRecord = exact(bytes, header.kind)?;
             let len = r.name.iter().position(|b| *b == 0).unwrap_or(r.name.len());
             Ok(Event::KernelName(KernelNameEvent {
                 ts_ns: header.ts_ns,
@@ -182,31 +173,31 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
     }
 }
 
-/// Holds the step ring's events until they can be handed on in their
+/// Holds the ordered ring's events until they can be handed on in their
 /// thread's order with its launches, which come on the other ring.
 ///
 /// The kernel side writes a thread's launches (staged or not) to the launch
-/// ring before it reserves that thread's next step-ring record. So, with the
-/// launch ring read first and the step ring after it, every step record that
-/// precedes a launch just read is in by then; a step record just read may
-/// still have launches before it that are not. A step event is therefore held
+/// ring before it reserves that thread's next ordered record. So, with the
+/// launch ring read first and the ordered ring after it, every ordered record
+/// that precedes a launch just read is in by then; an ordered record just read
+/// may still have launches before it that are not. An ordered event is therefore held
 /// until either a later launch of its thread comes (it goes just before it),
 /// or a whole drain of the launch ring has passed since it was read
-/// ([`StepQueue::end_drain`]), which has brought every launch before it. A
+/// ([`OrderedQueue::end_drain`]), which has brought every launch before it. A
 /// launch record reserved and not yet committed for a whole drain tick would
 /// still come late; after the probes are detached nothing is in flight, and
-/// [`StepQueue::release_all`] is exact.
+/// [`OrderedQueue::release_all`] is exact.
 #[derive(Default)]
-pub struct StepQueue {
-    /// Held step events per thread, oldest first, with the drain they were read in.
+pub struct OrderedQueue {
+    /// Held ordered events per thread, oldest first, with the drain they were read in.
     held: Vec<(u32, VecDeque<(u64, Event)>)>,
     /// The earliest timestamp held: launches before it release nothing.
     earliest_ns: u64,
     drain: u64,
 }
 
-impl StepQueue {
-    /// Holds a step-ring event (any other event is handed on at once).
+impl OrderedQueue {
+    /// Holds an ordered-ring event (any other event is handed on at once).
     pub fn push(&mut self, event: Event, out: &mut Vec<Event>) {
         let tid = match &event {
             Event::StepEnter(e)
@@ -279,11 +270,12 @@ impl StepQueue {
 
 #[cfg(test)]
 mod tests {
+    use zerocopy::{Immutable, IntoBytes};
+
     use super::*;
 
-    fn bytes_of<T>(v: &T) -> Vec<u8> {
-        // SAFETY: test-only view of a padding-free #[repr(C)] record.
-        unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }.to_vec()
+    fn bytes_of<T: IntoBytes + Immutable>(v: &T) -> Vec<u8> {
+        v.as_bytes().to_vec()
     }
 
     #[test]
@@ -324,7 +316,7 @@ mod tests {
 
     #[test]
     fn decodes_step_records_at_odd_alignment() {
-        let r = StepRecord {
+        let r = OrderedRecord {
             header: RecordHeader { kind: RecordKind::StepExit as u32, tid: 9, ts_ns: 55 },
             probe: 2,
             seq: 7,
@@ -337,10 +329,10 @@ mod tests {
         let e = decode(&buf[1..]).expect("decodes");
         assert_eq!(
             e,
-            Event::StepExit(StepEvent { ts_ns: 55, tid: 9, probe: 2, thread_launches: 1000, seq: 7, depth: 3 })
+            Event::StepExit(OrderedEvent { ts_ns: 55, tid: 9, probe: 2, thread_launches: 1000, seq: 7, depth: 3 })
         );
-        let exit = StepRecord { header: RecordHeader { kind: RecordKind::ThreadExit as u32, ..r.header }, ..r };
-        assert!(matches!(decode(&bytes_of(&exit)), Ok(Event::ThreadExit(StepEvent { seq: 7, tid: 9, .. }))));
+        let exit = OrderedRecord { header: RecordHeader { kind: RecordKind::ThreadExit as u32, ..r.header }, ..r };
+        assert!(matches!(decode(&bytes_of(&exit)), Ok(Event::ThreadExit(OrderedEvent { seq: 7, tid: 9, .. }))));
     }
 
     #[test]
@@ -384,7 +376,7 @@ mod tests {
         assert_eq!(events.len(), 16);
         assert!(events.iter().enumerate().all(|(i, e)| e.ts_ns() == i as u64));
         // One record of another kind, or a single launch, is one record.
-        let step = bytes_of(&StepRecord {
+        let step = bytes_of(&OrderedRecord {
             header: RecordHeader { kind: RecordKind::StepEnter as u32, tid: 7, ts_ns: 1 },
             probe: 0,
             seq: 1,
@@ -401,8 +393,8 @@ mod tests {
 
     #[test]
     fn step_events_go_before_the_launches_that_follow_them() {
-        let step = |kind: fn(StepEvent) -> Event, tid, ts| {
-            kind(StepEvent { ts_ns: ts, tid, probe: 0, thread_launches: 0, seq: 0, depth: 0 })
+        let step = |kind: fn(OrderedEvent) -> Event, tid, ts| {
+            kind(OrderedEvent { ts_ns: ts, tid, probe: 0, thread_launches: 0, seq: 0, depth: 0 })
         };
         let launch = |tid, ts| LaunchEvent {
             ts_ns: ts,
@@ -414,13 +406,13 @@ mod tests {
             block: [0; 3],
             shared_mem_bytes: 0,
         };
-        let mut q = StepQueue::default();
+        let mut q = OrderedQueue::default();
         let mut out = Vec::new();
         q.push(step(Event::StepEnter, 1, 10), &mut out);
         q.push(step(Event::StepExit, 1, 30), &mut out);
         q.push(step(Event::StepEnter, 2, 15), &mut out);
         q.push(Event::LoaderChange { ts_ns: 5 }, &mut out);
-        assert_eq!(out, vec![Event::LoaderChange { ts_ns: 5 }], "only step-ring step events are held");
+        assert_eq!(out, vec![Event::LoaderChange { ts_ns: 5 }], "only ordered-ring events are held");
         out.clear();
         // Thread 1's launch at 20 follows its entry at 10, precedes its exit at 30.
         let l = launch(1, 20);

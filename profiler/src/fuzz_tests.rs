@@ -35,7 +35,7 @@ use std::{
 
 use iced_x86::{Decoder, DecoderOptions, FlowControl, Instruction};
 use object::{Object, ObjectSection};
-use profiler_common::{KernelNameRecord, LaunchApi, LaunchRecord, RecordHeader, RecordKind, StepRecord};
+use profiler_common::{KernelNameRecord, LaunchApi, LaunchRecord, OrderedRecord, RecordHeader, RecordKind};
 use proptest::{prelude::*, sample::Index, test_runner::TestCaseError};
 
 use crate::{
@@ -883,7 +883,7 @@ proptest! {
 
 const HEADER: usize = size_of::<RecordHeader>();
 const LAUNCH: usize = size_of::<LaunchRecord>();
-const STEP: usize = size_of::<StepRecord>();
+const ORDERED: usize = size_of::<OrderedRecord>();
 const NAME: usize = size_of::<KernelNameRecord>();
 
 fn u32_field(d: &[u8], at: usize) -> u32 {
@@ -910,7 +910,11 @@ fn check_record(d: &[u8]) -> Result<(), TestCaseError> {
     };
     let expected_len = match k {
         RecordKind::Launch => Some(LAUNCH),
-        RecordKind::StepEnter | RecordKind::StepExit | RecordKind::SyncEnter | RecordKind::SyncExit => Some(STEP),
+        RecordKind::StepEnter
+        | RecordKind::StepExit
+        | RecordKind::SyncEnter
+        | RecordKind::SyncExit
+        | RecordKind::ThreadExit => Some(ORDERED),
         RecordKind::KernelName => Some(NAME),
         RecordKind::LoaderChange => Some(HEADER),
         #[allow(unreachable_patterns, reason = "record kinds added later decode to whatever they decode to")]
@@ -948,19 +952,26 @@ fn check_record(d: &[u8]) -> Result<(), TestCaseError> {
             }
         }
         (
-            Event::StepEnter(s) | Event::StepExit(s) | Event::SyncEnter(s) | Event::SyncExit(s),
-            RecordKind::StepEnter | RecordKind::StepExit | RecordKind::SyncEnter | RecordKind::SyncExit,
+            Event::StepEnter(s) | Event::StepExit(s) | Event::SyncEnter(s) | Event::SyncExit(s) | Event::ThreadExit(s),
+            RecordKind::StepEnter
+            | RecordKind::StepExit
+            | RecordKind::SyncEnter
+            | RecordKind::SyncExit
+            | RecordKind::ThreadExit,
         ) => {
             let want = match k {
                 RecordKind::StepEnter => matches!(event, Event::StepEnter(_)),
                 RecordKind::StepExit => matches!(event, Event::StepExit(_)),
                 RecordKind::SyncEnter => matches!(event, Event::SyncEnter(_)),
-                _ => matches!(event, Event::SyncExit(_)),
+                RecordKind::SyncExit => matches!(event, Event::SyncExit(_)),
+                _ => matches!(event, Event::ThreadExit(_)),
             };
             prop_assert!(want, "kind {kind} decoded as {event:?}");
             prop_assert_eq!(s.tid, tid);
-            prop_assert_eq!(s.probe, u32_field(d, offset_of!(StepRecord, probe)));
-            prop_assert_eq!(s.thread_launches, u64_field(d, offset_of!(StepRecord, thread_launches)));
+            prop_assert_eq!(s.probe, u32_field(d, offset_of!(OrderedRecord, probe)));
+            prop_assert_eq!(s.thread_launches, u64_field(d, offset_of!(OrderedRecord, thread_launches)));
+            prop_assert_eq!(s.seq, u32_field(d, offset_of!(OrderedRecord, seq)));
+            prop_assert_eq!(s.depth, u32_field(d, offset_of!(OrderedRecord, depth)));
         }
         (Event::KernelName(n), RecordKind::KernelName) => {
             prop_assert_eq!(n.which, u32_field(d, offset_of!(KernelNameRecord, which)));
@@ -979,11 +990,13 @@ fn check_record(d: &[u8]) -> Result<(), TestCaseError> {
             | RecordKind::StepExit
             | RecordKind::SyncEnter
             | RecordKind::SyncExit
+            | RecordKind::ThreadExit
             | RecordKind::KernelName
             | RecordKind::LoaderChange,
         ) => {
             return Err(TestCaseError::fail(format!("kind {kind} decoded as {event:?}")));
         }
+        #[allow(unreachable_patterns, reason = "record kinds added later decode to whatever they decode to")]
         _ => {}
     }
     Ok(())
@@ -1014,7 +1027,7 @@ fn record() -> impl Strategy<Value = Vec<u8>> {
                 Some(RecordKind::Launch) => LAUNCH,
                 Some(RecordKind::KernelName) => NAME,
                 Some(RecordKind::LoaderChange) => HEADER,
-                _ => STEP,
+                _ => ORDERED,
             };
             let len = if len_mode == 0 { size.saturating_add_signed(off) } else { size };
             (Just(kind), prop::collection::vec(any::<u8>(), len), Just(seed))
@@ -1039,7 +1052,7 @@ proptest! {
     #![proptest_config(config(1))]
 
     #[test]
-    fn fuzz_records_of_arbitrary_bytes(d in bytes_near(vec![0, HEADER, LAUNCH, STEP, NAME, 2 * LAUNCH, 16 * LAUNCH], 1200)) {
+    fn fuzz_records_of_arbitrary_bytes(d in bytes_near(vec![0, HEADER, LAUNCH, ORDERED, NAME, 2 * LAUNCH, 16 * LAUNCH], 1200)) {
         check_records(&d)?;
     }
 

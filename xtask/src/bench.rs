@@ -40,6 +40,10 @@ enum Probe {
     },
 }
 
+/// The profiler as it runs by default, and counting launches only.
+const ALL: Probe = Probe::Profiler { count_only: false, at_entry: false };
+const COUNT: Probe = Probe::Profiler { count_only: true, at_entry: false };
+
 /// A table row: its name, what probes the target, and what the target runs.
 type Scenario = (&'static str, Probe, Workload);
 
@@ -173,75 +177,14 @@ pub(crate) fn wait_for_line(stream: impl std::io::Read + Send + 'static, needle:
 }
 
 fn measure(probe: Probe, workload: Workload, work: &Path) -> Result<Measured> {
-    let fx = fixtures_dir();
     let truth = work.join("truth.txt");
     let go = work.join("go");
     let db = work.join("bench.db");
     for p in [&truth, &go, &db] {
         let _ = std::fs::remove_file(p);
     }
-    let (mut target, lib_dir) = match workload {
-        Workload::Trainer { lib, runtime, threads, steps, launches } => {
-            let dir = fx.join(lib);
-            let mut c = Command::new(fx.join("trainer"));
-            c.args(["--steps", &steps.to_string(), "--launches", &launches.to_string()])
-                .args(["--threads", &threads.to_string(), "--truth"])
-                .arg(&truth)
-                .arg("--wait-file")
-                .arg(&go);
-            if runtime {
-                // The runtime (in the fixtures' top directory) is found after
-                // its dlopen: give the agent time to probe it before the timed
-                // launches.
-                c.args(["--api", "runtime", "--after-dlopen-ms", "300"])
-                    .env("LD_LIBRARY_PATH", format!("{}:{}", dir.display(), fx.display()));
-            } else {
-                c.env("LD_LIBRARY_PATH", &dir);
-            }
-            (c.spawn().context("start trainer")?, dir)
-        }
-        Workload::Genuine => {
-            let dir = fx.join("nvidia/lib");
-            let child = Command::new(fx.join("genuine_launch"))
-                .args(["libcuda.so.1", &GENUINE_CALLS.to_string()])
-                .arg(&truth)
-                .arg(&go)
-                .env("LD_LIBRARY_PATH", &dir)
-                .spawn()
-                .context("start genuine_launch")?;
-            (child, dir)
-        }
-    };
-    let pid = target.id().to_string();
-    let agent = match probe {
-        Probe::None => None,
-        Probe::Bare { placed } => {
-            let mut c = Command::new(profiler_bin());
-            c.args(["bare-probe", &pid]).arg(lib_dir.join("libcuda.so.1")).arg("cuLaunchKernel");
-            if placed {
-                c.arg("--placed");
-            }
-            let mut c = c.stdout(Stdio::piped()).spawn()?;
-            wait_for_line(c.stdout.take().context("stdout")?, "attached")?;
-            Some(c)
-        }
-        Probe::Profiler { count_only, at_entry } => {
-            let mut c = Command::new(profiler_bin());
-            c.args(["attach", &pid, "--no-gpu", "-o"]).arg(&db).stderr(Stdio::piped());
-            if matches!(workload, Workload::Trainer { .. }) {
-                c.args(["--step-symbol", "train_step"]);
-            }
-            if count_only {
-                c.args(["--launches", "count"]);
-            }
-            if at_entry {
-                c.arg("--probe-at-entry");
-            }
-            let mut c = c.spawn()?;
-            wait_for_line(c.stderr.take().context("stderr")?, "tracing PID")?;
-            Some(c)
-        }
-    };
+    let (mut target, lib_dir) = start_target(workload, &truth, &go)?;
+    let agent = start_agent(probe, workload, &target.id().to_string(), &lib_dir, &db)?;
     std::fs::write(&go, b"")?;
     let status = target.wait()?;
     if !status.success() {
@@ -254,26 +197,103 @@ fn measure(probe: Probe, workload: Workload, work: &Path) -> Result<Measured> {
     m.quiet_ns_per_launch = t.per_part.get(t.per_part.len() / 10).copied().unwrap_or(m.ns_per_launch);
     m.launches = t.total;
     if let Some(agent) = agent {
-        if matches!(probe, Probe::Bare { .. }) {
-            // SAFETY: signalling our own child.
-            unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
-        }
-        // The profiler stops by itself when the target exits.
-        let waited = Instant::now();
-        let (cpu, rss_kib) = wait_rusage(&agent)?;
-        if let Probe::Profiler { .. } = probe {
-            let conn = rusqlite::Connection::open(&db)?;
-            let lost: i64 =
-                conn.query_row("SELECT lost_events FROM sessions ORDER BY id DESC LIMIT 1", [], |r| r.get(0))?;
-            m.lost = Some(lost);
-            let events = t.total + 2 * t.steps;
-            let span = if t.span_ns > 0 { t.span_ns } else { t.launch_ns };
-            m.events_per_s = events as f64 / (span as f64 / 1e9);
-            m.agent_cpu_pct = Some(100.0 * cpu / (span as f64 / 1e9 + waited.elapsed().as_secs_f64()));
-            m.agent_rss_mib = Some(rss_kib / 1024.0);
-        }
+        agent_figures(probe, agent, &t, &db, &mut m)?;
     }
     Ok(m)
+}
+
+/// Starts the workload, held until `go` exists, writing its truth to `truth`;
+/// returns it and the directory of the `libcuda.so.1` it loads.
+fn start_target(workload: Workload, truth: &Path, go: &Path) -> Result<(Child, PathBuf)> {
+    let fx = fixtures_dir();
+    match workload {
+        Workload::Trainer { lib, runtime, threads, steps, launches } => {
+            let dir = fx.join(lib);
+            let mut c = Command::new(fx.join("trainer"));
+            c.args(["--steps", &steps.to_string(), "--launches", &launches.to_string()])
+                .args(["--threads", &threads.to_string(), "--truth"])
+                .arg(truth)
+                .arg("--wait-file")
+                .arg(go);
+            if runtime {
+                // The runtime (in the fixtures' top directory) is found after
+                // its dlopen: give the agent time to probe it before the timed
+                // launches.
+                c.args(["--api", "runtime", "--after-dlopen-ms", "300"])
+                    .env("LD_LIBRARY_PATH", format!("{}:{}", dir.display(), fx.display()));
+            } else {
+                c.env("LD_LIBRARY_PATH", &dir);
+            }
+            Ok((c.spawn().context("start trainer")?, dir))
+        }
+        Workload::Genuine => {
+            let dir = fx.join("nvidia/lib");
+            let child = Command::new(fx.join("genuine_launch"))
+                .args(["libcuda.so.1", &GENUINE_CALLS.to_string()])
+                .arg(truth)
+                .arg(go)
+                .env("LD_LIBRARY_PATH", &dir)
+                .spawn()
+                .context("start genuine_launch")?;
+            Ok((child, dir))
+        }
+    }
+}
+
+/// Starts what `probe` says on the target `pid`, and waits until it is attached.
+fn start_agent(probe: Probe, workload: Workload, pid: &str, lib_dir: &Path, db: &Path) -> Result<Option<Child>> {
+    match probe {
+        Probe::None => Ok(None),
+        Probe::Bare { placed } => {
+            let mut c = Command::new(profiler_bin());
+            c.args(["bare-probe", pid]).arg(lib_dir.join("libcuda.so.1")).arg("cuLaunchKernel");
+            if placed {
+                c.arg("--placed");
+            }
+            let mut c = c.stdout(Stdio::piped()).spawn()?;
+            wait_for_line(c.stdout.take().context("stdout")?, "attached")?;
+            Ok(Some(c))
+        }
+        Probe::Profiler { count_only, at_entry } => {
+            let mut c = Command::new(profiler_bin());
+            c.args(["attach", pid, "--no-gpu", "-o"]).arg(db).stderr(Stdio::piped());
+            if matches!(workload, Workload::Trainer { .. }) {
+                c.args(["--step-symbol", "train_step"]);
+            }
+            if count_only {
+                c.args(["--launches", "count"]);
+            }
+            if at_entry {
+                c.arg("--probe-at-entry");
+            }
+            let mut c = c.spawn()?;
+            wait_for_line(c.stderr.take().context("stderr")?, "tracing PID")?;
+            Ok(Some(c))
+        }
+    }
+}
+
+/// Stops the agent (the profiler stops by itself when the target exits) and,
+/// for the profiler, fills in its figures: loss, events/s, CPU and memory.
+fn agent_figures(probe: Probe, agent: Child, t: &Truth, db: &Path, m: &mut Measured) -> Result<()> {
+    if matches!(probe, Probe::Bare { .. }) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    }
+    let waited = Instant::now();
+    let (cpu, rss_kib) = wait_rusage(&agent)?;
+    if let Probe::Profiler { .. } = probe {
+        let conn = rusqlite::Connection::open(db)?;
+        let lost: i64 =
+            conn.query_row("SELECT lost_events FROM sessions ORDER BY id DESC LIMIT 1", [], |r| r.get(0))?;
+        m.lost = Some(lost);
+        let events = t.total + 2 * t.steps;
+        let span = if t.span_ns > 0 { t.span_ns } else { t.launch_ns };
+        m.events_per_s = events as f64 / (span as f64 / 1e9);
+        m.agent_cpu_pct = Some(100.0 * cpu / (span as f64 / 1e9 + waited.elapsed().as_secs_f64()));
+        m.agent_rss_mib = Some(rss_kib / 1024.0);
+    }
+    Ok(())
 }
 
 /// The run with the median ns per launch, with the median of the runs' quiet
@@ -293,21 +313,40 @@ pub fn main() -> Result<()> {
     }
     let work: PathBuf = crate::root().join("target/bench");
     std::fs::create_dir_all(&work)?;
+    println!();
+    println!("Host cost per launch, median of {REPEATS} runs; kernel {}", kernel());
+    for (title, scenarios) in launch_sections() {
+        let mut results = Vec::new();
+        for (name, probe, workload) in scenarios {
+            say(format!("bench: {title}: {name}"));
+            let runs = (0..REPEATS).map(|_| measure(probe, workload, &work)).collect::<Result<Vec<_>>>()?;
+            results.push((name, probe, median(runs)));
+        }
+        print_launch_section(title, &results);
+    }
+    print_launch_notes();
+    detach_table(&work)?;
+    sampler_table(&work)?;
+    maps_table(&work)?;
+    crate::bench_python::python_table(&work)?;
+    fuzz_long()
+}
+
+/// The launch-cost tables: a title each, and their rows.
+fn launch_sections() -> Vec<(&'static str, Vec<Scenario>)> {
     let plain = |threads| Workload::Trainer { lib: "", runtime: false, threads, steps: STEPS, launches: LAUNCHES };
     let shaped =
         |threads, steps, launches| Workload::Trainer { lib: "shaped", runtime: false, threads, steps, launches };
     let runtime = Workload::Trainer { lib: "shaped", runtime: true, threads: 1, steps: STEPS, launches: LAUNCHES };
-    let all = Probe::Profiler { count_only: false, at_entry: false };
-    let count = Probe::Profiler { count_only: true, at_entry: false };
-    let sections: Vec<(&str, Vec<Scenario>)> = vec![
+    vec![
         (
             "stand-in driver, entry `addq $1, counter(%rip)` (RIP-relative: single-stepped, not movable)",
             vec![
                 ("(a) untraced", Probe::None, plain(1)),
                 ("(b) bare uprobe at entry", Probe::Bare { placed: false }, plain(1)),
-                ("(c) profiler, --launches all", all, plain(1)),
-                ("(c) profiler, --launches count", count, plain(1)),
-                ("(c) profiler, all, 2 threads", all, plain(2)),
+                ("(c) profiler, --launches all", ALL, plain(1)),
+                ("(c) profiler, --launches count", COUNT, plain(1)),
+                ("(c) profiler, all, 2 threads", ALL, plain(2)),
             ],
         ),
         (
@@ -321,11 +360,11 @@ pub fn main() -> Result<()> {
                     Probe::Profiler { count_only: false, at_entry: true },
                     shaped(1, STEPS, LAUNCHES),
                 ),
-                ("(c) profiler, --launches all", all, shaped(1, STEPS, LAUNCHES)),
-                ("(c) profiler, --launches count", count, shaped(1, STEPS, LAUNCHES)),
-                ("(c) profiler, all, 2 threads", all, shaped(2, STEPS, LAUNCHES)),
+                ("(c) profiler, --launches all", ALL, shaped(1, STEPS, LAUNCHES)),
+                ("(c) profiler, --launches count", COUNT, shaped(1, STEPS, LAUNCHES)),
+                ("(c) profiler, all, 2 threads", ALL, shaped(2, STEPS, LAUNCHES)),
                 ("launch-bound step (10 000), untraced", Probe::None, shaped(1, 20, 10_000)),
-                ("launch-bound step (10 000), profiler", all, shaped(1, 20, 10_000)),
+                ("launch-bound step (10 000), profiler", ALL, shaped(1, 20, 10_000)),
             ],
         ),
         (
@@ -333,8 +372,8 @@ pub fn main() -> Result<()> {
              two probes fire, the driver's skipped",
             vec![
                 ("(a) untraced", Probe::None, runtime),
-                ("(c) profiler, --launches all", all, runtime),
-                ("(c) profiler, --launches count", count, runtime),
+                ("(c) profiler, --launches all", ALL, runtime),
+                ("(c) profiler, --launches count", COUNT, runtime),
             ],
         ),
         (
@@ -344,53 +383,51 @@ pub fn main() -> Result<()> {
                 ("(a) untraced", Probe::None, Workload::Genuine),
                 ("(b) bare uprobe at entry", Probe::Bare { placed: false }, Workload::Genuine),
                 ("(b') bare uprobe at chosen offset", Probe::Bare { placed: true }, Workload::Genuine),
-                ("(c) profiler, --launches all", all, Workload::Genuine),
-                ("(c) profiler, --launches count", count, Workload::Genuine),
+                ("(c) profiler, --launches all", ALL, Workload::Genuine),
+                ("(c) profiler, --launches count", COUNT, Workload::Genuine),
             ],
         ),
-    ];
+    ]
+}
+
+/// Prints one launch-cost table, and the profiler's ratio to the bare uprobe.
+fn print_launch_section(title: &str, results: &[(&str, Probe, Measured)]) {
     let opt = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$}"));
     println!();
-    println!("Host cost per launch, median of {REPEATS} runs; kernel {}", kernel());
-    for (title, scenarios) in sections {
-        let mut results = Vec::new();
-        for (name, probe, workload) in scenarios {
-            say(format!("bench: {title}: {name}"));
-            let runs = (0..REPEATS).map(|_| measure(probe, workload, &work)).collect::<Result<Vec<_>>>()?;
-            results.push((name, probe, median(runs)));
-        }
-        println!();
-        println!("{title}");
+    println!("{title}");
+    println!(
+        "| {:<38} | {:>11} | {:>9} | {:>9} | {:>10} | {:>4} | {:>11} | {:>13} |",
+        "scenario", "ns / launch", "quiet ns", "launches", "events/s", "lost", "agent CPU %", "agent RSS MiB"
+    );
+    println!("|{:-<40}|{:->13}|{:->11}|{:->11}|{:->12}|{:->6}|{:->13}|{:->15}|", "", "", "", "", "", "", "", "");
+    for (name, _, m) in results {
         println!(
-            "| {:<38} | {:>11} | {:>9} | {:>9} | {:>10} | {:>4} | {:>11} | {:>13} |",
-            "scenario", "ns / launch", "quiet ns", "launches", "events/s", "lost", "agent CPU %", "agent RSS MiB"
+            "| {:<38} | {:>11.0} | {:>9.0} | {:>9} | {:>10} | {:>4} | {:>11} | {:>13} |",
+            name,
+            m.ns_per_launch,
+            m.quiet_ns_per_launch,
+            m.launches,
+            if m.events_per_s > 0.0 { format!("{:.0}", m.events_per_s) } else { "-".into() },
+            m.lost.map_or("-".into(), |l| l.to_string()),
+            opt(m.agent_cpu_pct, 1),
+            opt(m.agent_rss_mib, 1),
         );
-        println!("|{:-<40}|{:->13}|{:->11}|{:->11}|{:->12}|{:->6}|{:->13}|{:->15}|", "", "", "", "", "", "", "", "");
-        for (name, _, m) in &results {
-            println!(
-                "| {:<38} | {:>11.0} | {:>9.0} | {:>9} | {:>10} | {:>4} | {:>11} | {:>13} |",
-                name,
-                m.ns_per_launch,
-                m.quiet_ns_per_launch,
-                m.launches,
-                if m.events_per_s > 0.0 { format!("{:.0}", m.events_per_s) } else { "-".into() },
-                m.lost.map_or("-".into(), |l| l.to_string()),
-                opt(m.agent_cpu_pct, 1),
-                opt(m.agent_rss_mib, 1),
-            );
-        }
-        let find = |p: Probe| results.iter().find(|r| r.1 == p).map(|r| &r.2);
-        let floor = find(Probe::Bare { placed: true }).or(find(Probe::Bare { placed: false }));
-        if let (Some(floor), Some(a), Some(c)) = (floor, find(all), find(count)) {
-            println!(
-                "ratio profiler ÷ bare uprobe at the profiler's offset: all {:.2}, count {:.2} (quiet: all {:.2}, count {:.2})",
-                a.ns_per_launch / floor.ns_per_launch,
-                c.ns_per_launch / floor.ns_per_launch,
-                a.quiet_ns_per_launch / floor.quiet_ns_per_launch,
-                c.quiet_ns_per_launch / floor.quiet_ns_per_launch,
-            );
-        }
     }
+    let find = |p: Probe| results.iter().find(|r| r.1 == p).map(|r| &r.2);
+    let floor = find(Probe::Bare { placed: true }).or(find(Probe::Bare { placed: false }));
+    if let (Some(floor), Some(a), Some(c)) = (floor, find(ALL), find(COUNT)) {
+        println!(
+            "ratio profiler ÷ bare uprobe at the profiler's offset: all {:.2}, count {:.2} (quiet: all {:.2}, count {:.2})",
+            a.ns_per_launch / floor.ns_per_launch,
+            c.ns_per_launch / floor.ns_per_launch,
+            a.quiet_ns_per_launch / floor.quiet_ns_per_launch,
+            c.quiet_ns_per_launch / floor.quiet_ns_per_launch,
+        );
+    }
+}
+
+/// What the launch-cost tables' columns mean.
+fn print_launch_notes() {
     println!();
     println!("ns / launch: over the whole run (the trainer's steps, or genuine_launch's cuLaunchKernel loop);");
     println!("quiet ns: the 10th percentile of ns per launch over the run's steps (genuine: chunks of 1000 calls),");
@@ -398,11 +435,6 @@ pub fn main() -> Result<()> {
     println!("events/s: launch records plus step entry/return records over the target's busy span");
     println!("(genuine library: the calls to all 8 entry points over the sum of their loops' times);");
     println!("agent CPU %: the agent's CPU time over that span plus its drain-and-flush time after the target exits.");
-    detach_table(&work)?;
-    sampler_table(&work)?;
-    maps_table(&work)?;
-    crate::bench_python::python_table(&work)?;
-    fuzz_long()
 }
 
 /// Cases per property in the bench's long fuzzing run (the test suite runs 256).

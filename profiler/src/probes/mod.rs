@@ -23,8 +23,8 @@ use aya::{
     },
 };
 use profiler_common::{
-    ApiLayer, EVENTS_BYTES, LaunchApi, LaunchRecord, LaunchStage, RUNTIME_TEXTS, STAGE_LEN, STAGES, STEP_EVENTS_BYTES,
-    SyncApi, globals, maps as map_names, name_call, programs,
+    ApiLayer, EVENTS_BYTES, LaunchApi, LaunchRecord, LaunchStage, ORDERED_EVENTS_BYTES, RUNTIME_TEXTS, STAGE_LEN,
+    STAGES, SyncApi, globals, maps as map_names, name_call, programs,
 };
 
 use self::maps::LibraryKind;
@@ -73,7 +73,8 @@ pub struct ProbePoint {
 pub struct KernelCounters {
     /// Records the rings had no room for, both rings together.
     pub lost: u64,
-    /// Of those, step-ring records (steps, syncs, thread exits, loader changes).
+    /// Of those, ordered-ring records (steps, syncs, thread exits, loader
+    /// changes); named after the `sessions` column it fills.
     pub lost_step_records: u64,
     /// Map updates that failed (see `profiler_common::maps::MAP_FAILURES`).
     pub map_failures: u64,
@@ -86,7 +87,8 @@ pub struct KernelCounters {
 pub struct Rings {
     /// Launch and kernel-name records.
     pub launches: RingBuf<MapData>,
-    /// Step, sync and thread-exit records, and loader changes.
+    /// Step, sync and thread-exit records (the ordered ring,
+    /// `profiler_common::maps::ORDERED_EVENTS`), and loader changes.
     pub steps: RingBuf<MapData>,
 }
 
@@ -132,11 +134,11 @@ impl StagedLaunches {
 /// kernel side's fallback entries. For tests.
 const THREAD_SLOTS_ENV: &str = "PROFILER_THREAD_SLOTS";
 
-/// Sizes of the launch ring and the step ring in bytes (a power of two, at
-/// least a page), instead of `EVENTS_BYTES` / `STEP_EVENTS_BYTES`: a small
+/// Sizes of the launch ring and the ordered ring in bytes (a power of two, at
+/// least a page), instead of `EVENTS_BYTES` / `ORDERED_EVENTS_BYTES`: a small
 /// ring overflows on purpose. For tests.
 const RING_BYTES_ENV: &str = "PROFILER_RING_BYTES";
-const STEP_RING_BYTES_ENV: &str = "PROFILER_STEP_RING_BYTES";
+const ORDERED_RING_BYTES_ENV: &str = "PROFILER_STEP_RING_BYTES";
 
 /// The most per-thread slots the kernel side gets (40 bytes each).
 const MAX_THREAD_SLOTS: u32 = 1 << 16;
@@ -201,7 +203,7 @@ impl Probes {
             .map_max_entries(map_names::SLOT_CLAIMS, slots)
             .map_max_entries(map_names::THREAD_FALLBACK, thread_fallback_entries(slots))
             .map_max_entries(map_names::EVENTS, ring_bytes(RING_BYTES_ENV, EVENTS_BYTES))
-            .map_max_entries(map_names::STEP_EVENTS, ring_bytes(STEP_RING_BYTES_ENV, STEP_EVENTS_BYTES))
+            .map_max_entries(map_names::ORDERED_EVENTS, ring_bytes(ORDERED_RING_BYTES_ENV, ORDERED_EVENTS_BYTES))
             .load(EBPF_OBJECT)?;
         for name in program_names() {
             let prog: &mut UProbe = ebpf
@@ -224,23 +226,19 @@ impl Probes {
         let mut ring = |name: &'static str| {
             RingBuf::try_from(take_map(&mut ebpf, name)?).map_err(|source| ProbeError::Map { name, source })
         };
-        let rings = Rings { launches: ring(map_names::EVENTS)?, steps: ring(map_names::STEP_EVENTS)? };
+        let rings = Rings { launches: ring(map_names::EVENTS)?, steps: ring(map_names::ORDERED_EVENTS)? };
         let mut counter = |name: &'static str| {
             PerCpuArray::try_from(take_map(&mut ebpf, name)?).map_err(|source| ProbeError::Map { name, source })
         };
         let counters = [
             counter(map_names::LOST)?,
-            counter(map_names::LOST_STEPS)?,
+            counter(map_names::LOST_ORDERED)?,
             counter(map_names::MAP_FAILURES)?,
             counter(map_names::LAUNCHES)?,
         ];
         let stages = Array::try_from(take_map(&mut ebpf, map_names::LAUNCH_STAGES)?)
             .map_err(|source| ProbeError::Map { name: map_names::LAUNCH_STAGES, source })?;
-        let kernel = if place_probes {
-            std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().and_then(|r| placement::kernel_version(r.trim()))
-        } else {
-            None
-        };
+        let kernel = if place_probes { placement::running_kernel_version() } else { None };
         let stages = StagedLaunches(stages);
         let probes =
             Self { ebpf, pid, kernel, probed: HashSet::new(), counters, stages, runtime_texts: 0, links: Vec::new() };
@@ -423,8 +421,8 @@ impl Probes {
 
     pub fn counters(&self) -> KernelCounters {
         let sum = |m: &PerCpuArray<MapData, u64>| m.get(&0, 0).map(|v| v.iter().sum::<u64>()).unwrap_or(0);
-        let [lost, lost_steps, map_failures, launches] = &self.counters;
-        let lost_step_records = sum(lost_steps);
+        let [lost, lost_ordered, map_failures, launches] = &self.counters;
+        let lost_step_records = sum(lost_ordered);
         KernelCounters {
             lost: sum(lost) + lost_step_records,
             lost_step_records,

@@ -293,6 +293,11 @@ impl fmt::Display for Placement {
     }
 }
 
+/// `major.minor` of the running kernel (`uname(2)`).
+pub fn running_kernel_version() -> Option<KernelVersion> {
+    kernel_version(rustix::system::uname().release().to_str().ok()?)
+}
+
 /// `major.minor` of a kernel release string such as `6.18.44-fc-v669` (`uname -r`).
 pub fn kernel_version(release: &str) -> Option<KernelVersion> {
     let mut parts = release.split(['.', '-']);
@@ -716,6 +721,13 @@ mod tests {
         assert_eq!(kernel_version("6.8-rc1"), Some((6, 8)));
         assert_eq!(kernel_version("garbage"), None);
         assert!((6, 9) < (6, 16), "versions compare numerically, not as strings");
+    }
+
+    #[test]
+    fn reads_the_running_kernel_as_procfs_has_it() {
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").expect("procfs is mounted");
+        assert!(running_kernel_version().is_some());
+        assert_eq!(running_kernel_version(), kernel_version(release.trim()));
     }
 
     #[test]

@@ -117,7 +117,7 @@ impl PythonStepSpec {
     }
 
     /// The `PY_TARGETS` entry; `label_id` is what the kernel writes to
-    /// `StepRecord::probe` when this function enters or returns.
+    /// `OrderedRecord::probe` when this function enters or returns.
     pub fn target(&self, label_id: u32) -> PyTarget {
         let mut t = PyTarget { label_id, ..Default::default() };
         let name = self.function.as_bytes();
@@ -318,7 +318,7 @@ pub fn find_in_process(pid: u32) -> Result<PythonProbes, PythonProbeError> {
 #[derive(Clone, Debug)]
 pub struct PythonTarget {
     pub spec: PythonStepSpec,
-    /// Written to `StepRecord::probe`; the caller maps it back to `spec.label`.
+    /// Written to `OrderedRecord::probe`; the caller maps it back to `spec.label`.
     pub label_id: u32,
 }
 
