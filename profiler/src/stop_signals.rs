@@ -9,7 +9,6 @@
 use std::{os::unix::process::ExitStatusExt, process::ExitStatus};
 
 use rustix::process::{Pid, Signal};
-
 use signal_hook::{
     consts::{SIGINT, SIGTERM},
     iterator::{SignalsInfo, exfiltrator::WithOrigin},

@@ -7,6 +7,7 @@ use profiler_common::name_call;
 use super::symbolizer::StubSymbolizer;
 use crate::{events::KernelNameEvent, probes, store::KernelRow};
 
+/// What names each launched kernel, and the `kernels` rows not yet stored.
 #[derive(Default)]
 pub(super) struct KernelNames {
     /// Kernel names by driver handle (`CUfunction` or `CUkernel`).
