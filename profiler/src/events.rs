@@ -32,9 +32,6 @@ pub struct OrderedEvent {
     pub depth: u32,
 }
 
-// TEMP alias until session.rs is ported
-pub use self::{OrderedEvent as StepEvent, OrderedQueue as StepQueue};
-
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
     Launch(LaunchEvent),

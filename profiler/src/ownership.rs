@@ -5,8 +5,7 @@ use std::{os::unix::fs::MetadataExt, path::Path};
 /// The uid and gid `sudo` recorded for the user who invoked it, when this
 /// process runs as root under `sudo`.
 fn invoking_user() -> Option<(u32, u32)> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !rustix::process::geteuid().is_root() {
         return None;
     }
     let id = |var: &str| std::env::var(var).ok()?.parse::<u32>().ok();

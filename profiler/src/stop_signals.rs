@@ -8,6 +8,7 @@
 //! the profiler alone (`kill -INT`, a job scheduler) is passed on once.
 use std::{os::unix::process::ExitStatusExt, process::ExitStatus};
 
+use rustix::process::{Pid, Signal};
 use signal_hook::{
     consts::{SIGINT, SIGTERM},
     iterator::{SignalsInfo, exfiltrator::WithOrigin},
@@ -54,23 +55,28 @@ pub fn listen() -> std::io::Result<mpsc::UnboundedReceiver<StopSignal>> {
     Ok(rx)
 }
 
-/// Sends `signal` to process `pid`.
+/// Sends `signal`, one of the stop signals, to process `pid`; a vanished
+/// process is not an error.
 pub fn forward(pid: u32, signal: i32) {
-    // SAFETY: kill(2) with a valid signal number; a vanished PID is ESRCH.
-    unsafe { libc::kill(pid as libc::pid_t, signal) };
+    let signal = match signal {
+        SIGINT => Signal::INT,
+        SIGTERM => Signal::TERM,
+        _ => return,
+    };
+    if let Some(pid) = Pid::from_raw(pid as i32) {
+        let _ = rustix::process::kill_process(pid, signal);
+    }
 }
 
 /// The process group of `pid`, if it still exists.
 pub fn process_group(pid: u32) -> Option<i32> {
-    // SAFETY: getpgid has no memory preconditions.
-    let g = unsafe { libc::getpgid(pid as libc::pid_t) };
-    (g >= 0).then_some(g)
+    let pid = Pid::from_raw(pid as i32)?;
+    rustix::process::getpgid(Some(pid)).ok().map(Pid::as_raw_pid)
 }
 
 /// The profiler's own process group.
 pub fn own_process_group() -> i32 {
-    // SAFETY: getpgrp cannot fail.
-    unsafe { libc::getpgrp() }
+    rustix::process::getpgrp().as_raw_pid()
 }
 
 /// The status a shell would report for a command that ended with `status`:

@@ -1,7 +1,7 @@
 //! `profiler run [options] -- CMD ARGS…`: start a command held before `exec`,
 //! attach, then let it go, so that nothing it does escapes the probes.
 use std::{
-    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
     process::ExitCode,
 };
 
@@ -23,16 +23,6 @@ pub struct RunArgs {
     pub command: Vec<String>,
 }
 
-fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0; 2];
-    // SAFETY: valid out-array of two ints.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: two fresh fds from the kernel.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
-}
-
 /// Name of the hidden subcommand the child runs first (see [`exec_gate`]).
 pub const EXEC_GATE: &str = "__exec-gate";
 
@@ -45,12 +35,12 @@ pub fn exec_gate(args: &[String]) -> ExitCode {
         eprintln!("profiler: error: {EXEC_GATE} FD PROGRAM ARG0 [ARGS...]");
         return ExitCode::FAILURE;
     };
-    let mut b = 0u8;
-    // SAFETY: reading one byte into a valid buffer from an inherited fd.
-    let n = unsafe { libc::read(fd, (&mut b as *mut u8).cast(), 1) };
-    // SAFETY: closing the inherited fd we own.
-    unsafe { libc::close(fd) };
-    if n != 1 {
+    // SAFETY: the profiler passed this fd down for the gate alone; nothing
+    // else in this process uses it, and it is closed when `gate` drops.
+    let gate = unsafe { OwnedFd::from_raw_fd(fd) };
+    let n = rustix::io::read(&gate, &mut [0u8; 1]);
+    drop(gate);
+    if !matches!(n, Ok(1)) {
         // The profiler went away before attaching: do not run unprofiled.
         return ExitCode::from(127);
     }
@@ -67,18 +57,18 @@ pub async fn main(args: RunArgs) -> anyhow::Result<ExitCode> {
     let program = &args.command[0];
     let exe = which::which(program).with_context(|| format!("command '{program}' not found in PATH"))?;
     let exe = std::fs::canonicalize(&exe).unwrap_or(exe);
-    let (gate_read, gate_write) = pipe().context("pipe")?;
+    let (gate_read, gate_write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).context("pipe")?;
     let read_fd = gate_read.as_raw_fd();
     let me = std::env::current_exe().context("cannot find the profiler's own executable")?;
     let mut cmd = tokio::process::Command::new(me);
     cmd.arg(EXEC_GATE).arg(read_fd.to_string()).arg(&exe).arg(program).args(&args.command[1..]);
-    // SAFETY: fcntl on an fd we own, between fork and exec (async-signal-safe).
+    // SAFETY: between fork and exec, `read_fd` is still open (the parent
+    // holds `gate_read` until `spawn` returns), and fcntl is async-signal-safe.
     unsafe {
         cmd.pre_exec(move || {
             // Let the gate's read end survive exec; the write end stays CLOEXEC.
-            if libc::fcntl(read_fd, libc::F_SETFD, 0) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
+            let read_end = BorrowedFd::borrow_raw(read_fd);
+            rustix::io::fcntl_setfd(read_end, rustix::io::FdFlags::empty())?;
             Ok(())
         });
     }

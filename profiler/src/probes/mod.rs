@@ -89,7 +89,7 @@ pub struct Rings {
     pub launches: RingBuf<MapData>,
     /// Step, sync and thread-exit records (the ordered ring,
     /// `profiler_common::maps::ORDERED_EVENTS`), and loader changes.
-    pub steps: RingBuf<MapData>,
+    pub ordered: RingBuf<MapData>,
 }
 
 /// The loaded programs and their attachments to one target process.
@@ -226,7 +226,7 @@ impl Probes {
         let mut ring = |name: &'static str| {
             RingBuf::try_from(take_map(&mut ebpf, name)?).map_err(|source| ProbeError::Map { name, source })
         };
-        let rings = Rings { launches: ring(map_names::EVENTS)?, steps: ring(map_names::ORDERED_EVENTS)? };
+        let rings = Rings { launches: ring(map_names::EVENTS)?, ordered: ring(map_names::ORDERED_EVENTS)? };
         let mut counter = |name: &'static str| {
             PerCpuArray::try_from(take_map(&mut ebpf, name)?).map_err(|source| ProbeError::Map { name, source })
         };

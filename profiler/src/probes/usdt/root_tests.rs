@@ -207,7 +207,7 @@ fn semaphore_of(pid: NonZeroU32, python: &PythonProbes) -> (u16, Option<u16>) {
 /// Both rings' records (steps do not need the launches' order here: their
 /// launch counts come with them).
 fn drain(rings: &mut crate::probes::Rings, events: &mut Vec<Event>) {
-    for ring in [&mut rings.launches, &mut rings.steps] {
+    for ring in [&mut rings.launches, &mut rings.ordered] {
         while let Some(item) = ring.next() {
             events.extend(records(&item).map(|r| decode(r).expect("a valid record")));
         }

@@ -1,0 +1,163 @@
+//! Attaching, in order: the CUDA libraries the target maps, the dynamic loader's hook, the driver
+//! library where the target will find it, then the step functions, native and Python.
+use super::{
+    config::SessionConfig,
+    setup::{StepFunctions, TargetProcess},
+    watcher::{LibraryWatcher, library_row, probe_row},
+};
+use crate::{
+    probes::{
+        self, Probes,
+        maps::{self, LibraryKind},
+        usdt::{self, python::PythonProbes},
+    },
+    store::LibraryRow,
+};
+
+/// Probes the CUDA libraries the target maps or will load, then the step
+/// functions, native and Python. Returns the `libraries` rows and the Python
+/// probes' handle (dropped before the rest detach).
+pub(super) fn attach_all(
+    cfg: &SessionConfig,
+    target: &TargetProcess,
+    probes: &mut Probes,
+    watcher: &mut LibraryWatcher,
+    steps: &StepFunctions,
+) -> anyhow::Result<(Vec<LibraryRow>, Option<usdt::python::PythonSteps>)> {
+    let mut libraries: Vec<LibraryRow> = Vec::new();
+    if target.mode == "attach" {
+        watcher.scan_into(probes, &mut libraries, cfg.quiet, "maps");
+    }
+    attach_loader(target, probes, watcher, &mut libraries);
+    attach_predicted_driver(target, probes, watcher, &mut libraries);
+    // The step probes go in last, so that every step they see has the launch
+    // probes of the libraries known now in place for its whole span.
+    attach_step_symbols(cfg, target.pid, probes, steps, &mut libraries)?;
+    let python_steps = match &steps.python {
+        Some(py) => Some(attach_python(cfg, probes, py, steps.symbols.len(), &mut libraries)?),
+        None => None,
+    };
+    if !libraries.iter().any(|l| l.kind == "driver" || l.kind == "runtime") {
+        let pid = target.pid;
+        say!(
+            cfg.quiet,
+            "PID {pid} has no CUDA library mapped yet; launches will appear once it loads libcuda or libcudart"
+        );
+    }
+    Ok((libraries, python_steps))
+}
+
+/// The loader's hook: libraries loaded from now on are looked for as soon
+/// as it fires. In `run` the target has not exec'ed yet: the probe is on
+/// the file, and the kernel puts it in whatever maps it later.
+fn attach_loader(
+    target: &TargetProcess,
+    probes: &mut Probes,
+    watcher: &mut LibraryWatcher,
+    libraries: &mut Vec<LibraryRow>,
+) {
+    let (pid, exe) = (target.pid, &target.exe);
+    match probes::loader_of(pid, exe) {
+        Some(loader) => match probes.attach_loader(&probes::in_target_root(pid, &loader)) {
+            Ok(Some(offset)) => {
+                libraries.push(probe_row(
+                    &loader,
+                    "loader",
+                    1,
+                    format!("{} at file offset {offset:#x}", probes::LOADER_HOOK),
+                ));
+                watcher.loader_hooked = true;
+            }
+            Ok(None) => log::warn!(
+                "{} exports no {}: new CUDA libraries are found by polling the maps",
+                loader.display(),
+                probes::LOADER_HOOK
+            ),
+            Err(e) => log::warn!("could not probe the dynamic loader {}: {e}", loader.display()),
+        },
+        None => log::info!("{} has no dynamic loader: new CUDA libraries are found by polling the maps", exe.display()),
+    }
+}
+
+/// Probes the driver library where the target would find it, before it loads
+/// it: PyTorch initialises CUDA lazily, and the first launches follow at once.
+fn attach_predicted_driver(
+    target: &TargetProcess,
+    probes: &mut Probes,
+    watcher: &mut LibraryWatcher,
+    libraries: &mut Vec<LibraryRow>,
+) {
+    for cand in maps::driver_candidates(target.var("LD_LIBRARY_PATH").as_deref(), &ldconfig_cache()) {
+        let visible = probes::in_target_root(target.pid, &cand);
+        if !visible.is_file() {
+            continue;
+        }
+        match probes.attach_cuda_library(LibraryKind::Driver, &visible, &[]) {
+            Ok(None) => {}
+            Ok(Some(placed)) if placed.is_empty() => {}
+            Ok(Some(placed)) => {
+                watcher.seen.insert(cand.clone());
+                libraries.push(library_row(&cand, LibraryKind::Driver, placed, "predicted"));
+            }
+            Err(e) => libraries.extend(watcher.not_probed(&cand, LibraryKind::Driver, "predicted", &e)),
+        }
+    }
+}
+
+fn ldconfig_cache() -> String {
+    ["/sbin/ldconfig", "/usr/sbin/ldconfig", "ldconfig"]
+        .iter()
+        .find_map(|p| std::process::Command::new(p).arg("-p").output().ok())
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
+
+/// The `--step-symbol` probes; each one's index is its probe id.
+fn attach_step_symbols(
+    cfg: &SessionConfig,
+    pid: u32,
+    probes: &mut Probes,
+    steps: &StepFunctions,
+    libraries: &mut Vec<LibraryRow>,
+) -> anyhow::Result<()> {
+    for (probe_id, step) in steps.symbols.iter().enumerate() {
+        let visible = if step.path.is_relative() { step.path.clone() } else { probes::in_target_root(pid, &step.path) };
+        let visible = if visible.exists() { visible } else { step.path.clone() };
+        probes.attach_step(&visible, step.file_offset, probe_id as u32)?;
+        let how = format!("symbol {} at file offset {:#x}", step.symbol, step.file_offset);
+        libraries.push(probe_row(&step.path, "step", 2, how));
+        say!(cfg.quiet, "step function {} in {}", step.symbol, step.path.display());
+    }
+    Ok(())
+}
+
+/// CPython's USDT probes for the `--step-python`s, whose probe ids follow
+/// the `first_label` symbol ones.
+fn attach_python(
+    cfg: &SessionConfig,
+    probes: &mut Probes,
+    py: &PythonProbes,
+    first_label: usize,
+    libraries: &mut Vec<LibraryRow>,
+) -> anyhow::Result<usdt::python::PythonSteps> {
+    let targets: Vec<usdt::python::PythonTarget> = cfg
+        .python_steps
+        .iter()
+        .enumerate()
+        .map(|(i, spec)| usdt::python::PythonTarget { spec: spec.clone(), label_id: (first_label + i) as u32 })
+        .collect();
+    let handle = probes.attach_python(py, &targets)?;
+    let mut how = match py.version {
+        Some((major, minor)) => format!("USDT python:function__entry/return (CPython {major}.{minor})"),
+        None => "USDT python:function__entry/return".to_string(),
+    };
+    if handle.tracing_switched() {
+        how.push_str(" + line semaphore (CPython 3.11)");
+        say!(
+            cfg.quiet,
+            "CPython 3.11 fires function__entry only on its tracing path: Python calls now cost about 2 µs more each while attached"
+        );
+    }
+    libraries.push(probe_row(&py.path, "step", handle.sites() as u32, how));
+    Ok(handle)
+}

@@ -1,0 +1,67 @@
+//! What a session is asked to do: its settings, validated by the CLI layer, and its target.
+use std::{os::fd::OwnedFd, path::PathBuf, time::Duration};
+
+use crate::{
+    probes::{step_symbol::StepSymbolSpec, usdt::python::PythonStepSpec},
+    samplers::gpu::GpuConfig,
+};
+
+/// Whether every launch gets a row, or only per-step counts are kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LaunchMode {
+    /// One row per launch in `launches` (about 60 bytes each on disk).
+    All,
+    /// Only `steps.launches` and the session total; no `launches` rows.
+    Count,
+}
+
+impl LaunchMode {
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            Self::All => "all",
+            Self::Count => "count",
+        }
+    }
+}
+
+/// Everything a session needs, validated by the CLI layer.
+#[derive(Clone, Debug)]
+pub struct SessionConfig {
+    pub output: PathBuf,
+    /// `--step-symbol`s, in order: the index is the probe id the kernel reports.
+    pub steps: Vec<StepSymbolSpec>,
+    /// `--step-python`s; their probe ids follow the symbols'.
+    pub python_steps: Vec<PythonStepSpec>,
+    pub launch_mode: LaunchMode,
+    pub duration: Option<Duration>,
+    pub maps_interval: Duration,
+    pub quiet: bool,
+    /// NVML sampling; None with `--no-gpu`.
+    pub gpu: Option<GpuConfig>,
+    /// `--require-gpu`: no NVML is an error, not NULLs.
+    pub require_gpu: bool,
+    /// Move launch probes to instructions the kernel emulates (off with `--probe-at-entry`).
+    pub place_probes: bool,
+    /// `--powercap-root`: a powercap tree to read instead of the system's RAPL.
+    pub powercap_root: Option<PathBuf>,
+    pub system_interval: Duration,
+    /// `--disk`: the filesystem to report (default: the target's cwd).
+    pub disk: Option<PathBuf>,
+    /// A live status line on stderr (a terminal, and not `--quiet`).
+    pub status_line: bool,
+}
+
+/// A process started by `profiler run`, held before `exec` until the probes are in.
+pub struct LaunchedChild {
+    pub child: tokio::process::Child,
+    /// Writing a byte here lets the child `exec`.
+    pub release: OwnedFd,
+    /// The program it will exec (its step symbol is searched here).
+    pub exe: PathBuf,
+    pub command: String,
+}
+
+pub enum Target {
+    Attach(u32),
+    Run(Box<LaunchedChild>),
+}

@@ -1,0 +1,328 @@
+//! The consumer: drains the ring buffers, decodes the records, tracks steps, attributes launches and
+//! sync waits to the step their thread is in, and hands the rows to the store's writer in batches.
+use std::collections::HashMap;
+
+use profiler_common::SyncApi;
+
+use super::kernels::KernelNames;
+use crate::{
+    events::{self, Event, OrderedEvent},
+    probes,
+    steps::{DepthChange, OpenStep, StepTracker},
+    store::{LaunchRow, LibraryRow, StepRow, StoreMsg, StoreWriter, SyncRow},
+};
+
+/// A synchronisation call in progress: (SyncApi id, start ns, the step its thread was in).
+type OpenSync = (u32, u64, Option<(&'static str, u64)>);
+
+const BATCH: usize = 16 * 1024;
+
+/// Launch-ring records read before the step ring is read again (see `drain`).
+const DRAIN_CHUNK: usize = 1024;
+
+/// Turns records into rows, in batches.
+pub(super) struct Consumer {
+    writer: StoreWriter,
+    tracker: StepTracker,
+    launches: Vec<LaunchRow>,
+    steps: Vec<StepRow>,
+    syncs: Vec<SyncRow>,
+    /// Target process, for symbolising runtime host stubs.
+    pid: u32,
+    pub kernels: KernelNames,
+    /// Synchronisation calls in progress per thread.
+    open_syncs: HashMap<u32, Vec<OpenSync>>,
+    decode_errors: u64,
+    pub completed_steps: u64,
+    step_ns_total: u128,
+    pub last_step_ns: Option<u64>,
+    /// Records stamped after this are dropped (see `teardown`).
+    pub cutoff_ns: Option<u64>,
+    /// The dynamic loader changed the target's libraries since the last look.
+    pub loader_changed: bool,
+    /// Step-ring events waiting for their place among the launches.
+    step_queue: events::OrderedQueue,
+    /// Launch-ring events read and not yet taken; step events handed on.
+    chunk: Vec<Result<Event, events::DecodeError>>,
+    released: Vec<Event>,
+    /// (label, step) of the steps stored as incomplete (see `steps::LOSS_SCHEMA`).
+    incomplete_steps: Vec<(&'static str, u64)>,
+}
+
+/// What the consumer counted, for the summary line, once it is closed.
+pub(super) struct ConsumerTotals {
+    pub completed_steps: u64,
+    pub step_ns_total: u128,
+    pub decode_errors: u64,
+    pub unmatched_returns: u64,
+}
+
+impl Consumer {
+    pub fn new(writer: StoreWriter, labels: Vec<&'static str>, pid: u32) -> Self {
+        Self {
+            writer,
+            tracker: StepTracker::new(labels),
+            launches: Vec::with_capacity(BATCH),
+            steps: Vec::new(),
+            syncs: Vec::new(),
+            open_syncs: Default::default(),
+            pid,
+            kernels: KernelNames::default(),
+            decode_errors: 0,
+            completed_steps: 0,
+            step_ns_total: 0,
+            last_step_ns: None,
+            cutoff_ns: None,
+            loader_changed: false,
+            step_queue: events::OrderedQueue::default(),
+            chunk: Vec::new(),
+            released: Vec::new(),
+            incomplete_steps: Vec::new(),
+        }
+    }
+
+    /// Drains both rings: the launch ring a chunk at a time, and after each
+    /// chunk the step ring, so that every step event before a launch of the
+    /// chunk is in when that launch is taken (see `events::OrderedQueue`).
+    pub fn drain(&mut self, rings: &mut probes::Rings) {
+        let mut chunk = std::mem::take(&mut self.chunk);
+        let mut steps = std::mem::take(&mut self.released);
+        loop {
+            let mut read = 0;
+            while read < DRAIN_CHUNK {
+                let Some(item) = rings.launches.next() else { break };
+                read += 1;
+                chunk.extend(events::records(&item).map(events::decode));
+            }
+            while let Some(item) = rings.ordered.next() {
+                match events::decode(&item) {
+                    Ok(e) => self.step_queue.push(e, &mut steps),
+                    Err(e) => self.take(Err(e)),
+                }
+            }
+            for event in chunk.drain(..) {
+                if let Ok(Event::Launch(l)) = &event {
+                    self.step_queue.before_launch(l.tid, l.ts_ns, &mut steps);
+                }
+                for s in steps.drain(..) {
+                    self.take(Ok(s));
+                }
+                self.take(event);
+            }
+            if read < DRAIN_CHUNK {
+                break;
+            }
+        }
+        self.step_queue.end_drain(&mut steps);
+        for s in steps.drain(..) {
+            self.take(Ok(s));
+        }
+        self.chunk = chunk;
+        self.released = steps;
+    }
+
+    /// Takes the step events still held: the probes are gone and both rings
+    /// drained, so nothing can come before them any more.
+    pub fn release_held_steps(&mut self) {
+        let mut steps = std::mem::take(&mut self.released);
+        self.step_queue.release_all(&mut steps);
+        for s in steps.drain(..) {
+            self.take(Ok(s));
+        }
+        self.released = steps;
+    }
+
+    /// Launch records the threads still had staged when tracing stopped:
+    /// each thread's come after everything it wrote to the ring buffer.
+    pub fn take_staged(&mut self, staged: &[profiler_common::LaunchRecord]) {
+        for r in staged {
+            self.take(events::launch(r));
+        }
+    }
+
+    fn take(&mut self, event: Result<Event, events::DecodeError>) {
+        if let (Some(cutoff), Ok(e)) = (self.cutoff_ns, &event)
+            && e.ts_ns() > cutoff
+        {
+            return;
+        }
+        match event {
+            Ok(Event::Launch(l)) => self.launch(l),
+            Ok(Event::LoaderChange { .. }) => self.loader_changed = true,
+            Ok(Event::StepEnter(e)) => {
+                self.sequence(&e, DepthChange::Enter);
+                self.tracker.enter(e.tid, e.probe, e.ts_ns, e.thread_launches);
+            }
+            Ok(Event::StepExit(e)) => self.step_exit(&e),
+            Ok(Event::KernelName(k)) => self.kernels.named(k),
+            Ok(Event::SyncEnter(e)) => {
+                self.sequence(&e, DepthChange::None);
+                let step = self.tracker.current_step(e.tid);
+                self.open_syncs.entry(e.tid).or_default().push((e.probe, e.ts_ns, step));
+            }
+            Ok(Event::SyncExit(e)) => self.sync_exit(&e),
+            Ok(Event::ThreadExit(e)) => {
+                self.sequence(&e, DepthChange::None);
+                self.open_syncs.remove(&e.tid);
+                for s in self.tracker.thread_exited(e.tid) {
+                    self.store_open_step(s);
+                }
+            }
+            Err(e) => {
+                if self.decode_errors == 0 {
+                    log::error!("undecodable record: {e}");
+                }
+                self.decode_errors += 1;
+            }
+        }
+    }
+
+    /// A launch, attributed to the step its thread is in.
+    fn launch(&mut self, l: events::LaunchEvent) {
+        if l.api.layer() == profiler_common::ApiLayer::Runtime {
+            // Named at the end, off the event path (see `KernelNames::name_runtime_stubs`).
+            self.kernels.runtime_launch(l.function);
+        }
+        // Launch records exist only in `--launches all`: in `count`
+        // mode the kernel side never writes them.
+        self.launches.push(LaunchRow {
+            ts_ns: l.ts_ns,
+            tid: l.tid,
+            api: l.api,
+            function: l.function,
+            grid: l.grid,
+            block: l.block,
+            shared_mem_bytes: l.shared_mem_bytes,
+            stream: l.stream,
+            step: self.tracker.current_step(l.tid),
+        });
+        if self.launches.len() >= BATCH {
+            self.flush_launches();
+        }
+    }
+
+    fn step_exit(&mut self, e: &OrderedEvent) {
+        self.sequence(e, DepthChange::Exit);
+        let Some(s) = self.tracker.exit(e.tid, e.probe, e.ts_ns, e.thread_launches) else { return };
+        if s.incomplete {
+            self.incomplete_steps.push((s.label, s.step));
+        }
+        self.completed_steps += 1;
+        self.step_ns_total += u128::from(s.end_ns - s.start_ns);
+        self.last_step_ns = Some(s.end_ns - s.start_ns);
+        self.steps.push(StepRow {
+            sync_wait_ns: Some(s.sync_wait_ns),
+            label: s.label.to_owned(),
+            step: s.step,
+            tid: s.tid,
+            start_ns: s.start_ns,
+            end_ns: Some(s.end_ns),
+            inter_step_ns: s.inter_step_ns,
+            launches: Some(s.launches),
+        });
+    }
+
+    /// The end of a synchronisation call: its wait counts toward the step
+    /// its thread was in when it began.
+    fn sync_exit(&mut self, e: &OrderedEvent) {
+        self.sequence(e, DepthChange::None);
+        let open = self.open_syncs.get_mut(&e.tid).and_then(Vec::pop);
+        if let Some((probe, start_ns, step)) = open
+            && let Some(api) = SyncApi::from_u32(probe)
+        {
+            let ns = e.ts_ns.saturating_sub(start_ns);
+            self.tracker.add_sync_wait(e.tid, ns);
+            self.syncs.push(SyncRow { tid: e.tid, api: api.symbol(), start_ns, end_ns: e.ts_ns, step });
+        }
+    }
+
+    /// Checks a step-ring event's place in its thread's sequence; after a gap,
+    /// stores the steps that ended unseen and forgets the thread's open syncs.
+    fn sequence(&mut self, e: &OrderedEvent, change: DepthChange) {
+        let mut ended = Vec::new();
+        if self.tracker.sequence(e.tid, e.probe, e.seq, e.depth, change, &mut ended) {
+            self.open_syncs.remove(&e.tid);
+        }
+        for s in ended {
+            self.store_open_step(s);
+        }
+    }
+
+    /// A step with no end: begun and not ended, or ended unseen.
+    fn store_open_step(&mut self, s: OpenStep) {
+        if s.incomplete {
+            self.incomplete_steps.push((s.label, s.step));
+        }
+        self.steps.push(StepRow {
+            sync_wait_ns: None,
+            label: s.label.to_owned(),
+            step: s.step,
+            tid: s.tid,
+            start_ns: s.start_ns,
+            end_ns: None,
+            inter_step_ns: s.inter_step_ns,
+            launches: None,
+        });
+    }
+
+    /// Hands `libraries` rows to the store.
+    pub fn store_libraries(&self, rows: Vec<LibraryRow>) {
+        for r in rows {
+            self.writer.send(StoreMsg::Library(r));
+        }
+    }
+
+    fn flush_launches(&mut self) {
+        if !self.launches.is_empty() {
+            let batch = std::mem::replace(&mut self.launches, Vec::with_capacity(BATCH));
+            self.writer.send(StoreMsg::Launches(batch));
+        }
+    }
+
+    /// Hands every pending row to the store.
+    pub fn flush(&mut self) {
+        self.flush_launches();
+        if !self.steps.is_empty() {
+            self.writer.send(StoreMsg::Steps(std::mem::take(&mut self.steps)));
+        }
+        if !self.syncs.is_empty() {
+            self.writer.send(StoreMsg::Syncs(std::mem::take(&mut self.syncs)));
+        }
+        let kernels = self.kernels.take_rows();
+        if !kernels.is_empty() {
+            self.writer.send(StoreMsg::Kernels(kernels));
+        }
+    }
+
+    /// (steps stored as incomplete so far, step ends seen without a start),
+    /// for the loss warnings.
+    pub fn loss_counts(&self) -> (u64, u64) {
+        (self.incomplete_steps.len() as u64, self.tracker.steps_without_start)
+    }
+
+    /// (label, step) of every incomplete step: those stored so far and those
+    /// still open, for the session's loss rows.
+    pub fn take_incomplete_steps(&mut self) -> Vec<(&'static str, u64)> {
+        let open = self.tracker.open_steps().into_iter().filter(|s| s.incomplete).map(|s| (s.label, s.step));
+        let mut incomplete = std::mem::take(&mut self.incomplete_steps);
+        incomplete.extend(open);
+        incomplete
+    }
+
+    /// Names the runtime launches' kernels, stores the steps still open (end
+    /// NULL), flushes, and hands back the writer, to finish the session.
+    pub fn close(mut self) -> (StoreWriter, ConsumerTotals) {
+        self.kernels.name_runtime_stubs(self.pid);
+        for s in self.tracker.open_steps() {
+            self.store_open_step(s);
+        }
+        self.flush();
+        let totals = ConsumerTotals {
+            completed_steps: self.completed_steps,
+            step_ns_total: self.step_ns_total,
+            decode_errors: self.decode_errors,
+            unmatched_returns: self.tracker.unmatched_returns,
+        };
+        (self.writer, totals)
+    }
+}

@@ -1,0 +1,129 @@
+//! The event loop while tracing: drains the rings on a tick, looks for new libraries, updates the
+//! status line, and ends on a stop signal, the `--duration`, or the target's exit.
+use std::{os::fd::OwnedFd, time::Duration};
+
+use anyhow::{Context, bail};
+use tokio::{
+    io::unix::AsyncFd,
+    time::{Instant, Interval, MissedTickBehavior},
+};
+
+use super::{config::SessionConfig, consumer::Consumer, status::StatusLine, watcher::LibraryWatcher};
+use crate::{
+    probes::{self, Probes},
+    stop_signals,
+};
+
+/// How often the maps are polled when the loader's hook is probed.
+const LOADER_SAFETY_NET: Duration = Duration::from_secs(2);
+
+/// Traces until told to stop; returns the session's `end_reason` and, when
+/// the `run` command exited, its status.
+#[expect(clippy::too_many_arguments, reason = "the session's parts, borrowed separately so each can be finished after")]
+pub(super) async fn run(
+    cfg: &SessionConfig,
+    pid: u32,
+    child: &mut Option<(tokio::process::Child, OwnedFd)>,
+    probes: &mut Probes,
+    rings: &mut probes::Rings,
+    consumer: &mut Consumer,
+    watcher: &mut LibraryWatcher,
+    status: &mut StatusLine,
+) -> anyhow::Result<(String, Option<i32>)> {
+    let mut stop_signals = stop_signals::listen().context("cannot catch SIGINT/SIGTERM")?;
+    let deadline = cfg.duration.map(|d| Instant::now() + d);
+    let exit_fd = target_exit(pid)?;
+    let mut ticks = Ticks::new(cfg, watcher.loader_hooked);
+    if let Some((_, release)) = child.as_ref() {
+        release_command(release)?;
+    }
+    // `run`: the command gets the signal that stops us, once.
+    let forward_to_child = child.is_some();
+    let own_pgid = stop_signals::own_process_group();
+    loop {
+        tokio::select! {
+            _ = ticks.flush.tick() => {
+                consumer.drain(rings);
+                if std::mem::take(&mut consumer.loader_changed) {
+                    watcher.scan(probes, consumer, cfg.quiet, "dlopen");
+                }
+                consumer.flush();
+            }
+            _ = ticks.status.tick(), if status.enabled => {
+                status.show(consumer.completed_steps, consumer.last_step_ns, probes.counters());
+            }
+            _ = ticks.maps.tick() => watcher.scan(probes, consumer, cfg.quiet, "maps"),
+            Some(stop) = stop_signals.recv() => {
+                if forward_to_child && stop.needs_forwarding(own_pgid, stop_signals::process_group(pid)) {
+                    stop_signals::forward(pid, stop.signal);
+                }
+                return Ok((stop.end_reason().into(), None));
+            }
+            _ = sleep_until(deadline) => return Ok(("duration".into(), None)),
+            r = exit_fd.readable() => {
+                let _ = r?;
+                let code = match child.as_mut() {
+                    Some((c, _)) => Some(stop_signals::shell_status(c.wait().await.context("waiting for the command")?)),
+                    None => None,
+                };
+                return Ok(("target-exited".into(), code));
+            }
+        }
+    }
+}
+
+/// The loop's timers.
+struct Ticks {
+    /// Drains the rings.
+    flush: Interval,
+    /// Looks at the target's maps for new libraries.
+    maps: Interval,
+    /// Rewrites the status line.
+    status: Interval,
+}
+
+impl Ticks {
+    fn new(cfg: &SessionConfig, loader_hooked: bool) -> Self {
+        // The probes submit without waking us (see profiler-ebpf): this tick
+        // drains the ring buffer, and bounds the latency of everything else.
+        let mut flush = tokio::time::interval(Duration::from_millis(20));
+        flush.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        // With the loader's hook probed, the maps are read when it fires and
+        // polled only as a safety net (reading them costs the agent ≈1 ms per
+        // thousand mappings, and a PyTorch process has thousands).
+        let poll = if loader_hooked { cfg.maps_interval.max(LOADER_SAFETY_NET) } else { cfg.maps_interval };
+        // The maps were read just now, by `attach_all`.
+        let mut maps = tokio::time::interval_at(Instant::now() + poll, poll);
+        maps.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut status = tokio::time::interval(Duration::from_secs(1));
+        status.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        Self { flush, maps, status }
+    }
+}
+
+/// Becomes readable when the target exits.
+fn target_exit(pid: u32) -> anyhow::Result<AsyncFd<OwnedFd>> {
+    let pid = rustix::process::Pid::from_raw(pid as i32).context("pidfd_open on the target: not a PID")?;
+    let pidfd =
+        rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).context("pidfd_open on the target")?;
+    // SAFETY: an OwnedFd keeps its fd open and unchanged for its lifetime.
+    let exit_fd = unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
+        .map_err(|e| e.into_parts().1)?;
+    Ok(exit_fd)
+}
+
+/// Lets the `run` command, held at its exec gate, go on.
+fn release_command(release: &OwnedFd) -> anyhow::Result<()> {
+    match rustix::io::write(release, b"g") {
+        Ok(1) => Ok(()),
+        Ok(_) => bail!("could not start the command: the exec gate took no byte"),
+        Err(e) => bail!("could not start the command: {e}"),
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,273 @@
+//! Before anything is attached: the target checked and read, the step functions resolved, NVML opened,
+//! the session row begun and the samplers started.
+use std::{
+    collections::HashMap,
+    ffi::{OsStr, OsString},
+    num::NonZeroU32,
+    os::fd::OwnedFd,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{Context, bail};
+
+use super::config::{SessionConfig, Target};
+use crate::{
+    clock, privileges,
+    probes::{
+        self,
+        maps::{self, MappedFile},
+        step_symbol::{self, ResolvedStep},
+        usdt::{self, python::PythonProbes},
+    },
+    samplers::{
+        self, SamplerThread,
+        gpu::{GpuLive, GpuSampler},
+    },
+    store::{Capability, SessionStart, Store, StoreMsg, StoreWriter},
+};
+
+/// The process being profiled, as read before anything is attached.
+pub(super) struct TargetProcess {
+    pub pid: u32,
+    pub nz_pid: NonZeroU32,
+    pub exe: PathBuf,
+    pub command: String,
+    /// "attach" or "run", as stored with the session.
+    pub mode: &'static str,
+    /// `attach`: the target's process (its maps) and environment, read once.
+    attached: Option<(procfs::process::Process, HashMap<OsString, OsString>)>,
+    /// `run`: the command, and the gate it waits on before `exec`.
+    pub child: Option<(tokio::process::Child, OwnedFd)>,
+}
+
+impl TargetProcess {
+    pub fn open(target: Target) -> anyhow::Result<Self> {
+        let target = match target {
+            Target::Attach(pid) => Self::attach(pid)?,
+            Target::Run(c) => {
+                let c = *c;
+                let pid = c.child.id().context("the command exited before it could be profiled")?;
+                Self::new(pid, c.exe, c.command, "run", None, Some((c.child, c.release)))?
+            }
+        };
+        Ok(target)
+    }
+
+    fn attach(pid: u32) -> anyhow::Result<Self> {
+        let process = procfs::process::Process::new(pid as i32)
+            .map_err(|_| anyhow::anyhow!("no process with PID {pid}: check the PID (ps -p {pid})"))?;
+        if process.stat().is_ok_and(|st| st.state == 'Z' || st.state == 'X') {
+            bail!("process {pid} has already exited");
+        }
+        privileges::check().map_err(anyhow::Error::msg)?;
+        wait_for_exec(&process, pid);
+        let exe = process.exe().with_context(|| format!("cannot read /proc/{pid}/exe (has the process exited?)"))?;
+        let command = process.cmdline().map(|args| args.join(" ")).unwrap_or_default();
+        let env = process.environ().unwrap_or_default();
+        Self::new(pid, exe, command, "attach", Some((process, env)), None)
+    }
+
+    fn new(
+        pid: u32,
+        exe: PathBuf,
+        command: String,
+        mode: &'static str,
+        attached: Option<(procfs::process::Process, HashMap<OsString, OsString>)>,
+        child: Option<(tokio::process::Child, OwnedFd)>,
+    ) -> anyhow::Result<Self> {
+        let nz_pid = NonZeroU32::new(pid).context("PID 0 cannot be profiled")?;
+        Ok(Self { pid, nz_pid, exe, command, mode, attached, child })
+    }
+
+    /// A variable of the target's environment: for `run`, the profiler's
+    /// own, which the command inherits.
+    pub fn var(&self, key: &str) -> Option<String> {
+        match &self.attached {
+            Some((_, env)) => env.get(OsStr::new(key)).map(|v| v.to_string_lossy().into_owned()),
+            None => std::env::var(key).ok(),
+        }
+    }
+
+    /// The files an attached target maps, read only when a step function is
+    /// to be searched in them (in `run`, the target is still the exec gate).
+    fn mapped_files(&self, cfg: &SessionConfig) -> anyhow::Result<Vec<MappedFile>> {
+        match &self.attached {
+            Some((process, _)) if !(cfg.steps.is_empty() && cfg.python_steps.is_empty()) => {
+                let pid = self.pid;
+                Ok(maps::mapped_files(&process.maps().with_context(|| format!("cannot read /proc/{pid}/maps"))?))
+            }
+            _ => Ok(Vec::new()),
+        }
+    }
+}
+
+/// Waits, up to 2 s, for an exec in progress in `process` to finish. Between
+/// the switch to the new image and the end of its loading, /proc already
+/// shows the new executable but an empty command line and environment
+/// (`env_end` 0): attaching then would miss the target's `LD_LIBRARY_PATH`,
+/// and so the driver library it is about to load. A test that starts a
+/// process and attaches at once hits this window on a loaded machine.
+fn wait_for_exec(process: &procfs::process::Process, pid: u32) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        match process.stat() {
+            Ok(st) if st.env_end == Some(0) => {}
+            _ => return,
+        }
+        if std::time::Instant::now() >= deadline {
+            log::warn!("PID {pid} still looks mid-exec (no environment yet): attaching anyway");
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// The step functions, found before anything is attached.
+pub(super) struct StepFunctions {
+    /// The `--step-symbol`s, in probe-id order.
+    pub symbols: Vec<ResolvedStep>,
+    /// CPython's USDT probes, when a `--step-python` is named.
+    pub python: Option<PythonProbes>,
+    /// Every step's label, by probe id.
+    pub labels: Vec<&'static str>,
+}
+
+/// Resolves the step functions: a typo costs nothing yet. Both kinds are
+/// searched in the executable and the files it maps.
+pub(super) fn resolve_steps(cfg: &SessionConfig, target: &TargetProcess) -> anyhow::Result<StepFunctions> {
+    let (pid, exe) = (target.pid, &target.exe);
+    let mapped = target.mapped_files(cfg)?;
+    let open_in_target = |p: &Path| probes::open_in_target(pid, p);
+    let mut symbols = Vec::new();
+    if !cfg.steps.is_empty() {
+        let mut candidates = vec![exe.clone()];
+        candidates.extend(mapped.iter().map(|f| f.path.clone()).filter(|p| p != exe));
+        for spec in &cfg.steps {
+            symbols.push(step_symbol::resolve(spec, &candidates, open_in_target)?);
+        }
+    }
+    // CPython's USDT probes: no probes is an error that says what to do.
+    let python = if cfg.python_steps.is_empty() {
+        None
+    } else {
+        Some(usdt::python::resolve(&usdt::python::candidates(exe, &mapped), open_in_target)?)
+    };
+    // Labels live as long as the session's rows refer to them: one small leak per session.
+    let labels: Vec<&'static str> = cfg
+        .steps
+        .iter()
+        .map(|s| s.label.as_str())
+        .chain(cfg.python_steps.iter().map(|s| s.label.as_str()))
+        .map(|l| &*Box::leak(l.to_owned().into_boxed_str()))
+        .collect();
+    Ok(StepFunctions { symbols, python, labels })
+}
+
+/// NVML, before anything is attached: with `--require-gpu` its absence is an
+/// error; otherwise the reason it is missing, stored as a capability.
+pub(super) fn open_gpu(cfg: &SessionConfig, target: &TargetProcess) -> anyhow::Result<Result<GpuSampler, String>> {
+    let gpu = match &cfg.gpu {
+        None => Err("disabled with --no-gpu".to_string()),
+        Some(g) => GpuSampler::open(g, target.pid, &|key| target.var(key)).map_err(|e| e.to_string()),
+    };
+    if let Err(e) = &gpu
+        && cfg.gpu.is_some()
+    {
+        if cfg.require_gpu {
+            bail!("{e} (--require-gpu)");
+        }
+        eprintln!("profiler: {e}; GPU metrics will be NULL (--no-gpu skips NVML, --require-gpu makes this an error)");
+    }
+    Ok(gpu)
+}
+
+/// The session row, once written.
+pub(super) struct BegunSession {
+    pub id: i64,
+    pub started_ns: u64,
+    pub output: PathBuf,
+    /// This run created the file (see `ownership`).
+    pub created: bool,
+}
+
+/// Writes the session row and hands the store to its writer thread.
+pub(super) fn begin_session(
+    cfg: &SessionConfig,
+    target: &TargetProcess,
+    store: Store,
+) -> anyhow::Result<(BegunSession, StoreWriter)> {
+    let started_ns = clock::monotonic_ns();
+    let id = store.begin_session(&SessionStart {
+        pid: target.pid,
+        command: target.command.clone(),
+        exe: Some(target.exe.display().to_string()),
+        mode: target.mode,
+        launch_mode: cfg.launch_mode.as_str(),
+        step_symbol: step_specs(cfg),
+        started_ns,
+        unix_offset_ns: clock::unix_offset_ns(),
+        hostname: read_trimmed("/proc/sys/kernel/hostname"),
+        kernel_release: read_trimmed("/proc/sys/kernel/osrelease"),
+    })?;
+    let begun = BegunSession { id, started_ns, output: store.path().to_owned(), created: store.created() };
+    Ok((begun, store.spawn_writer(id)))
+}
+
+/// The step functions as named on the command line, space-separated.
+fn step_specs(cfg: &SessionConfig) -> Option<String> {
+    (!cfg.steps.is_empty() || !cfg.python_steps.is_empty()).then(|| {
+        cfg.steps
+            .iter()
+            .map(|s| s.to_string())
+            .chain(cfg.python_steps.iter().map(|s| format!("python:{s}")))
+            .collect::<Vec<_>>()
+            .join(" ")
+    })
+}
+
+fn read_trimmed(path: &str) -> Option<String> {
+    std::fs::read_to_string(path).ok().map(|s| s.trim().to_owned())
+}
+
+/// Starts the GPU, RAPL and system samplers, before the step probes, so that
+/// their series cover every step. Returns them and the GPU's live values
+/// for the status line.
+pub(super) fn start_samplers(
+    cfg: &SessionConfig,
+    pid: u32,
+    gpu: Result<GpuSampler, String>,
+    writer: &StoreWriter,
+) -> anyhow::Result<(Vec<SamplerThread>, Option<GpuLive>)> {
+    let mut samplers: Vec<SamplerThread> = Vec::new();
+    let mut gpu_live = None;
+    match gpu {
+        Ok(mut g) => {
+            gpu_live = Some(g.live());
+            g.start(writer.sender());
+            let interval = cfg.gpu.as_ref().map_or(Duration::from_millis(100), |c| c.interval);
+            samplers.push(SamplerThread::spawn("gpu", interval, g)?);
+        }
+        Err(reason) => writer.send(StoreMsg::Capability(Capability {
+            source: "nvml".into(),
+            metric: "*".into(),
+            available: false,
+            reason: Some(reason),
+        })),
+    }
+    let rapl = samplers::rapl::open(cfg.powercap_root.as_deref());
+    if let Err(e) = &rapl {
+        say!(cfg.quiet, "{e}");
+    }
+    samplers.push(SamplerThread::spawn(
+        "rapl",
+        samplers::rapl::DEFAULT_INTERVAL,
+        samplers::rapl::RaplSampler::new(rapl, writer.sender()),
+    )?);
+    samplers.push(SamplerThread::spawn(
+        "system",
+        cfg.system_interval,
+        samplers::system::SystemSampler::new(pid, cfg.disk.clone(), writer.sender()),
+    )?);
+    Ok((samplers, gpu_live))
+}

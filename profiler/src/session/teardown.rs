@@ -1,0 +1,229 @@
+//! The end of a session: detach, take the last records, stop the samplers, finish the store (the
+//! session's last transaction), tell the user, and the profiler's exit status.
+use std::os::fd::OwnedFd;
+
+use anyhow::{Context, bail};
+
+use super::{
+    config::SessionConfig,
+    consumer::{Consumer, ConsumerTotals},
+    setup::BegunSession,
+};
+use crate::{
+    clock,
+    probes::{self, KernelCounters, Probes, usdt::python::PythonSteps},
+    samplers::SamplerThread,
+    stop_signals,
+    store::{FinishHook, SessionEnd},
+};
+
+/// What the user is told at the end.
+#[derive(Debug)]
+pub struct Summary {
+    /// The `run` command's status as a shell reports it (its exit code, or
+    /// 128 + the signal that killed it), when it was waited for.
+    pub exit_code: Option<i32>,
+    /// Why the profile is incomplete (rows that could not be written, a
+    /// sampler or the writer that panicked), in one line; None when it is not.
+    pub failure: Option<String>,
+}
+
+impl Summary {
+    /// The profiler's exit status: the `run` command's when it failed, else 1
+    /// for an incomplete profile, else the command's (0 for `attach`).
+    pub fn exit_code(&self) -> std::process::ExitCode {
+        let code = match (self.exit_code, &self.failure) {
+            (Some(c), _) if c != 0 => c,
+            (_, Some(_)) => 1,
+            (c, None) => c.unwrap_or(0),
+        };
+        std::process::ExitCode::from(u8::try_from(code).unwrap_or(1))
+    }
+
+    /// Prints the failure line, if there is one.
+    pub fn report_failure(&self) {
+        if let Some(f) = &self.failure {
+            eprintln!("profiler: error: {f}");
+        }
+    }
+}
+
+/// What tracing leaves to take down.
+pub(super) struct Traced {
+    pub probes: Probes,
+    pub rings: probes::Rings,
+    /// Python's probes, when they were attached.
+    pub python: Option<PythonSteps>,
+    pub consumer: Consumer,
+    pub samplers: Vec<SamplerThread>,
+}
+
+/// Ends the session whatever happened while tracing (`outcome`: the end
+/// reason and the `run` command's status, or the error that ended it), and
+/// flushes everything collected.
+pub(super) async fn finish(
+    cfg: &SessionConfig,
+    session: &BegunSession,
+    child: Option<(tokio::process::Child, OwnedFd)>,
+    traced: Traced,
+    outcome: anyhow::Result<(String, Option<i32>)>,
+) -> anyhow::Result<Summary> {
+    let (end_reason, exit_code) = match outcome {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("profiler: error: {e:#}");
+            (format!("error: {e:#}"), None)
+        }
+    };
+    // The session ends when we decide to stop; detaching (which waits for the
+    // kernel to retire each uprobe) can take a while and is not part of it.
+    let ended_ns = clock::monotonic_ns();
+    let kc = traced.probes.counters();
+    let consumer = detach_and_drain(traced.probes, traced.rings, traced.python, traced.consumer, ended_ns);
+    // A sampler that panicked loses its series, not the session; it fails the run.
+    let (mut problems, hooks) = stop_samplers(traced.samplers);
+    let (marked_steps, steps_without_start) = consumer.loss_counts();
+    let end = SessionEnd {
+        ended_ns,
+        end_reason: end_reason.clone(),
+        lost_events: kc.lost,
+        total_launches: kc.launches,
+        unmatched_returns: 0,
+    };
+    let (report, written) = finish_store(consumer, kc, end, hooks)?;
+    let secs = (ended_ns - session.started_ns) as f64 / 1e9;
+    let (id, output) = (session.id, &session.output);
+    say!(cfg.quiet, "session {id} ended ({end_reason}) after {secs:.1} s: {} → {}", report, output.display());
+    for warning in crate::steps::loss_warnings(&kc, marked_steps, steps_without_start) {
+        eprintln!("profiler: warning: {warning}");
+    }
+    if end_reason.starts_with("error") {
+        bail!("the session ended with an error; what was collected is in {}", output.display());
+    }
+    problems.extend(written);
+    // The side files SQLite made since the open, under `sudo`.
+    if session.created {
+        crate::ownership::give_to_invoking_user(output);
+    }
+    let failure = (!problems.is_empty())
+        .then(|| format!("{}; what was committed is in {}", problems.join("; "), output.display()));
+    let exit_code = command_status(cfg, exit_code, child).await?;
+    Ok(Summary { exit_code, failure })
+}
+
+/// Detaches every probe, then takes what the rings and the threads' staging
+/// still hold, up to `ended_ns`.
+fn detach_and_drain(
+    probes: Probes,
+    mut rings: probes::Rings,
+    python: Option<PythonSteps>,
+    mut consumer: Consumer,
+    ended_ns: u64,
+) -> Consumer {
+    // Records from before the stop are still queued; those written while the
+    // probes are being detached (neither instantaneous nor ordered between
+    // probes) are not part of the session.
+    consumer.cutoff_ns = Some(ended_ns);
+    // Python's probes close alongside the rest (each close waits for the kernel).
+    let staged = std::thread::scope(|scope| {
+        if let Some(py) = python {
+            scope.spawn(move || py.detach());
+        }
+        probes.detach()
+    });
+    consumer.drain(&mut rings);
+    consumer.release_held_steps();
+    consumer.take_staged(&staged.records());
+    consumer
+}
+
+/// Stops the samplers: the problems of those that panicked, and the finish
+/// hooks of the others.
+fn stop_samplers(samplers: Vec<SamplerThread>) -> (Vec<String>, Vec<FinishHook>) {
+    let mut problems = Vec::new();
+    let mut hooks = Vec::new();
+    for sampler in samplers {
+        match sampler.stop() {
+            Ok(hook) => hooks.extend(hook),
+            Err(e) => problems.push(e),
+        }
+    }
+    (problems, hooks)
+}
+
+/// Finishes the session in the store, with what was lost (the step ring's
+/// share of the lost records, the failed map updates, and which steps are
+/// incomplete) in its last transaction. Returns a one-line description of
+/// what was stored, and what could not be.
+fn finish_store(
+    mut consumer: Consumer,
+    kc: KernelCounters,
+    mut end: SessionEnd,
+    mut hooks: Vec<FinishHook>,
+) -> anyhow::Result<(String, Vec<String>)> {
+    let incomplete = consumer.take_incomplete_steps();
+    hooks.push(Box::new(move |conn, session| crate::steps::store_losses(conn, session, &kc, &incomplete)));
+    let (writer, totals) = consumer.close();
+    end.unmatched_returns = totals.unmatched_returns;
+    let stats = writer.finish(end.clone(), hooks)?;
+    let problems: Vec<String> = stats
+        .first_error
+        .iter()
+        .map(|e| match stats.failed_rows {
+            0 => e.clone(),
+            n => format!("{n} rows could not be written: {e}"),
+        })
+        .collect();
+    if totals.decode_errors > 0 {
+        eprintln!("profiler: warning: {} records could not be decoded", totals.decode_errors);
+    }
+    let report =
+        format!("{}, {} launch rows, {} lost events", totals_line(&totals, &end), stats.launches, end.lost_events);
+    Ok((report, problems))
+}
+
+/// "N steps (mean X ms), M launches seen".
+fn totals_line(totals: &ConsumerTotals, end: &SessionEnd) -> String {
+    let mean = if totals.completed_steps > 0 {
+        format!(" (mean {:.3} ms)", totals.step_ns_total as f64 / totals.completed_steps as f64 / 1e6)
+    } else {
+        String::new()
+    };
+    format!("{} steps{mean}, {} launches seen", totals.completed_steps, end.total_launches)
+}
+
+/// `run`: the command outlives the profiling window; waits for it and passes on its status.
+async fn command_status(
+    cfg: &SessionConfig,
+    exit_code: Option<i32>,
+    child: Option<(tokio::process::Child, OwnedFd)>,
+) -> anyhow::Result<Option<i32>> {
+    Ok(match (exit_code, child) {
+        (Some(c), _) => Some(c),
+        (None, Some((mut c, _))) => {
+            say!(cfg.quiet, "waiting for the command to exit (profiling has stopped)");
+            Some(stop_signals::shell_status(c.wait().await.context("waiting for the command")?))
+        }
+        (None, None) => None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Summary;
+
+    fn code(exit_code: Option<i32>, failure: bool) -> std::process::ExitCode {
+        Summary { exit_code, failure: failure.then(|| "3 rows could not be written".into()) }.exit_code()
+    }
+
+    #[test]
+    fn the_exit_status_is_the_commands_else_1_for_an_incomplete_profile() {
+        use std::process::ExitCode;
+        assert_eq!(code(None, false), ExitCode::SUCCESS);
+        assert_eq!(code(Some(0), false), ExitCode::SUCCESS);
+        assert_eq!(code(Some(130), false), ExitCode::from(130));
+        assert_eq!(code(Some(7), true), ExitCode::from(7));
+        assert_eq!(code(Some(0), true), ExitCode::from(1));
+        assert_eq!(code(None, true), ExitCode::from(1));
+    }
+}
