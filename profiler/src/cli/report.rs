@@ -1040,8 +1040,10 @@ fn render_capabilities(o: &mut String, caps: &[CapabilityRow]) {
 
 fn render_label(o: &mut String, l: &LabelReport) {
     let rate = l.steps_per_s.map_or(String::new(), |v| format!(", {v:.1} steps/s"));
-    let head =
-        format!("{}: {} steps, {} completed, {} skipped, {} measured{rate}", l.label, l.steps, l.completed, l.skipped, l.measured);
+    let head = format!(
+        "{}: {} steps, {} completed, {} skipped, {} measured{rate}",
+        l.label, l.steps, l.completed, l.skipped, l.measured
+    );
     let _ = writeln!(o, "{}", fit(&head, WIDTH));
     let mut rows = vec![["", "p50", "p90", "p99", "max", "mean"].map(str::to_owned).to_vec()];
     for (name, p, decimals) in [
@@ -1261,7 +1263,8 @@ mod tests {
             session: SessionInfo {
                 id: 2,
                 pid: 4242,
-                command: "python train.py --epochs 10 --batch-size 256 --learning-rate 0.001 --data /data/imagenet".into(),
+                command: "python train.py --epochs 10 --batch-size 256 --learning-rate 0.001 --data /data/imagenet"
+                    .into(),
                 exe: None,
                 mode: "attach".into(),
                 launch_mode: "all".into(),
@@ -1282,15 +1285,32 @@ mod tests {
             capabilities: vec![
                 cap("nvml", "GPU_0/power", None),
                 cap("nvml", "GPU_0/fan.speed", Some("Not Supported: this GPU has no fan (passively cooled board)")),
-                cap("rapl", "package", Some("no powercap tree at /sys/class/powercap and no perf power PMU: this machine (a VM?) does not expose RAPL to the guest")),
-                cap("rapl", "dram", Some("no powercap tree at /sys/class/powercap and no perf power PMU: this machine (a VM?) does not expose RAPL to the guest")),
+                cap(
+                    "rapl",
+                    "package",
+                    Some(
+                        "no powercap tree at /sys/class/powercap and no perf power PMU: this machine (a VM?) does not expose RAPL to the guest",
+                    ),
+                ),
+                cap(
+                    "rapl",
+                    "dram",
+                    Some(
+                        "no powercap tree at /sys/class/powercap and no perf power PMU: this machine (a VM?) does not expose RAPL to the guest",
+                    ),
+                ),
             ],
             labels: vec![
                 label("train", Some(vec![gpu(0, "NVIDIA H200"), gpu(1, "显卡 H200 with a very long marketing name")])),
                 label("validate", None),
             ],
             top_kernels: Some(vec![
-                kernel(Some("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, at::detail::Array<char*, 1> >(int, at::native::FillFunctor<float>, at::detail::Array<char*, 1>)"), 500),
+                kernel(
+                    Some(
+                        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, at::detail::Array<char*, 1> >(int, at::native::FillFunctor<float>, at::detail::Array<char*, 1>)",
+                    ),
+                    500,
+                ),
                 kernel(Some("核函数_核函数_核函数_核函数_核函数_核函数_核函数_核函数_核函数"), 300),
                 kernel(None, 200),
             ]),
