@@ -968,12 +968,10 @@ fn report_and_export_use_what_later_profilers_record() {
         // Against SQL: the label's steps after the first SKIP by start time.
         let (share, cpu_j, dur_s): (f64, f64, f64) = conn
             .query_row(
-                &format!(
-                    "WITH u AS (SELECT * FROM (SELECT *, ROW_NUMBER() OVER (ORDER BY start_ns, step) AS rn
+                "WITH u AS (SELECT * FROM (SELECT *, ROW_NUMBER() OVER (ORDER BY start_ns, step) AS rn
                                            FROM steps WHERE session_id = ?1 AND label = ?2) WHERE rn > ?3)
                  SELECT sum(sync_wait_ns) * 1.0 / sum(duration_ns), avg(e.cpu_energy_j), sum(u.duration_ns) / 1e9
-                 FROM u JOIN step_energy e ON e.session_id = u.session_id AND e.step = u.step AND e.label = u.label"
-                ),
+                 FROM u JOIN step_energy e ON e.session_id = u.session_id AND e.step = u.step AND e.label = u.label",
                 params![s.id, label, SKIP],
                 |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
             )
