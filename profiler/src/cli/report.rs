@@ -1090,8 +1090,8 @@ fn render_energy(o: &mut String, l: &LabelReport) {
     }
     rows.push(row("CPU package", l.cpu.as_ref()));
     rows.push(row("DRAM", l.dram.as_ref()));
-    let cols = [Col(Some(32), LEFT, 0), Col(Some(12), RIGHT, 0), Col(Some(12), RIGHT, 0), Col(Some(10), RIGHT, 0)];
-    block(o, &[cols[0], cols[1], cols[2], cols[3], Col(Some(6), RIGHT, 0)], rows, 1);
+    let (j, w) = (Col(Some(12), RIGHT, 0), Col(Some(10), RIGHT, 0));
+    block(o, &[Col(Some(32), LEFT, 0), j, j, w, Col(Some(6), RIGHT, 0)], rows, 1);
     let parts =
         if l.energy_components.is_empty() { String::new() } else { format!("  ({})", l.energy_components.join(" + ")) };
     let _ = writeln!(o, "{}", fit(&format!("  {:<32}{:>12}{parts}", "total", num(l.energy_per_step_j, 3)), WIDTH));
@@ -1323,7 +1323,7 @@ mod tests {
         let table = render_table(&sample_report());
         println!("{table}");
         for line in table.lines() {
-            assert!(unicode_width::UnicodeWidthStr::width(line) <= WIDTH, "wider than {WIDTH}: {line:?}");
+            assert!(line.width() <= WIDTH, "wider than {WIDTH}: {line:?}");
         }
     }
 
@@ -1416,7 +1416,7 @@ mod tests {
         assert_eq!((k[0].function, k[0].launches, k[0].api.as_deref()), (16, 2, Some("cuLaunchKernel")));
         let json = serde_json::to_value(&r).expect("serialises");
         assert!(json["labels"][0]["gpus"].is_null());
-        assert!(render_table(&r).lines().all(|line| line.chars().count() <= WIDTH));
+        assert!(render_table(&r).lines().all(|line| line.width() <= WIDTH));
     }
 
     /// The columns are read once at open; a view that no longer compiles
