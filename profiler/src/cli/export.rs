@@ -304,11 +304,7 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
     let mut counts = EventCounts::default();
 
     // Track names.
-    let program = exe
-        .as_deref()
-        .or_else(|| command.split_whitespace().next())
-        .and_then(|p| Path::new(p).file_name())
-        .map_or_else(|| "target".to_string(), |n| n.to_string_lossy().into_owned());
+    let program = program_name(exe.as_deref(), &command);
     w.event(&t.meta("process_name", pid, &format!("{program} (pid {pid})")))?;
     let has_syncs = db.has_table("syncs");
     let mut tid_sql =
@@ -360,14 +356,7 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
     // Host sync waits: inside the step that waited, on the same thread. A
     // sync is stored once it returned, so each has an end.
     if has_syncs {
-        let mut q = db.conn.prepare("SELECT api, tid, start_ns, end_ns, step FROM syncs WHERE session_id = ?1")?;
-        let mut rows = q.query([session])?;
-        while let Some(r) = rows.next()? {
-            let api: String = r.get(0)?;
-            let args = SyncArgs { step: r.get(4)? };
-            w.event(&t.span(&api, "sync", r.get(1)?, r.get(2)?, Some(r.get(3)?), args))?;
-            counts.syncs += 1;
-        }
+        counts.syncs = write_syncs(db, session, t, &mut w)?;
     }
 
     counts.launches = write_launches(db, session, t, &mut w)?;
@@ -382,6 +371,28 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
     })?;
     out.flush()?;
     Ok(counts)
+}
+
+/// The target's program for its track name: the executable's file name, else
+/// the command's first word's.
+fn program_name(exe: Option<&str>, command: &str) -> String {
+    exe.or_else(|| command.split_whitespace().next())
+        .and_then(|p| Path::new(p).file_name())
+        .map_or_else(|| "target".to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+/// Host sync waits as slices.
+fn write_syncs<W: Write>(db: &ProfileDb, session: i64, t: Timeline, w: &mut TraceWriter<W>) -> anyhow::Result<u64> {
+    let mut q = db.conn.prepare("SELECT api, tid, start_ns, end_ns, step FROM syncs WHERE session_id = ?1")?;
+    let mut rows = q.query([session])?;
+    let mut n = 0;
+    while let Some(r) = rows.next()? {
+        let api: String = r.get(0)?;
+        let args = SyncArgs { step: r.get(4)? };
+        w.event(&t.span(&api, "sync", r.get(1)?, r.get(2)?, Some(r.get(3)?), args))?;
+        n += 1;
+    }
+    Ok(n)
 }
 
 /// Launch instants, named by kernel where the profile knows the name.

@@ -17,8 +17,10 @@ use std::{
 
 use anyhow::{Context, anyhow, bail};
 use clap::{Args, ValueEnum};
+use comfy_table::{CellAlignment, ColumnConstraint, Row, Table, Width};
 use rusqlite::{Connection, ErrorCode, OpenFlags};
 use serde::Serialize;
+use unicode_width::{UnicodeWidthChar, UnicodeWidthStr};
 
 /// Version of the JSON shape below; bumped only when a field changes meaning
 /// or goes away (new fields may be added without a bump).
@@ -522,36 +524,11 @@ pub fn build(db: &ProfileDb, session: i64, label: Option<&str>, skip: u64) -> an
     let gpu_names = gpu_names(db, session)?;
     for l in &mut labels {
         if let Some(per_gpu) = &gpu_sums {
-            let mut gpus: BTreeSet<i64> = gpu_names.keys().copied().collect();
-            gpus.extend(per_gpu.keys().map(|(_, g)| *g));
-            l.gpus = Some(
-                gpus.into_iter()
-                    .map(|g| GpuEnergy {
-                        gpu: g,
-                        name: gpu_names.get(&g).cloned().flatten(),
-                        energy: per_gpu.get(&(l.label.clone(), g)).and_then(EnergySum::stat).unwrap_or_default(),
-                    })
-                    .collect(),
-            );
+            l.gpus = Some(label_gpus(&l.label, per_gpu, &gpu_names));
         }
         l.cpu = cpu_sums.as_ref().and_then(|m| m.get(&l.label)).and_then(EnergySum::stat);
         l.dram = dram_sums.as_ref().and_then(|m| m.get(&l.label)).and_then(EnergySum::stat);
-        let mut total = None;
-        let mut parts = Vec::new();
-        for g in l.gpus.iter().flatten() {
-            if let Some(e) = g.energy.energy_per_step_j {
-                *total.get_or_insert(0.0) += e;
-                parts.push(format!("GPU {}", g.gpu));
-            }
-        }
-        for (part, stat) in [("CPU", &l.cpu), ("DRAM", &l.dram)] {
-            if let Some(e) = stat.as_ref().and_then(|s| s.energy_per_step_j) {
-                *total.get_or_insert(0.0) += e;
-                parts.push(part.to_string());
-            }
-        }
-        l.energy_per_step_j = total;
-        l.energy_components = parts;
+        l.add_up_energy();
     }
 
     let top_kernels = top_kernels(db, session, &info.launch_mode)?;
@@ -565,6 +542,46 @@ pub fn build(db: &ProfileDb, session: i64, label: Option<&str>, skip: u64) -> an
         labels,
         top_kernels,
     })
+}
+
+/// One label's energy on every GPU the session saw (named or with figures);
+/// a GPU without figures for the label has an empty [`EnergyStat`].
+fn label_gpus(
+    label: &str,
+    per_gpu: &BTreeMap<(String, i64), EnergySum>,
+    gpu_names: &BTreeMap<i64, Option<String>>,
+) -> Vec<GpuEnergy> {
+    let mut gpus: BTreeSet<i64> = gpu_names.keys().copied().collect();
+    gpus.extend(per_gpu.keys().map(|(_, g)| *g));
+    gpus.into_iter()
+        .map(|g| GpuEnergy {
+            gpu: g,
+            name: gpu_names.get(&g).cloned().flatten(),
+            energy: per_gpu.get(&(label.to_owned(), g)).and_then(EnergySum::stat).unwrap_or_default(),
+        })
+        .collect()
+}
+
+impl LabelReport {
+    /// The energy per step over the parts that have a figure, and which they are.
+    fn add_up_energy(&mut self) {
+        let mut total = None;
+        let mut parts = Vec::new();
+        for g in self.gpus.iter().flatten() {
+            if let Some(e) = g.energy.energy_per_step_j {
+                *total.get_or_insert(0.0) += e;
+                parts.push(format!("GPU {}", g.gpu));
+            }
+        }
+        for (part, stat) in [("CPU", &self.cpu), ("DRAM", &self.dram)] {
+            if let Some(e) = stat.as_ref().and_then(|s| s.energy_per_step_j) {
+                *total.get_or_insert(0.0) += e;
+                parts.push(part.to_string());
+            }
+        }
+        self.energy_per_step_j = total;
+        self.energy_components = parts;
+    }
 }
 
 fn session_info(db: &ProfileDb, session: i64) -> anyhow::Result<SessionInfo> {
@@ -873,33 +890,25 @@ pub(super) fn kernel_display(name: Option<&str>, demangled: Option<&str>, api: O
     }
 }
 
-/// `s` cut to `width` characters, with an ellipsis if cut.
+/// `s` cut to `width` terminal columns (a wide glyph counts two), with an
+/// ellipsis if cut.
 fn fit(s: &str, width: usize) -> String {
-    if s.chars().count() <= width {
+    if s.width() <= width {
         return s.to_owned();
     }
-    let mut out: String = s.chars().take(width.saturating_sub(1)).collect();
+    let mut out = String::new();
+    let mut used = 0;
+    for c in s.chars() {
+        let w = c.width().unwrap_or(0);
+        // Room for the ellipsis, one column.
+        if used + w + 1 > width {
+            break;
+        }
+        used += w;
+        out.push(c);
+    }
     out.push('…');
     out
-}
-
-/// Greedy word wrap to `width` characters (a word longer than that gets its own line).
-fn wrap(text: &str, width: usize) -> Vec<String> {
-    let mut lines: Vec<String> = Vec::new();
-    let mut line = String::new();
-    for word in text.split_whitespace() {
-        if !line.is_empty() && line.chars().count() + 1 + word.chars().count() > width {
-            lines.push(std::mem::take(&mut line));
-        }
-        if !line.is_empty() {
-            line.push(' ');
-        }
-        line.push_str(word);
-    }
-    if !line.is_empty() {
-        lines.push(line);
-    }
-    lines
 }
 
 const ABSENT: &str = "–";
@@ -912,12 +921,62 @@ fn int(v: Option<i64>) -> String {
     v.map_or_else(|| ABSENT.to_string(), |v| v.to_string())
 }
 
+/// One column of a [`block`]: its width in terminal columns (None: as wide as
+/// its widest cell), alignment, and blank columns before it.
+#[derive(Clone, Copy)]
+struct Col(Option<u16>, CellAlignment, u16);
+
+const LEFT: CellAlignment = CellAlignment::Left;
+const RIGHT: CellAlignment = CellAlignment::Right;
+
+/// `rows` as a borderless block of `cols`, indented two columns, appended to
+/// `o`. comfy-table pads by terminal width (wide glyphs line up), wraps a cell
+/// wider than its column at spaces, and shows at most `max_lines` lines of a
+/// row, the last cut with an ellipsis.
+fn block(o: &mut String, cols: &[Col], rows: Vec<Vec<String>>, max_lines: usize) {
+    let mut t = Table::new();
+    t.load_style(comfy_table::presets::NOTHING).set_truncation_indicator("…");
+    for cells in rows {
+        let mut row = Row::from(cells);
+        row.max_height(max_lines);
+        t.add_row(row);
+    }
+    for (column, &Col(width, align, gap)) in t.column_iter_mut().zip(cols) {
+        column.set_padding((gap, 0)).set_cell_alignment(align);
+        if let Some(w) = width {
+            column.set_constraint(ColumnConstraint::Absolute(Width::Fixed(w + gap)));
+        }
+    }
+    for line in t.lines() {
+        let _ = writeln!(o, "  {}", line.trim_end());
+    }
+}
+
 /// The table: readable in 80 columns.
 pub fn render_table(r: &Report) -> String {
     let mut o = String::new();
+    render_session(&mut o, r);
+    render_capabilities(&mut o, &r.capabilities);
+    if r.labels.is_empty() {
+        let _ = writeln!(o, "\nno steps recorded (was --step-symbol given?)");
+    }
+    for l in &r.labels {
+        o.push('\n');
+        render_label(&mut o, l);
+    }
+    o.push('\n');
+    render_kernels(&mut o, r.top_kernels.as_deref());
+    o
+}
+
+/// The key column of the session lines ("target", "traced", …).
+const KEY: Col = Col(Some(10), LEFT, 0);
+/// Width left for a value after the key column and the indent.
+const VALUE_WIDTH: usize = WIDTH - 12;
+
+fn render_session(o: &mut String, r: &Report) {
     let s = &r.session;
     let _ = writeln!(o, "{}", fit(&format!("session {} of {}", s.id, r.database), WIDTH));
-    let _ = writeln!(o, "  target    {}", fit(&format!("pid {}  {}", s.pid, s.command), WIDTH - 12));
     let started = s.started_utc.as_deref().map_or(String::new(), |t| format!("from {t} UTC, "));
     let traced = match (s.state, s.duration_s) {
         (SessionState::Ended, Some(d)) => {
@@ -926,134 +985,29 @@ pub fn render_table(r: &Report) -> String {
         (SessionState::Running, _) => format!("{}, {started}still running", s.mode),
         _ => format!("{}, {started}not ended", s.mode),
     };
-    let _ = writeln!(o, "  traced    {}", fit(&traced, WIDTH - 12));
+    let mut rows = vec![("target", format!("pid {}  {}", s.pid, s.command)), ("traced", traced)];
     if s.state == SessionState::Unclean {
-        let _ = writeln!(o, "  end       did not end cleanly (the profiler was killed?)");
-        let _ =
-            writeln!(o, "            {}", fit("committed rows are all here; the end and totals are not", WIDTH - 12));
+        rows.push(("end", "did not end cleanly (the profiler was killed?)".into()));
+        rows.push(("", "committed rows are all here; the end and totals are not".into()));
     }
     if let Some(sym) = &s.step_symbol {
-        let _ = writeln!(o, "  step fn   {}", fit(sym, WIDTH - 12));
+        rows.push(("step fn", sym.clone()));
     }
-    let _ = writeln!(
-        o,
-        "  launches  {} seen, {} stored ({}), {} lost events",
+    let launches = format!(
+        "{} seen, {} stored ({}), {} lost events",
         int(s.total_launches),
         int(s.stored_launches),
         s.launch_mode,
         int(s.lost_events)
     );
-    render_capabilities(&mut o, &r.capabilities);
-
-    if r.labels.is_empty() {
-        let _ = writeln!(o, "\nno steps recorded (was --step-symbol given?)");
-    }
-    for l in &r.labels {
-        o.push('\n');
-        let rate = l.steps_per_s.map_or(String::new(), |v| format!(", {v:.1} steps/s"));
-        let head = format!(
-            "{}: {} steps, {} completed, {} skipped, {} measured{rate}",
-            l.label, l.steps, l.completed, l.skipped, l.measured
-        );
-        let _ = writeln!(o, "{}", fit(&head, WIDTH));
-        let _ = writeln!(o, "  {:<18}{:>12}{:>12}{:>12}{:>12}{:>12}", "", "p50", "p90", "p99", "max", "mean");
-        for (name, p, decimals) in [
-            ("step time (ms)", &l.step_time_ms, 3),
-            ("inter-step (ms)", &l.inter_step_ms, 3),
-            ("launches/step", &l.launches_per_step, 0),
-        ] {
-            let cell = |f: fn(&Percentiles) -> f64| num(p.as_ref().map(f), decimals);
-            let mean = num(p.as_ref().map(|p| p.mean), decimals.max(1));
-            let _ = writeln!(
-                o,
-                "  {name:<18}{:>12}{:>12}{:>12}{:>12}{mean:>12}",
-                cell(|p| p.p50),
-                cell(|p| p.p90),
-                cell(|p| p.p99),
-                cell(|p| p.max)
-            );
-        }
-        let sync = l
-            .sync_wait_share
-            .map_or_else(|| format!("{ABSENT:>12}  (not recorded)"), |v| format!("{:>11.1}%  of step time", 100.0 * v));
-        let _ = writeln!(o, "  {:<18}{sync}", "sync wait");
-
-        let _ =
-            writeln!(o, "  {:<32}{:>12}{:>12}{:>10}{:>6}", "energy per step", "J/step", "± J/step", "avg W", "steps");
-        let energy_row = |o: &mut String, name: &str, e: Option<&EnergyStat>| {
-            let _ = writeln!(
-                o,
-                "  {:<32}{:>12}{:>12}{:>10}{:>6}",
-                fit(name, 31),
-                num(e.and_then(|e| e.energy_per_step_j), 3),
-                num(e.and_then(|e| e.energy_error_per_step_j), 3),
-                num(e.and_then(|e| e.avg_power_w), 1),
-                e.map_or_else(|| ABSENT.to_string(), |e| e.steps.to_string())
-            );
-        };
-        match &l.gpus {
-            Some(gpus) if !gpus.is_empty() => {
-                for g in gpus {
-                    let name = match &g.name {
-                        Some(n) => format!("GPU {} {n}", g.gpu),
-                        None => format!("GPU {}", g.gpu),
-                    };
-                    energy_row(&mut o, &name, Some(&g.energy));
-                }
-            }
-            _ => energy_row(&mut o, "GPU", None),
-        }
-        energy_row(&mut o, "CPU package", l.cpu.as_ref());
-        energy_row(&mut o, "DRAM", l.dram.as_ref());
-        let parts = if l.energy_components.is_empty() {
-            String::new()
-        } else {
-            format!("  ({})", l.energy_components.join(" + "))
-        };
-        let _ = writeln!(o, "{}", fit(&format!("  {:<32}{:>12}{parts}", "total", num(l.energy_per_step_j, 3)), WIDTH));
-        let below = l
-            .gpus
-            .iter()
-            .flatten()
-            .map(|g| &g.energy)
-            .chain(l.cpu.as_ref())
-            .chain(l.dram.as_ref())
-            .filter_map(|e| e.below_resolution)
-            .max()
-            .unwrap_or(0);
-        if below > 0 {
-            let _ = writeln!(
-                o,
-                "  {below} of {} steps are shorter than an energy counter's update period:\n  \
-                 their energy is an interpolated share (see ± J/step)",
-                l.measured
-            );
-        }
-    }
-
-    o.push('\n');
-    match &r.top_kernels {
-        None => {
-            let _ = writeln!(o, "top kernels: {ABSENT} (launch rows not kept: --launches count)");
-        }
-        Some(k) if k.is_empty() => {
-            let _ = writeln!(o, "top kernels: no launches recorded");
-        }
-        Some(kernels) => {
-            let _ = writeln!(o, "top kernels (whole session)");
-            let _ = writeln!(o, "  {:>10}  {:>6}  kernel", "launches", "share");
-            for k in kernels {
-                let name = kernel_display(k.name.as_deref(), k.demangled_name.as_deref(), k.api.as_deref(), k.function);
-                let _ = writeln!(o, "  {:>10}  {:>5.1}%  {}", k.launches, 100.0 * k.share, fit(&name, WIDTH - 22));
-            }
-        }
-    }
-    o
+    rows.push(("launches", launches));
+    let rows = rows.into_iter().map(|(k, v)| vec![k.to_owned(), fit(&v, VALUE_WIDTH)]).collect();
+    block(o, &[KEY, Col(None, LEFT, 0)], rows, 1);
 }
 
 fn render_capabilities(o: &mut String, caps: &[CapabilityRow]) {
     if caps.is_empty() {
-        let _ = writeln!(o, "  sources   {ABSENT} (none recorded)");
+        block(o, &[KEY, Col(None, LEFT, 0)], vec![vec!["sources".into(), format!("{ABSENT} (none recorded)")]], 1);
         return;
     }
     let mut per_source: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
@@ -1069,23 +1023,114 @@ fn render_capabilities(o: &mut String, caps: &[CapabilityRow]) {
             missing.entry((&c.source, why)).or_default().push(&c.metric);
         }
     }
-    for (i, (source, (ok, n))) in per_source.iter().enumerate() {
-        let head = if i == 0 { "  sources   " } else { "            " };
-        let _ = writeln!(o, "{head}{source}: {ok} of {n} metrics available");
-    }
-    for ((source, why), metrics) in missing.iter().take(CAPABILITY_LINES) {
+    let sources = per_source.iter().enumerate().map(|(i, (source, (ok, n)))| {
+        vec![if i == 0 { "sources" } else { "" }.to_owned(), format!("{source}: {ok} of {n} metrics available")]
+    });
+    block(o, &[KEY, Col(None, LEFT, 0)], sources.collect(), 1);
+    let reasons = missing.iter().take(CAPABILITY_LINES).map(|((source, why), metrics)| {
         let what = if metrics.len() > 3 { format!("{} metrics", metrics.len()) } else { metrics.join(", ") };
-        // The reason is what the user acts on: up to two lines of it.
-        let lines = wrap(&format!("✗ {source} {what}: {why}"), WIDTH - 14);
-        for (i, line) in lines.iter().take(2).enumerate() {
-            let line = if i == 1 && lines.len() > 2 { format!("{line} …") } else { line.clone() };
-            let indent = if i == 0 { "            " } else { "              " };
-            let _ = writeln!(o, "{indent}{}", fit(&line, WIDTH - indent.len()));
-        }
-    }
+        vec![String::new(), "✗".to_owned(), format!("{source} {what}: {why}")]
+    });
+    // The reason is what the user acts on: up to two lines of it.
+    block(o, &[KEY, Col(Some(2), LEFT, 0), Col(Some(VALUE_WIDTH as u16 - 4), LEFT, 0)], reasons.collect(), 2);
     if missing.len() > CAPABILITY_LINES {
         let _ = writeln!(o, "            … {} more (see the capabilities table)", missing.len() - CAPABILITY_LINES);
     }
+}
+
+fn render_label(o: &mut String, l: &LabelReport) {
+    let rate = l.steps_per_s.map_or(String::new(), |v| format!(", {v:.1} steps/s"));
+    let head = format!(
+        "{}: {} steps, {} completed, {} skipped, {} measured{rate}",
+        l.label, l.steps, l.completed, l.skipped, l.measured
+    );
+    let _ = writeln!(o, "{}", fit(&head, WIDTH));
+    let mut rows = vec![["", "p50", "p90", "p99", "max", "mean"].map(str::to_owned).to_vec()];
+    for (name, p, decimals) in [
+        ("step time (ms)", &l.step_time_ms, 3),
+        ("inter-step (ms)", &l.inter_step_ms, 3),
+        ("launches/step", &l.launches_per_step, 0),
+    ] {
+        let cell = |f: fn(&Percentiles) -> f64, decimals| num(p.as_ref().map(f), decimals);
+        rows.push(vec![
+            name.to_owned(),
+            cell(|p| p.p50, decimals),
+            cell(|p| p.p90, decimals),
+            cell(|p| p.p99, decimals),
+            cell(|p| p.max, decimals),
+            cell(|p| p.mean, decimals.max(1)),
+        ]);
+    }
+    let figure = Col(Some(12), RIGHT, 0);
+    block(o, &[Col(Some(18), LEFT, 0), figure, figure, figure, figure, figure], rows, 1);
+    let sync = l
+        .sync_wait_share
+        .map_or_else(|| format!("{ABSENT:>12}  (not recorded)"), |v| format!("{:>11.1}%  of step time", 100.0 * v));
+    let _ = writeln!(o, "  {:<18}{sync}", "sync wait");
+    render_energy(o, l);
+}
+
+fn render_energy(o: &mut String, l: &LabelReport) {
+    let row = |name: &str, e: Option<&EnergyStat>| {
+        vec![
+            fit(name, 31),
+            num(e.and_then(|e| e.energy_per_step_j), 3),
+            num(e.and_then(|e| e.energy_error_per_step_j), 3),
+            num(e.and_then(|e| e.avg_power_w), 1),
+            e.map_or_else(|| ABSENT.to_string(), |e| e.steps.to_string()),
+        ]
+    };
+    let mut rows = vec![["energy per step", "J/step", "± J/step", "avg W", "steps"].map(str::to_owned).to_vec()];
+    match &l.gpus {
+        Some(gpus) if !gpus.is_empty() => rows.extend(gpus.iter().map(|g| {
+            let name = g.name.as_ref().map_or_else(|| format!("GPU {}", g.gpu), |n| format!("GPU {} {n}", g.gpu));
+            row(&name, Some(&g.energy))
+        })),
+        _ => rows.push(row("GPU", None)),
+    }
+    rows.push(row("CPU package", l.cpu.as_ref()));
+    rows.push(row("DRAM", l.dram.as_ref()));
+    let (j, w) = (Col(Some(12), RIGHT, 0), Col(Some(10), RIGHT, 0));
+    block(o, &[Col(Some(32), LEFT, 0), j, j, w, Col(Some(6), RIGHT, 0)], rows, 1);
+    let parts =
+        if l.energy_components.is_empty() { String::new() } else { format!("  ({})", l.energy_components.join(" + ")) };
+    let _ = writeln!(o, "{}", fit(&format!("  {:<32}{:>12}{parts}", "total", num(l.energy_per_step_j, 3)), WIDTH));
+    let below = l
+        .gpus
+        .iter()
+        .flatten()
+        .map(|g| &g.energy)
+        .chain(l.cpu.as_ref())
+        .chain(l.dram.as_ref())
+        .filter_map(|e| e.below_resolution)
+        .max()
+        .unwrap_or(0);
+    if below > 0 {
+        let _ = writeln!(
+            o,
+            "  {below} of {} steps are shorter than an energy counter's update period:\n  \
+             their energy is an interpolated share (see ± J/step)",
+            l.measured
+        );
+    }
+}
+
+fn render_kernels(o: &mut String, kernels: Option<&[KernelRow]>) {
+    let Some(kernels) = kernels else {
+        let _ = writeln!(o, "top kernels: {ABSENT} (launch rows not kept: --launches count)");
+        return;
+    };
+    if kernels.is_empty() {
+        let _ = writeln!(o, "top kernels: no launches recorded");
+        return;
+    }
+    let _ = writeln!(o, "top kernels (whole session)");
+    let mut rows = vec![["launches", "share", "kernel"].map(str::to_owned).to_vec()];
+    for k in kernels {
+        let name = kernel_display(k.name.as_deref(), k.demangled_name.as_deref(), k.api.as_deref(), k.function);
+        rows.push(vec![k.launches.to_string(), format!("{:.1}%", 100.0 * k.share), fit(&name, WIDTH - 22)]);
+    }
+    block(o, &[Col(Some(10), RIGHT, 0), Col(Some(6), RIGHT, 2), Col(None, LEFT, 2)], rows, 1);
 }
 
 /// `--format csv`: one figure per row, `section,label,metric,value,unit`;
@@ -1167,6 +1212,121 @@ fn write_csv(r: &Report, out: &mut impl Write) -> anyhow::Result<()> {
 mod tests {
     use super::*;
 
+    /// A report with every section filled: an unclean session, capabilities
+    /// with long reasons, two labels, named GPUs, wide glyphs in names.
+    fn sample_report() -> Report {
+        let stat = |j: f64| EnergyStat {
+            steps: 47,
+            energy_per_step_j: Some(j),
+            energy_error_per_step_j: Some(j / 100.0),
+            avg_power_w: Some(j * 10.0),
+            below_resolution: Some(3),
+        };
+        let p = |v: f64| Percentiles { p50: v, p90: v * 1.5, p99: v * 2.0, max: v * 3.0, mean: v * 1.1 };
+        let label = |name: &str, gpus: Option<Vec<GpuEnergy>>| LabelReport {
+            label: name.into(),
+            steps: 50,
+            completed: 50,
+            skipped: 3,
+            measured: 47,
+            steps_per_s: Some(9.87),
+            step_time_ms: Some(p(101.2345)),
+            inter_step_ms: None,
+            launches_per_step: Some(p(20.0)),
+            sync_wait_share: Some(0.25),
+            gpus,
+            cpu: Some(stat(8.0)),
+            dram: None,
+            energy_per_step_j: Some(69.6),
+            energy_components: vec!["GPU 0".into(), "GPU 1".into(), "CPU".into()],
+        };
+        let gpu = |gpu: i64, name: &str| GpuEnergy { gpu, name: Some(name.into()), energy: stat(61.5) };
+        let cap = |source: &str, metric: &str, reason: Option<&str>| CapabilityRow {
+            source: source.into(),
+            metric: metric.into(),
+            available: reason.is_none(),
+            reason: reason.map(str::to_owned),
+        };
+        let kernel = |name: Option<&str>, launches: i64| KernelRow {
+            function: 0x100000 + launches,
+            name: name.map(str::to_owned),
+            demangled_name: None,
+            api: Some("cuLaunchKernel".into()),
+            launches,
+            share: launches as f64 / 1000.0,
+        };
+        Report {
+            report_version: REPORT_VERSION,
+            database: "/tmp/a/rather/long/path/to/the/profile/written/by/the/profiler/run/profile.db".into(),
+            skip: 3,
+            label_filter: None,
+            session: SessionInfo {
+                id: 2,
+                pid: 4242,
+                command: "python train.py --epochs 10 --batch-size 256 --learning-rate 0.001 --data /data/imagenet"
+                    .into(),
+                exe: None,
+                mode: "attach".into(),
+                launch_mode: "all".into(),
+                step_symbol: Some("python:train.py:train_step".into()),
+                started_utc: Some("2025-06-01 12:00:03".into()),
+                started_unix_s: 0.0,
+                duration_s: None,
+                state: SessionState::Unclean,
+                end_reason: None,
+                lost_events: Some(0),
+                total_launches: Some(1000),
+                stored_launches: Some(1000),
+                unmatched_returns: Some(0),
+                hostname: None,
+                kernel_release: None,
+                profiler_version: "0.1.0".into(),
+            },
+            capabilities: vec![
+                cap("nvml", "GPU_0/power", None),
+                cap("nvml", "GPU_0/fan.speed", Some("Not Supported: this GPU has no fan (passively cooled board)")),
+                cap(
+                    "rapl",
+                    "package",
+                    Some(
+                        "no powercap tree at /sys/class/powercap and no perf power PMU: this machine (a VM?) does not expose RAPL to the guest",
+                    ),
+                ),
+                cap(
+                    "rapl",
+                    "dram",
+                    Some(
+                        "no powercap tree at /sys/class/powercap and no perf power PMU: this machine (a VM?) does not expose RAPL to the guest",
+                    ),
+                ),
+            ],
+            labels: vec![
+                label("train", Some(vec![gpu(0, "NVIDIA H200"), gpu(1, "显卡 H200 with a very long marketing name")])),
+                label("validate", None),
+            ],
+            top_kernels: Some(vec![
+                kernel(
+                    Some(
+                        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, at::detail::Array<char*, 1> >(int, at::native::FillFunctor<float>, at::detail::Array<char*, 1>)",
+                    ),
+                    500,
+                ),
+                kernel(Some("核函数_核函数_核函数_核函数_核函数_核函数_核函数_核函数_核函数"), 300),
+                kernel(None, 200),
+            ]),
+        }
+    }
+
+    /// The table fits 80 terminal columns, wide glyphs counted as two.
+    #[test]
+    fn table_fits_80_columns() {
+        let table = render_table(&sample_report());
+        println!("{table}");
+        for line in table.lines() {
+            assert!(line.width() <= WIDTH, "wider than {WIDTH}: {line:?}");
+        }
+    }
+
     #[test]
     fn nearest_rank_percentiles() {
         let p = Percentiles::of((1..=100).map(f64::from).rev().collect()).expect("values");
@@ -1188,10 +1348,20 @@ mod tests {
     }
 
     #[test]
-    fn wrap_is_greedy_and_keeps_long_words() {
-        assert_eq!(wrap("a bb ccc dddd", 6), vec!["a bb", "ccc", "dddd"]);
-        assert_eq!(wrap("/a/very/long/path x", 5), vec!["/a/very/long/path", "x"]);
-        assert!(wrap("", 5).is_empty());
+    fn fit_counts_terminal_columns() {
+        assert_eq!(fit("显卡显卡", 8), "显卡显卡");
+        assert_eq!(fit("显卡显卡", 7), "显卡显…");
+        assert_eq!(fit("显卡显卡", 6), "显卡…");
+    }
+
+    /// A block wraps a cell at spaces within its column and keeps at most
+    /// `max_lines` lines of a row, the last one cut with an ellipsis.
+    #[test]
+    fn blocks_wrap_and_cut_rows() {
+        let mut o = String::new();
+        let cols = [Col(Some(3), LEFT, 0), Col(Some(6), LEFT, 0)];
+        block(&mut o, &cols, vec![vec!["k".into(), "a bb ccc dddd eeee".into()], vec![String::new(), "x".into()]], 2);
+        assert_eq!(o, "  k  a bb\n     ccc…\n     x\n");
     }
 
     #[test]
@@ -1246,7 +1416,7 @@ mod tests {
         assert_eq!((k[0].function, k[0].launches, k[0].api.as_deref()), (16, 2, Some("cuLaunchKernel")));
         let json = serde_json::to_value(&r).expect("serialises");
         assert!(json["labels"][0]["gpus"].is_null());
-        assert!(render_table(&r).lines().all(|line| line.chars().count() <= WIDTH));
+        assert!(render_table(&r).lines().all(|line| line.width() <= WIDTH));
     }
 
     /// The columns are read once at open; a view that no longer compiles
