@@ -31,8 +31,8 @@ use crate::{
     steps::StepTracker,
     stop_signals,
     store::{
-        Capability, FinishHook, KernelRow, LaunchRow, LibraryRow, SessionEnd, SessionStart, StepRow, Store, StoreMsg,
-        StoreWriter, SyncRow,
+        AtFinish, Capability, KernelRow, LaunchRow, Losses, ProbedFileRow, SessionEnd, SessionStart, StepRow, Store,
+        StoreMsg, StoreWriter, SyncRow,
     },
 };
 
@@ -266,7 +266,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         exe: Some(exe.display().to_string()),
         mode,
         launch_mode: cfg.launch_mode.as_str(),
-        step_symbol: (!cfg.steps.is_empty() || !cfg.python_steps.is_empty()).then(|| {
+        step_source: (!cfg.steps.is_empty() || !cfg.python_steps.is_empty()).then(|| {
             cfg.steps
                 .iter()
                 .map(|s| s.to_string())
@@ -324,7 +324,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         Ok((libraries, py)) => {
             python_steps = py;
             for l in libraries {
-                consumer.writer.send(StoreMsg::Library(l));
+                consumer.writer.send(StoreMsg::ProbedFile(l));
             }
             say!(cfg.quiet, "session {session_id}: tracing PID {pid} into {} (Ctrl-C to stop)", output.display());
             let mut status = StatusLine::new(cfg.status_line, gpu_live);
@@ -424,8 +424,8 @@ fn attach_all(
     steps: &[step_symbol::ResolvedStep],
     python: Option<&usdt::python::PythonProbes>,
     target_var: &dyn Fn(&str) -> Option<String>,
-) -> anyhow::Result<(Vec<LibraryRow>, Option<usdt::python::PythonSteps>)> {
-    let mut libraries: Vec<LibraryRow> = Vec::new();
+) -> anyhow::Result<(Vec<ProbedFileRow>, Option<usdt::python::PythonSteps>)> {
+    let mut libraries: Vec<ProbedFileRow> = Vec::new();
     if mode == "attach" {
         watcher.scan_into(probes, &mut libraries, cfg.quiet, "maps");
     }
@@ -592,16 +592,16 @@ async fn run_loop(
     }
 }
 
-fn library_row(path: &Path, kind: LibraryKind, placed: Vec<probes::PlacedProbe>, how: &str) -> LibraryRow {
-    LibraryRow {
+fn library_row(path: &Path, kind: LibraryKind, placed: Vec<probes::PlacedProbe>, how: &str) -> ProbedFileRow {
+    ProbedFileRow {
         placed: placed.iter().map(|p| (p.symbol.to_string(), p.offset, p.reason.clone())).collect(),
         ..probe_row(path, kind.as_str(), placed.len() as u32, how.into())
     }
 }
 
 /// A `libraries` row for probes that are not launch probes (no `probes` rows).
-fn probe_row(path: &Path, kind: &str, probes: u32, how: String) -> LibraryRow {
-    LibraryRow {
+fn probe_row(path: &Path, kind: &str, probes: u32, how: String) -> ProbedFileRow {
+    ProbedFileRow {
         path: path.display().to_string(),
         kind: kind.into(),
         attached_ns: clock::monotonic_ns(),
@@ -637,7 +637,7 @@ impl LibraryWatcher {
             consumer.stubs.remember(maps);
         }
         for r in rows {
-            consumer.writer.send(StoreMsg::Library(r));
+            consumer.writer.send(StoreMsg::ProbedFile(r));
         }
     }
 
@@ -645,7 +645,7 @@ impl LibraryWatcher {
     fn scan_into(
         &mut self,
         probes: &mut Probes,
-        rows: &mut Vec<LibraryRow>,
+        rows: &mut Vec<ProbedFileRow>,
         quiet: bool,
         how: &str,
     ) -> Option<procfs::process::MemoryMaps> {
@@ -692,7 +692,13 @@ impl LibraryWatcher {
     /// A library whose probes could not all attach: a warning and a
     /// `libraries` row (0 probes, and why), the first time only, since every
     /// later look tries it again.
-    fn not_probed(&mut self, path: &Path, kind: LibraryKind, how: &str, e: &probes::ProbeError) -> Option<LibraryRow> {
+    fn not_probed(
+        &mut self,
+        path: &Path,
+        kind: LibraryKind,
+        how: &str,
+        e: &probes::ProbeError,
+    ) -> Option<ProbedFileRow> {
         if self.failed.insert(path.to_owned(), std::time::Instant::now()).is_some() {
             return None;
         }
@@ -853,7 +859,7 @@ struct Consumer {
     /// Launch-ring events read and not yet taken; step events handed on.
     chunk: Vec<Result<Event, events::DecodeError>>,
     released: Vec<Event>,
-    /// (label, step) of the steps stored as incomplete (see `steps::LOSS_SCHEMA`).
+    /// (label, step) of the steps stored as incomplete (`steps.incomplete`).
     incomplete_steps: Vec<(&'static str, u64)>,
 }
 
@@ -972,11 +978,11 @@ impl Consumer {
     /// Stores, in the session's last transaction, what was lost: the step
     /// ring's share of the lost records, the failed map updates, and which
     /// steps are incomplete.
-    fn loss_hook(&mut self, kc: probes::KernelCounters) -> FinishHook {
+    fn loss_hook(&mut self, kc: probes::KernelCounters) -> AtFinish {
         let open = self.tracker.open_steps().into_iter().filter(|s| s.incomplete).map(|s| (s.label, s.step));
         let mut incomplete = std::mem::take(&mut self.incomplete_steps);
         incomplete.extend(open);
-        Box::new(move |conn, session| crate::steps::store_losses(conn, session, &kc, &incomplete))
+        AtFinish::Losses(Losses { lost_step_records: kc.lost_step_records, map_failures: kc.map_failures, incomplete })
     }
 
     /// Launch records the threads still had staged when tracing stopped:
@@ -1140,7 +1146,7 @@ impl Consumer {
 
     /// Stores steps still open (end NULL), finishes the session, and returns a
     /// one-line description of what was stored, and what could not be.
-    fn finish(mut self, mut end: SessionEnd, hooks: Vec<FinishHook>) -> anyhow::Result<(String, Vec<String>)> {
+    fn finish(mut self, mut end: SessionEnd, hooks: Vec<AtFinish>) -> anyhow::Result<(String, Vec<String>)> {
         self.name_runtime_stubs();
         for s in self.tracker.open_steps() {
             self.store_open_step(s);
