@@ -209,7 +209,7 @@ mod thread_tests {
     #[test]
     fn a_sampler_panic_is_reported_not_swallowed() {
         let t = SamplerThread::spawn("gpu", Duration::from_millis(1), Panicking).expect("spawn");
-        let err = t.stop().err().expect("the panic must surface");
+        let err = t.stop().expect_err("the panic must surface");
         assert_eq!(err, "the gpu sampler panicked: no such device");
         let t = SamplerThread::spawn("system", Duration::from_millis(1), Quiet).expect("spawn");
         assert!(t.stop().is_ok_and(|work| work.is_none()));

@@ -87,9 +87,11 @@ fn step_spans(conn: &Connection, session_id: i64) -> rusqlite::Result<Vec<StepSp
         .collect()
 }
 
-/// Runs `stmt` (first column ts_ns, then value columns): every row's
-/// timestamp, and one series per value column, (ts_ns, value), its NULLs left out.
-fn load_columns(stmt: &mut Statement<'_>, params: impl Params) -> rusqlite::Result<(Vec<u64>, Vec<Vec<(u64, f64)>>)> {
+/// Every row's timestamp, and one series per value column, (ts_ns, value), its NULLs left out.
+type SampleColumns = (Vec<u64>, Vec<Vec<(u64, f64)>>);
+
+/// Runs `stmt` (first column ts_ns, then value columns) into [`SampleColumns`].
+fn load_columns(stmt: &mut Statement<'_>, params: impl Params) -> rusqlite::Result<SampleColumns> {
     let n = stmt.column_count().saturating_sub(1);
     let (mut ts, mut columns) = (Vec::new(), vec![Vec::new(); n]);
     let mut rows = stmt.query(params)?;
