@@ -11,7 +11,7 @@ use crate::{
         maps::{self, LibraryKind},
         usdt::{self, python::PythonProbes},
     },
-    store::LibraryRow,
+    store::ProbedFileRow,
 };
 
 /// Probes the CUDA libraries the target maps or will load, then the step
@@ -23,8 +23,8 @@ pub(super) fn attach_all(
     probes: &mut Probes,
     watcher: &mut LibraryWatcher,
     steps: &StepFunctions,
-) -> anyhow::Result<(Vec<LibraryRow>, Option<usdt::python::PythonSteps>)> {
-    let mut libraries: Vec<LibraryRow> = Vec::new();
+) -> anyhow::Result<(Vec<ProbedFileRow>, Option<usdt::python::PythonSteps>)> {
+    let mut libraries: Vec<ProbedFileRow> = Vec::new();
     if target.mode == "attach" {
         watcher.scan_into(probes, &mut libraries, cfg.quiet, "maps");
     }
@@ -54,7 +54,7 @@ fn attach_loader(
     target: &TargetProcess,
     probes: &mut Probes,
     watcher: &mut LibraryWatcher,
-    libraries: &mut Vec<LibraryRow>,
+    libraries: &mut Vec<ProbedFileRow>,
 ) {
     let (pid, exe) = (target.pid, &target.exe);
     match probes::loader_of(pid, exe) {
@@ -85,7 +85,7 @@ fn attach_predicted_driver(
     target: &TargetProcess,
     probes: &mut Probes,
     watcher: &mut LibraryWatcher,
-    libraries: &mut Vec<LibraryRow>,
+    libraries: &mut Vec<ProbedFileRow>,
 ) {
     for cand in maps::driver_candidates(target.var("LD_LIBRARY_PATH").as_deref(), &ldconfig_cache()) {
         let visible = probes::in_target_root(target.pid, &cand);
@@ -118,7 +118,7 @@ fn attach_step_symbols(
     pid: u32,
     probes: &mut Probes,
     steps: &StepFunctions,
-    libraries: &mut Vec<LibraryRow>,
+    libraries: &mut Vec<ProbedFileRow>,
 ) -> anyhow::Result<()> {
     for (probe_id, step) in steps.symbols.iter().enumerate() {
         let visible = if step.path.is_relative() { step.path.clone() } else { probes::in_target_root(pid, &step.path) };
@@ -138,7 +138,7 @@ fn attach_python(
     probes: &mut Probes,
     py: &PythonProbes,
     first_label: usize,
-    libraries: &mut Vec<LibraryRow>,
+    libraries: &mut Vec<ProbedFileRow>,
 ) -> anyhow::Result<usdt::python::PythonSteps> {
     let targets: Vec<usdt::python::PythonTarget> = cfg
         .python_steps
