@@ -13,15 +13,15 @@ fn invoking_user() -> Option<(u32, u32)> {
     (uid != 0).then_some((uid, gid))
 }
 
-/// Hands `path`, which this run created, and the SQLite side files next to
-/// it (`-wal`, `-shm`), to the user who ran `sudo`, where they are root's: a
-/// file someone else owns is left alone, and so is any file that was there
-/// before (callers pass only what they created). Does nothing outside `sudo`.
-/// A failure is a warning: the profile is still there, owned by root.
-pub fn give_to_invoking_user(path: &Path) {
+/// Hands `files`, which this run created, to the user who ran `sudo`, where
+/// they are root's: a file someone else owns is left alone, and so is any file
+/// that was there before (callers pass only what they created; a profile's
+/// callers pass its SQLite side files too, see `store::profile_files`). Does
+/// nothing outside `sudo`. A failure is a warning: the file is still there,
+/// owned by root.
+pub fn give_to_invoking_user<P: AsRef<Path>>(files: &[P]) {
     let Some((uid, gid)) = invoking_user() else { return };
-    let (wal, shm) = (crate::store::side_file(path, "-wal"), crate::store::side_file(path, "-shm"));
-    for p in [path, wal.as_path(), shm.as_path()] {
+    for p in files.iter().map(AsRef::as_ref) {
         match std::fs::symlink_metadata(p) {
             Ok(m) if m.is_file() && m.uid() == 0 => {
                 if let Err(e) = std::os::unix::fs::lchown(p, Some(uid), Some(gid)) {

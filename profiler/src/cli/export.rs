@@ -62,7 +62,7 @@ pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
             let created = !p.exists();
             let file = File::create(p).with_context(|| format!("cannot create {}", p.display()))?;
             if created {
-                crate::ownership::give_to_invoking_user(p);
+                crate::ownership::give_to_invoking_user(&[p]);
             }
             Box::new(file)
         }

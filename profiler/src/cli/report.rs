@@ -1413,17 +1413,7 @@ mod tests {
             source: "cuModuleGetFunction",
         };
         w.send(StoreMsg::Kernels(vec![kernel(50, "first"), kernel(200, "second")]));
-        let launch = |ts_ns| LaunchRow {
-            ts_ns,
-            tid: 1,
-            api: profiler_common::LaunchApi::CuLaunchKernel,
-            function: 0x77,
-            grid: [1, 1, 1],
-            block: [1, 1, 1],
-            shared_mem_bytes: 0,
-            stream: 0,
-            step: None,
-        };
+        let launch = |ts_ns| LaunchRow { ts_ns, tid: 1, function: 0x77, ..crate::store::testing::launch() };
         // One launch under the first name, two under the second; one before
         // any naming counts for the first.
         w.send(StoreMsg::Launches(vec![launch(10), launch(100), launch(250), launch(300)]));

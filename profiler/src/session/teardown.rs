@@ -103,7 +103,7 @@ pub(super) async fn finish(
     problems.extend(written);
     // The side files SQLite made since the open, under `sudo`.
     if session.created {
-        crate::ownership::give_to_invoking_user(output);
+        crate::ownership::give_to_invoking_user(&crate::store::profile_files(output));
     }
     let failure = (!problems.is_empty())
         .then(|| format!("{}; what was committed is in {}", problems.join("; "), output.display()));

@@ -72,6 +72,11 @@ pub fn side_file(path: &Path, suffix: &str) -> PathBuf {
     PathBuf::from(name)
 }
 
+/// The profile at `path` and the SQLite side files next to it (`-wal`, `-shm`).
+pub fn profile_files(path: &Path) -> [PathBuf; 3] {
+    [path.to_owned(), side_file(path, "-wal"), side_file(path, "-shm")]
+}
+
 /// Whether a profiler that may still write the profile at `path` is alive:
 /// one holds a shared `flock` on it from open to the end of its session, and
 /// the kernel drops it when that process dies. Checked with an exclusive
@@ -132,7 +137,7 @@ impl Store {
         migrate(&conn, version).map_err(&classify)?;
         // Now, not at the end: a profiler that is killed leaves the user's file.
         if created {
-            crate::ownership::give_to_invoking_user(path);
+            crate::ownership::give_to_invoking_user(&profile_files(path));
         }
         // A second descriptor, never closed before the connection: closing one
         // would drop this process's SQLite (fcntl) locks on the file.
@@ -200,7 +205,23 @@ pub(crate) mod testing {
     //! Fixtures shared by the store's tests.
     use std::path::PathBuf;
 
-    use super::SessionStart;
+    use super::{LaunchRow, SessionStart};
+
+    /// A `cuLaunchKernel` of handle 1 at 200 ns by thread 7, in no step;
+    /// tests change what they look at with struct-update syntax.
+    pub(crate) fn launch() -> LaunchRow {
+        LaunchRow {
+            ts_ns: 200,
+            tid: 7,
+            api: profiler_common::LaunchApi::CuLaunchKernel,
+            function: 1,
+            grid: [1, 1, 1],
+            block: [1, 1, 1],
+            shared_mem_bytes: 0,
+            stream: 0,
+            step: None,
+        }
+    }
 
     pub(crate) fn temp_db() -> (tempfile::TempDir, PathBuf) {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -226,7 +247,6 @@ pub(crate) mod testing {
 
 #[cfg(test)]
 mod tests {
-    use profiler_common::LaunchApi;
 
     use super::{history::*, testing::*, *};
 
@@ -249,15 +269,11 @@ mod tests {
                 launches: Some(1),
             }]));
             w.send(StoreMsg::Launches(vec![LaunchRow {
-                ts_ns: 200,
-                tid: 7,
-                api: LaunchApi::CuLaunchKernel,
                 function: 0x1234,
                 grid: [1, 2, 3],
                 block: [4, 5, 6],
-                shared_mem_bytes: 0,
-                stream: 0,
                 step: Some(("train", 0)),
+                ..testing::launch()
             }]));
             let stats = w
                 .finish(
@@ -304,17 +320,7 @@ mod tests {
                 "CREATE TRIGGER fail BEFORE INSERT ON launches WHEN NEW.tid = 666 BEGIN SELECT RAISE(ABORT, 'boom'); END;",
             )
             .expect("trigger");
-        let launch = |tid| LaunchRow {
-            ts_ns: 200,
-            tid,
-            api: LaunchApi::CuLaunchKernel,
-            function: 1,
-            grid: [1, 1, 1],
-            block: [1, 1, 1],
-            shared_mem_bytes: 0,
-            stream: 0,
-            step: None,
-        };
+        let launch = |tid| LaunchRow { tid, ..testing::launch() };
         let w = store.spawn_writer(id);
         w.send(StoreMsg::Launches(vec![launch(7), launch(7)]));
         // Let the first batch commit on its own before the failing one.

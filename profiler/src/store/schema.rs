@@ -613,15 +613,11 @@ mod tests {
             source: "cuModuleGetFunction",
         }]));
         w.send(StoreMsg::Launches(vec![LaunchRow {
-            ts_ns: 200,
-            tid: 7,
             api: LaunchApi::CudaGraphLaunchPtsz,
             function: 0x1234,
-            grid: [1, 1, 1],
             block: [32, 1, 1],
-            shared_mem_bytes: 0,
-            stream: 0,
             step: Some(("train", 0)),
+            ..crate::store::testing::launch()
         }]));
         // GPU 0 drawing 10 W, read every 50 ms around the steps: a step_gpu row for each.
         let sample =
