@@ -105,8 +105,8 @@ pub fn function_symbols(data: &[u8]) -> Result<Vec<FunctionSymbol>, ElfError> {
 pub fn demangled(name: &str) -> String {
     // Rust first: legacy Rust symbols are also valid Itanium C++ names, and the
     // C++ demangler would keep the hash.
-    if let Ok(d) = rustc_demangle::try_demangle(name) {
-        return format!("{d:#}");
+    if let Some(d) = rust_demangled(name) {
+        return d;
     }
     if is_itanium(name)
         && let Ok(sym) = cpp_demangle::Symbol::new(name)
@@ -120,13 +120,24 @@ pub fn demangled(name: &str) -> String {
 /// The full demangled form (with parameters) of a C++ or Rust symbol, or None
 /// when it is not mangled.
 pub fn demangled_full(name: &str) -> Option<String> {
-    if let Ok(d) = rustc_demangle::try_demangle(name) {
-        return Some(format!("{d:#}"));
+    if let Some(d) = rust_demangled(name) {
+        return Some(d);
     }
     if !is_itanium(name) {
         return None;
     }
     cpp_demangle::Symbol::new(name).ok()?.demangle(&cpp_demangle::DemangleOptions::default()).ok()
+}
+
+/// A Rust symbol's name without its hash. On ELF every Rust symbol starts with
+/// `_` (`_ZN…E` legacy, `_R…` v0); rustc-demangle also takes v0 names without
+/// it (`R…`, other platforms' spelling), which would rename C symbols such as
+/// `RNvCs1234_5myapp10train_step` (found by `fuzz_tests`).
+fn rust_demangled(name: &str) -> Option<String> {
+    if !name.starts_with('_') {
+        return None;
+    }
+    rustc_demangle::try_demangle(name).ok().map(|d| format!("{d:#}"))
 }
 
 /// Whether `name` can be an Itanium C++ symbol (`_Z…`, `_GLOBAL__…`). `cpp_demangle` also
