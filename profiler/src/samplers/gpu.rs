@@ -226,57 +226,87 @@ pub fn select_gpus(
     order: DeviceOrder,
     gpus: &[GpuFacts],
 ) -> Result<GpuSelection, String> {
-    let known = || {
-        let list: Vec<String> = gpus.iter().enumerate().map(|(i, g)| format!("{i} {}", g.uuid)).collect();
-        format!("{} GPUs: {}", gpus.len(), list.join(", "))
-    };
     let (cuda, exact, how) = cuda_order(order, gpus);
     let mut notes = Vec::new();
-    let entries: Vec<(u32, Entry)> = if let Some(list) = override_list {
-        let identity: Vec<u32> = (0..gpus.len() as u32).collect();
-        let mut out = Vec::new();
-        for (logical, entry) in list.iter().enumerate() {
-            let hit = resolve(entry, gpus, &identity)
-                .ok_or_else(|| format!("--gpus: '{entry}' is not a GPU index, UUID or MIG UUID here ({})", known()))?;
-            out.push((logical as u32, hit));
-        }
+    let entries = if let Some(list) = override_list {
         notes.push(("gpu_order".to_string(), true, "--gpus: logical numbers are places in the --gpus list".into()));
-        out
+        override_entries(list, gpus)?
     } else if let Some(cvd) = cuda_visible_devices {
-        let listed: Vec<&str> = cvd.split(',').map(str::trim).filter(|e| !e.is_empty()).collect();
-        let mut out: Vec<(u32, Entry)> = Vec::new();
-        for &entry in &listed {
-            let hit = resolve(entry, gpus, &cuda);
-            let repeated = hit.as_ref().is_some_and(|h| out.iter().any(|(_, seen)| seen == h));
-            let Some(hit) = hit.filter(|_| !repeated) else {
-                let what = if repeated { "repeats an earlier one" } else { "names no GPU" };
-                notes.push((
-                    "gpu_selection".to_string(),
-                    true,
-                    format!(
-                        "the target's CUDA_VISIBLE_DEVICES='{cvd}': entry '{entry}' {what}, so CUDA ignores it and \
-                         every entry after it, and so does the profiler"
-                    ),
-                ));
-                break;
-            };
-            out.push((out.len() as u32, hit));
-        }
-        if out.is_empty() {
-            return Err(format!("the target's CUDA_VISIBLE_DEVICES='{cvd}' names no GPU that NVML sees ({})", known()));
-        }
-        if listed[..out.len()].iter().any(|e| e.parse::<u32>().is_ok()) {
-            notes.push(("gpu_order".to_string(), exact, how));
-        } else {
-            let how = "the target's CUDA_VISIBLE_DEVICES names GPUs by UUID: logical numbers are places in that list";
-            notes.push(("gpu_order".to_string(), true, how.into()));
-        }
-        out
+        visible_entries(cvd, gpus, &cuda, (exact, how), &mut notes)?
     } else {
         notes.push(("gpu_order".to_string(), exact, how));
         cuda.iter().enumerate().map(|(logical, &i)| (logical as u32, Entry::Gpu(i))).collect()
     };
+    let selected = group_by_gpu(entries);
+    notes.extend(mig_notes(&selected, gpus));
+    Ok(GpuSelection { gpus: selected, notes })
+}
 
+/// One line listing the GPUs NVML sees, for errors.
+fn known_gpus(gpus: &[GpuFacts]) -> String {
+    let list: Vec<String> = gpus.iter().enumerate().map(|(i, g)| format!("{i} {}", g.uuid)).collect();
+    format!("{} GPUs: {}", gpus.len(), list.join(", "))
+}
+
+/// `--gpus`: every entry must name a GPU; logical numbers are list places.
+fn override_entries(list: &[String], gpus: &[GpuFacts]) -> Result<Vec<(u32, Entry)>, String> {
+    let identity: Vec<u32> = (0..gpus.len() as u32).collect();
+    let mut out = Vec::new();
+    for (logical, entry) in list.iter().enumerate() {
+        let hit = resolve(entry, gpus, &identity).ok_or_else(|| {
+            format!("--gpus: '{entry}' is not a GPU index, UUID or MIG UUID here ({})", known_gpus(gpus))
+        })?;
+        out.push((logical as u32, hit));
+    }
+    Ok(out)
+}
+
+/// The target's `CUDA_VISIBLE_DEVICES`, read as CUDA reads it: the first entry
+/// that names nothing or repeats one ends the list.
+fn visible_entries(
+    cvd: &str,
+    gpus: &[GpuFacts],
+    cuda: &[u32],
+    (exact, how): (bool, String),
+    notes: &mut Vec<(String, bool, String)>,
+) -> Result<Vec<(u32, Entry)>, String> {
+    let listed: Vec<&str> = cvd.split(',').map(str::trim).filter(|e| !e.is_empty()).collect();
+    let mut out: Vec<(u32, Entry)> = Vec::new();
+    for &entry in &listed {
+        let hit = resolve(entry, gpus, cuda);
+        let repeated = hit.as_ref().is_some_and(|h| out.iter().any(|(_, seen)| seen == h));
+        let Some(hit) = hit.filter(|_| !repeated) else {
+            let what = if repeated { "repeats an earlier one" } else { "names no GPU" };
+            notes.push((
+                "gpu_selection".to_string(),
+                true,
+                format!(
+                    "the target's CUDA_VISIBLE_DEVICES='{cvd}': entry '{entry}' {what}, so CUDA ignores it and \
+                     every entry after it, and so does the profiler"
+                ),
+            ));
+            break;
+        };
+        out.push((out.len() as u32, hit));
+    }
+    if out.is_empty() {
+        return Err(format!(
+            "the target's CUDA_VISIBLE_DEVICES='{cvd}' names no GPU that NVML sees ({})",
+            known_gpus(gpus)
+        ));
+    }
+    if listed[..out.len()].iter().any(|e| e.parse::<u32>().is_ok()) {
+        notes.push(("gpu_order".to_string(), exact, how));
+    } else {
+        let how = "the target's CUDA_VISIBLE_DEVICES names GPUs by UUID: logical numbers are places in that list";
+        notes.push(("gpu_order".to_string(), true, how.into()));
+    }
+    Ok(out)
+}
+
+/// One entry per physical GPU (its first logical number), with the MIG
+/// devices the target sees on it.
+fn group_by_gpu(entries: Vec<(u32, Entry)>) -> Vec<SelectedGpu> {
     let mut selected: Vec<SelectedGpu> = Vec::new();
     for (logical, hit) in entries {
         let nvml_index = hit.gpu();
@@ -293,7 +323,13 @@ pub fn select_gpus(
             selected[k].mig.push(uuid);
         }
     }
-    for s in &selected {
+    selected
+}
+
+/// A note for each selected GPU in MIG mode: its readings are the whole GPU's.
+fn mig_notes(selected: &[SelectedGpu], gpus: &[GpuFacts]) -> Vec<(String, bool, String)> {
+    let mut notes = Vec::new();
+    for s in selected {
         let gpu = &gpus[s.nvml_index as usize];
         if s.mig.is_empty() && !gpu.mig_enabled {
             continue;
@@ -313,7 +349,7 @@ pub fn select_gpus(
         };
         notes.push((format!("GPU_{}/mig", s.logical), false, reason));
     }
-    Ok(GpuSelection { gpus: selected, notes })
+    notes
 }
 
 struct GpuState {
