@@ -9,6 +9,7 @@ mod fuzz_tests;
 mod ownership;
 mod privileges;
 mod probes;
+mod regions; // #12 hook
 mod samplers;
 mod session;
 mod steps;

@@ -79,6 +79,9 @@ pub struct SessionConfig {
     pub disk: Option<PathBuf>,
     /// A live status line on stderr (a terminal, and not `--quiet`).
     pub status_line: bool,
+    /// `--steps` and `--step-region`s (#12 hook).
+    pub step_mode: crate::regions::StepMode,
+    pub step_regions: Vec<crate::regions::RegionStepSpec>,
 }
 
 /// A process started by `profiler run`, held before `exec` until the probes are in.
@@ -132,6 +135,8 @@ macro_rules! say {
         if !$quiet { eprintln!("profiler: {}", format!($($arg)*)); }
     };
 }
+
+mod torch; // #12 hook
 
 /// Waits, up to 2 s, for an exec in progress in `process` to finish. Between
 /// the switch to the new image and the end of its loading, /proc already
@@ -242,6 +247,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         .chain(cfg.python_steps.iter().map(|s| s.label.as_str()))
         .map(|l| &*Box::leak(l.to_owned().into_boxed_str()))
         .collect();
+    let (labels, region_steps) = torch::step_sources(&cfg, labels); // #12 hook
 
     // NVML before anything is attached: with --require-gpu its absence is an error.
     let gpu = match &cfg.gpu {
@@ -266,14 +272,19 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         exe: Some(exe.display().to_string()),
         mode,
         launch_mode: cfg.launch_mode.as_str(),
-        step_symbol: (!cfg.steps.is_empty() || !cfg.python_steps.is_empty()).then(|| {
-            cfg.steps
-                .iter()
-                .map(|s| s.to_string())
-                .chain(cfg.python_steps.iter().map(|s| format!("python:{s}")))
-                .collect::<Vec<_>>()
-                .join(" ")
-        }),
+        // #12 hook: the region sources are appended.
+        step_symbol: torch::step_source_text(
+            &cfg,
+            (!cfg.steps.is_empty() || !cfg.python_steps.is_empty()).then(|| {
+                cfg.steps
+                    .iter()
+                    .map(|s| s.to_string())
+                    .chain(cfg.python_steps.iter().map(|s| format!("python:{s}")))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            }),
+            &region_steps,
+        ),
         started_ns,
         unix_offset_ns: clock::unix_offset_ns(),
         hostname: std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|s| s.trim().to_owned()),
@@ -315,8 +326,19 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     )?);
 
     // From here on, whatever happens, the session is finished and flushed.
-    let mut consumer = Consumer::new(writer, labels, pid);
-    let mut watcher = LibraryWatcher { pid, seen: HashSet::new(), loader_hooked: false, failed: Default::default() };
+    let mut consumer = Consumer::new(writer, labels.clone(), pid);
+    consumer.torch = torch::RegionState::new(region_steps.clone(), labels); // #12 hook
+    let mut watcher = LibraryWatcher {
+        pid,
+        seen: HashSet::new(),
+        loader_hooked: false,
+        failed: Default::default(),
+        // #12 hook
+        torch: torch::TorchWatch::new(
+            region_steps.optimizer.is_some(),
+            cfg.step_mode == crate::regions::StepMode::Torch,
+        ),
+    };
     let probed =
         attach_all(&cfg, pid, mode, &exe, &mut probes, &mut watcher, &resolved_steps, python.as_ref(), &target_var);
     let mut python_steps = None;
@@ -620,6 +642,8 @@ struct LibraryWatcher {
     loader_hooked: bool,
     /// Paths whose probes failed (reported once, see `not_probed`), and when they were last tried.
     failed: std::collections::HashMap<PathBuf, std::time::Instant>,
+    /// PyTorch's library (#12 hook).
+    torch: torch::TorchWatch,
 }
 
 /// How long a library whose probes failed waits before it is tried again.
@@ -686,6 +710,7 @@ impl LibraryWatcher {
                 Err(e) => rows.extend(self.not_probed(&file.path, kind, how, &e)),
             }
         }
+        self.torch.scan(self.pid, probes, &maps, rows, quiet, how); // #12 hook
         Some(maps)
     }
 
@@ -855,6 +880,8 @@ struct Consumer {
     released: Vec<Event>,
     /// (label, step) of the steps stored as incomplete (see `steps::LOSS_SCHEMA`).
     incomplete_steps: Vec<(&'static str, u64)>,
+    /// PyTorch regions (#12 hook).
+    torch: torch::RegionState,
 }
 
 const BATCH: usize = 16 * 1024;
@@ -886,6 +913,7 @@ impl Consumer {
             chunk: Vec::new(),
             released: Vec::new(),
             incomplete_steps: Vec::new(),
+            torch: Default::default(), // #12 hook
         }
     }
 
@@ -1043,6 +1071,8 @@ impl Consumer {
                 }
             }
             Ok(Event::KernelName(k)) => self.kernel_name(k),
+            Ok(Event::RegionEnter(r)) => self.region_event(r, true), // #12 hook
+            Ok(Event::RegionExit(r)) => self.region_event(r, false), // #12 hook
             Ok(Event::SyncEnter(e)) => {
                 self.sequence(&e, crate::steps::DepthChange::None);
                 let step = self.tracker.current_step(e.tid);
@@ -1062,6 +1092,7 @@ impl Consumer {
             Ok(Event::ThreadExit(e)) => {
                 self.sequence(&e, crate::steps::DepthChange::None);
                 self.open_syncs.remove(&e.tid);
+                self.regions_thread_exited(e.tid); // #12 hook
                 for s in self.tracker.thread_exited(e.tid) {
                     self.store_open_step(s);
                 }
@@ -1136,6 +1167,7 @@ impl Consumer {
         if !self.kernels.is_empty() {
             self.writer.send(StoreMsg::Kernels(std::mem::take(&mut self.kernels)));
         }
+        self.flush_regions(); // #12 hook
     }
 
     /// Stores steps still open (end NULL), finishes the session, and returns a
@@ -1145,6 +1177,7 @@ impl Consumer {
         for s in self.tracker.open_steps() {
             self.store_open_step(s);
         }
+        self.finish_regions(); // #12 hook
         self.flush();
         end.unmatched_returns = self.tracker.unmatched_returns;
         let stats = self.writer.finish(end.clone(), hooks)?;

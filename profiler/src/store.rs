@@ -27,6 +27,7 @@ const MIGRATIONS: &[Migration] = &[
     Migration::Code(reconcile_first_four),
     Migration::Sql(crate::steps::LOSS_SCHEMA),
     Migration::Sql(KERNELS_OVER_TIME),
+    Migration::Sql(crate::regions::SCHEMA), // #12 hook
 ];
 
 /// Migration 6: a driver handle can name one kernel, then (its module
