@@ -72,11 +72,6 @@ fn access_w(p: &Path) -> bool {
     unsafe { libc::access(c.as_ptr(), libc::W_OK) == 0 }
 }
 
-/// The environment's Python for interpreter `name`, once it is ready.
-pub fn venv_python(name: &str) -> PathBuf {
-    cache_dir().join(format!("venvs/{name}-torch{TORCH_VERSION}/bin/python"))
-}
-
 /// Makes every environment whose interpreter exists; returns the ready ones
 /// (name, its Python). A Python that cannot get one is reported, not fatal:
 /// the tests that need it skip, saying why.
