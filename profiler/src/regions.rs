@@ -15,8 +15,17 @@
 //! `enumerate(DataLoader)#…__next__` after the previous optimizer step) and
 //! ends at the end of the outermost `Optimizer.step#…`. A thread that has shown
 //! no DataLoader starts its next step where the previous optimizer step ended,
-//! and its first at its first `Optimizer.` region (zero_grad or step), since
-//! nothing earlier marks it.
+//! and its first at its first `Optimizer.zero_grad` (or other non-step
+//! optimizer region), since nothing earlier marks it: that start is a guess,
+//! and the step says so ([`StepStart::Guessed`], stored as incomplete).
+//!
+//! Whether a thread uses a DataLoader is only known once its `__next__` is
+//! seen: a step opened before that (the loop's first, whose `zero_grad` comes
+//! before its first batch, or the first after an attach in mid-iteration) is
+//! opened early, so that its launches are counted, and its start is moved to
+//! its first batch's if one comes ([`StepStart::Batch`]). A first region that
+//! is an `Optimizer.step` (attached in mid-iteration) opens nothing: the step
+//! it ends began unseen.
 use std::collections::HashMap;
 
 use crate::{events::RegionEvent, store::StepPhases as Phases};
@@ -96,7 +105,30 @@ pub struct RegionSteps {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Boundary {
     Enter { probe: u32, ts_ns: u64, thread_launches: u64 },
-    Exit { probe: u32, ts_ns: u64, thread_launches: u64, phases: Option<Phases> },
+    Exit { probe: u32, ts_ns: u64, thread_launches: u64, phases: Option<Phases>, start: StepStart },
+}
+
+/// Where the step an [`Boundary::Exit`] ends really began.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepStart {
+    /// At its [`Boundary::Enter`].
+    Entered,
+    /// Later, when its first batch was ready (ns): it was entered before the
+    /// thread was known to use a DataLoader.
+    Batch(u64),
+    /// Unseen: it was entered at its first optimizer region, a guess.
+    Guessed,
+}
+
+/// How the open step of a thread was entered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Opened {
+    /// At a DataLoader `__next__`'s end: its first batch.
+    Batch,
+    /// At the previous optimizer step's end (no DataLoader seen yet).
+    OptimizerEnd,
+    /// At the thread's first non-step optimizer region (no DataLoader seen yet).
+    FirstRegion,
 }
 
 /// A region, ended or not. `T` is what the caller tags it with at its begin
@@ -114,7 +146,10 @@ pub struct Region<T> {
 struct ThreadState<T> {
     open: Vec<(u64, Region<T>)>,
     dataloader_seen: bool,
-    step_open: bool,
+    /// How the open step was entered; None: no step open.
+    opened: Option<Opened>,
+    /// When the open step's first batch was ready, if it was entered before.
+    batch_ready: Option<u64>,
     /// Outermost `Optimizer.step` / DataLoader `__next__` regions open.
     optimizer_depth: u32,
     next_depth: u32,
@@ -128,7 +163,8 @@ impl<T> Default for ThreadState<T> {
         Self {
             open: Vec::new(),
             dataloader_seen: false,
-            step_open: false,
+            opened: None,
+            batch_ready: None,
             optimizer_depth: 0,
             next_depth: 0,
             data_wait_ns: 0,
@@ -168,9 +204,13 @@ impl<T: Clone> RegionTracker<T> {
             if is_dataloader_next(&e.name) {
                 t.dataloader_seen = true;
                 t.next_depth += 1;
-            } else if e.name.starts_with(OPTIMIZER_ANY) && !t.step_open && !t.dataloader_seen {
-                // A loop with no DataLoader: nothing marks its first step's start earlier.
-                t.step_open = true;
+            } else if e.name.starts_with(OPTIMIZER_ANY)
+                && !e.name.starts_with(OPTIMIZER_STEP)
+                && t.opened.is_none()
+                && !t.dataloader_seen
+            {
+                // No DataLoader seen (yet): nothing marks this step's start earlier.
+                t.opened = Some(Opened::FirstRegion);
                 out.push(Boundary::Enter { probe, ts_ns: e.ts_ns, thread_launches: e.thread_launches });
             }
             if e.name.starts_with(OPTIMIZER_STEP) {
@@ -199,7 +239,14 @@ impl<T: Clone> RegionTracker<T> {
         let launches = e.thread_launches;
         for (probe, prefix) in self.steps.prefixes.iter().rev() {
             if region.name.starts_with(prefix.as_str()) {
-                out.push(Boundary::Exit { probe: *probe, ts_ns: e.ts_ns, thread_launches: launches, phases: None });
+                let start = StepStart::Entered;
+                out.push(Boundary::Exit {
+                    probe: *probe,
+                    ts_ns: e.ts_ns,
+                    thread_launches: launches,
+                    phases: None,
+                    start,
+                });
             }
         }
         if let Some(probe) = self.steps.optimizer {
@@ -236,10 +283,17 @@ fn optimizer_end<T>(
         t.next_depth = t.next_depth.saturating_sub(1);
         if t.next_depth == 0 {
             t.data_wait_ns += took;
-            if !t.step_open {
-                // The first batch after the previous optimizer step is ready.
-                t.step_open = true;
-                out.push(Boundary::Enter { probe, ts_ns, thread_launches: launches });
+            match t.opened {
+                None => {
+                    // The first batch after the previous optimizer step is ready.
+                    t.opened = Some(Opened::Batch);
+                    out.push(Boundary::Enter { probe, ts_ns, thread_launches: launches });
+                }
+                Some(Opened::Batch) => {}
+                Some(_) => {
+                    // Entered before the DataLoader was known: this is its real start.
+                    t.batch_ready.get_or_insert(ts_ns);
+                }
             }
         }
         return;
@@ -252,16 +306,20 @@ fn optimizer_end<T>(
         return; // an optimizer stepping another inside its own step
     }
     t.optimizer_ns += took;
-    if t.step_open {
-        let phases = Phases { data_wait_ns: t.data_wait_ns, optimizer_ns: t.optimizer_ns };
-        out.push(Boundary::Exit { probe, ts_ns, thread_launches: launches, phases: Some(phases) });
-        t.step_open = false;
+    if let Some(opened) = t.opened.take() {
+        let phases = Some(Phases { data_wait_ns: t.data_wait_ns, optimizer_ns: t.optimizer_ns });
+        let start = match (t.batch_ready.take(), opened) {
+            (Some(at), _) => StepStart::Batch(at),
+            (None, Opened::FirstRegion) => StepStart::Guessed,
+            (None, _) => StepStart::Entered,
+        };
+        out.push(Boundary::Exit { probe, ts_ns, thread_launches: launches, phases, start });
     }
     t.data_wait_ns = 0;
     t.optimizer_ns = 0;
     if !t.dataloader_seen {
-        // No DataLoader: the next step starts where this one ended.
-        t.step_open = true;
+        // No DataLoader (seen yet): the next step starts where this one ended.
+        t.opened = Some(Opened::OptimizerEnd);
         out.push(Boundary::Enter { probe, ts_ns, thread_launches: launches });
     }
 }
@@ -363,6 +421,65 @@ mod tests {
         let (b, _, _) = run(torch(), &events);
         // The last Enter opens the step in progress at the end.
         assert_eq!(spans(&b), vec![('[', 10), (']', 50), ('[', 50), (']', 95), ('[', 95)]);
+    }
+
+    /// (start kind, ts) of each Exit.
+    fn starts(b: &[Boundary]) -> Vec<StepStart> {
+        b.iter()
+            .filter_map(|b| match b {
+                Boundary::Exit { start, .. } => Some(*start),
+                Boundary::Enter { .. } => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_first_step_entered_at_zero_grad_starts_at_its_first_batch() {
+        // A loop's iteration: zero_grad, then the batch, then the step.
+        let mut events = Vec::new();
+        for i in 0..2u64 {
+            let t = i * 100;
+            events.extend([
+                (true, t, 2, ZERO),
+                (false, t + 2, 2, ""),
+                (true, t + 10, 1, NEXT),
+                (false, t + 20, 1, ""),
+                (true, t + 60, 3, STEP),
+                (false, t + 90, 3, ""),
+            ]);
+        }
+        let (b, _, _) = run(torch(), &events);
+        // Entered at zero_grad (launches count from there), started at the batch.
+        assert_eq!(spans(&b), vec![('[', 0), (']', 90), ('[', 120), (']', 190)]);
+        assert_eq!(starts(&b), vec![StepStart::Batch(20), StepStart::Entered]);
+    }
+
+    #[test]
+    fn attached_in_mid_iteration_the_step_begun_unseen_is_not_a_step() {
+        // The batch's begin and the optimizer step's begin came before the probes.
+        let events = [
+            (false, 5, 1, ""),
+            (true, 60, 3, STEP),
+            (false, 90, 3, ""),
+            (true, 100, 2, ZERO),
+            (false, 102, 2, ""),
+            (true, 110, 1, NEXT),
+            (false, 120, 1, ""),
+            (true, 160, 3, STEP),
+            (false, 190, 3, ""),
+        ];
+        let (b, _, t) = run(torch(), &events);
+        // Entered at the first step's end (no DataLoader seen yet), started at the batch.
+        assert_eq!(spans(&b), vec![('[', 90), (']', 190)]);
+        assert_eq!(starts(&b), vec![StepStart::Batch(120)]);
+        assert_eq!(t.unmatched_ends, 1);
+    }
+
+    #[test]
+    fn without_a_dataloader_the_first_start_is_a_guess_and_says_so() {
+        let events = [(true, 10, 2, ZERO), (false, 12, 2, ""), (true, 40, 3, STEP), (false, 50, 3, "")];
+        let (b, _, _) = run(torch(), &events);
+        assert_eq!(starts(&b), vec![StepStart::Guessed]);
     }
 
     #[test]

@@ -64,8 +64,13 @@ impl Probes {
     /// Attaches the region programs to one `libtorch_cpu.so` (all or nothing).
     pub fn attach_torch(&mut self, path: &Path, syms: &TorchSymbols) -> Result<u32, ProbeError> {
         let before = self.links.len();
-        let mut points = vec![(torch_programs::ENTER, syms.enter), (torch_programs::ENTER_RETURN, syms.enter)];
-        points.extend(syms.exit.map(|o| (torch_programs::EXIT, o)));
+        // Ends first, then the enter's return, then the enter: while a target
+        // runs through the attach, a region can only lose its begin (an end
+        // with no begin pairs with nothing), never its end (a region open
+        // forever would keep its thread inside a DataLoader `__next__` or an
+        // optimizer step, and no step would start or end again).
+        let mut points: Vec<(&str, u64)> = syms.exit.map(|o| (torch_programs::EXIT, o)).into_iter().collect();
+        points.extend([(torch_programs::ENTER_RETURN, syms.enter), (torch_programs::ENTER, syms.enter)]);
         for (program, offset) in &points {
             if let Err(e) = self.attach(program, path, *offset, 0) {
                 self.links.truncate(before);

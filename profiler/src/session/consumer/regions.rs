@@ -5,7 +5,7 @@
 use super::Consumer;
 use crate::{
     events::{OrderedEvent, RegionEvent},
-    regions::{Boundary, Region, RegionSteps, RegionTracker},
+    regions::{Boundary, Region, RegionSteps, RegionTracker, StepStart},
     steps::DepthChange,
     store::{RegionRow, StoreMsg},
 };
@@ -61,14 +61,30 @@ impl Consumer {
             Boundary::Enter { probe, ts_ns, thread_launches } => {
                 self.tracker.enter(tid, probe, ts_ns, thread_launches);
             }
-            Boundary::Exit { probe, ts_ns, thread_launches, phases } => {
+            Boundary::Exit { probe, ts_ns, thread_launches, phases, start } => {
                 let before = self.steps.len();
                 let e = OrderedEvent { ts_ns, tid, probe, thread_launches, seq: 0, depth: 0 };
                 self.step_exit(&e);
-                if self.steps.len() > before
-                    && let Some(step) = self.steps.last_mut()
-                {
-                    step.phases = phases;
+                if self.steps.len() == before {
+                    return;
+                }
+                let Some(step) = self.steps.last_mut() else { return };
+                step.phases = phases;
+                match start {
+                    StepStart::Entered => {}
+                    // Its first batch is its start; the time before it was the gap.
+                    StepStart::Batch(at) if at > step.start_ns => {
+                        let late = at - step.start_ns;
+                        step.inter_step_ns = step.inter_step_ns.map(|g| g + late);
+                        step.start_ns = at;
+                    }
+                    StepStart::Batch(_) => {}
+                    // Stored as incomplete: its start was not seen.
+                    StepStart::Guessed => {
+                        if let Some(label) = self.tracker.label(probe) {
+                            self.incomplete_steps.push((label, step.step));
+                        }
+                    }
                 }
             }
         }
