@@ -4,6 +4,7 @@
 //! llvm-22-dev, bpf-linker built against it) and says what it is doing.
 mod bench;
 mod bench_python;
+mod bench_torch;
 mod gpu;
 mod root;
 mod toolchain;
@@ -41,8 +42,11 @@ enum Task {
     },
     /// rustfmt check, and clippy with warnings denied for the host crates and the eBPF crate.
     Lint,
-    /// Print the overhead and throughput table.
-    Bench,
+    /// Print the overhead and throughput table (`torch`: only the PyTorch steps table).
+    Bench {
+        /// `torch`: only the PyTorch table.
+        only: Option<String>,
+    },
     /// Make the PyTorch environments the tests use (cached; downloads only what is missing).
     TorchEnv,
     /// Build everything and profile the bundled synthetic trainer into demo.db.
@@ -311,10 +315,10 @@ fn main() -> Result<()> {
         Task::Build => build(),
         Task::Fixtures => fixtures(),
         Task::Test { args } => test(&args),
-        Task::Bench => {
+        Task::Bench { only } => {
             build()?;
             fixtures()?;
-            bench::main()
+            bench::main(only.as_deref())
         }
         Task::Demo => demo(),
         Task::TorchEnv => {
