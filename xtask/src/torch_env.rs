@@ -1,4 +1,4 @@
-//! A real PyTorch for the tests and the benchmark (#12): the pinned wheels
+//! A real PyTorch for the tests and the benchmark: the pinned wheels
 //! from PyPI, downloaded once into a cache, and one virtual environment per
 //! Python on the machine image (Debian's 3.11, pyenv's 3.12 and 3.13), kept
 //! in the cache too, so a repeated run (or a fresh clone on the same machine)
@@ -99,12 +99,15 @@ fn ensure(name: &str, python: &Path) -> Result<PathBuf> {
     }
     let wheels = cache.join("wheels");
     std::fs::create_dir_all(&wheels).with_context(|| format!("creating {}", wheels.display()))?;
-    fill_wheels(python, &wheels)?;
-    say(format!("torch-env: creating {} (offline, from {})", venv.display(), wheels.display()));
     let partial = venv.with_extension("partial");
     let _ = std::fs::remove_dir_all(&partial);
     let _ = std::fs::remove_dir_all(&venv);
+    // The environment first: its pip (from ensurepip) downloads what is
+    // missing, so a machine whose interpreter has no pip of its own (Debian
+    // without python3-pip) works too.
     run(Command::new(python).args(["-m", "venv"]).arg(&partial))?;
+    fill_wheels(&partial.join("bin/python"), &wheels)?;
+    say(format!("torch-env: creating {} (offline, from {})", venv.display(), wheels.display()));
     let pip = |c: &mut Command| {
         c.args(["-m", "pip", "install", "-q", "--no-index", "--no-deps", "--find-links"]).arg(&wheels);
         c.arg(format!("torch=={TORCH_VERSION}")).args(PACKAGES);
