@@ -89,7 +89,7 @@ fn start_loop(python: &Path, work: &Path, args: &[&str]) -> Result<Child> {
 fn attach(pid: u32, db: &Path, extra: &[&str]) -> Result<Child> {
     let _ = std::fs::remove_file(db);
     Command::new(profiler_bin())
-        .args(["attach", &pid.to_string(), "--no-gpu", "-q", "-o"])
+        .args(["attach", &pid.to_string(), "--no-gpu", "-o"])
         .arg(db)
         .args(extra)
         .stderr(Stdio::piped())
@@ -204,9 +204,9 @@ pub fn torch_table(work: &Path) -> Result<()> {
     println!("|{:-<46}|{:->14}|", "", "");
     let us = |v: f64| format!("{:.1} µs", v / 1e3);
     let rows = [
-        ("step start error p50 (loop stamp − step start)", us(percentile(starts.clone(), 50))),
+        ("step start error p50 (loop stamp − start)", us(percentile(starts.clone(), 50))),
         ("step start error p99", us(percentile(starts, 99))),
-        ("step end error p50 (loop stamp − step end)", us(percentile(ends.clone(), 50))),
+        ("step end error p50 (loop stamp − end)", us(percentile(ends.clone(), 50))),
         ("step end error p99", us(percentile(ends, 99))),
         ("loop steps with no complete database step", missed.to_string()),
         ("step period untraced (median)", format!("{:.3} ms", u / 1e6)),
