@@ -34,6 +34,10 @@ pub enum RecordKind {
     /// its kernel-side state is released, and the tid may come back as
     /// another thread, whose sequence starts again at 1.
     ThreadExit = 8,
+    /// A [`RegionRecord`]: a PyTorch `record_function` region began .
+    RegionEnter = 9,
+    /// A [`RegionRecord`] with no name: a `record_function` region ended .
+    RegionExit = 10,
 }
 
 impl RecordKind {
@@ -47,6 +51,8 @@ impl RecordKind {
             6 => Some(Self::KernelName),
             7 => Some(Self::LoaderChange),
             8 => Some(Self::ThreadExit),
+            9 => Some(Self::RegionEnter),
+            10 => Some(Self::RegionExit),
             _ => None,
         }
     }
@@ -554,4 +560,46 @@ mod user {
     unsafe impl aya::Pod for super::UsdtProbeSpec {}
     // SAFETY: as above (PY_TARGETS values; the trailing u32 makes the size a multiple of 8).
     unsafe impl aya::Pod for super::PyTarget {}
+}
+
+/// Bytes of a `record_function` name kept in a [`RegionRecord`]. PyTorch's own
+/// markers (`enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__`,
+/// `Optimizer.step#AdamW.step`) are under 64; a longer name is cut here and
+/// says so ([`RegionRecord::name_len`] holds the full length).
+pub const REGION_NAME_CAP: usize = 128;
+
+/// The begin (`RegionEnter`) or end (`RegionExit`) of a PyTorch
+/// `record_function` region, on the ordered ring with the thread's sequence.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(feature = "user", derive(FromBytes, IntoBytes, KnownLayout, Immutable))]
+pub struct RegionRecord {
+    pub header: RecordHeader,
+    /// This thread's ordered records so far, as [`OrderedRecord::seq`].
+    pub seq: u32,
+    /// Step functions the thread is inside, as [`OrderedRecord::depth`] (regions do not change it).
+    pub depth: u32,
+    /// The region's `PythonRecordFunction*`: what pairs an end with its begin.
+    pub key: u64,
+    /// Launches this thread had made when the probe fired.
+    pub thread_launches: u64,
+    /// The name's full length in bytes (0 for an end); more than
+    /// [`REGION_NAME_CAP`]: `name` holds its first `REGION_NAME_CAP` bytes.
+    pub name_len: u32,
+    pub _pad: u32,
+    /// The name's first `min(name_len, REGION_NAME_CAP)` bytes; zero after.
+    pub name: [u8; REGION_NAME_CAP],
+}
+
+const _: () = assert!(core::mem::size_of::<RegionRecord>() == 48 + REGION_NAME_CAP);
+const _: () = assert!(REGION_NAME_CAP.is_power_of_two());
+
+/// Names of the region programs .
+pub mod torch_programs {
+    /// Uprobe on `torch::autograd::profiler::record_function_enter_new`: reads the name.
+    pub const ENTER: &str = "torch_region_enter";
+    /// Uretprobe on the same function: reads the key it returned, writes the `RegionEnter`.
+    pub const ENTER_RETURN: &str = "torch_region_enter_return";
+    /// Uprobe on `record_function_exit_new`: writes the `RegionExit`.
+    pub const EXIT: &str = "torch_region_exit";
 }

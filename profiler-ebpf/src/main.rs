@@ -26,6 +26,7 @@
 #![no_main]
 
 mod python;
+mod torch;
 
 use aya_ebpf::{
     EbpfContext,
@@ -829,6 +830,16 @@ pub fn name_exit(ctx: RetProbeContext) -> u32 {
 /// return), with its sequence number and step depth.
 #[inline(always)]
 fn emit_ordered(tid: u32, kind: RecordKind, probe: u32) {
+    let (seq, depth, thread_launches) = ordered_state(tid, kind);
+    write_ordered_record(tid, kind, probe, seq, depth, thread_launches);
+}
+
+/// Before an ordered record of the thread (`kind`): flushes its staged
+/// launches, and returns its next sequence number, its step depth after the
+/// record, and its launch count. Split out of `emit_ordered` for `torch`'s
+/// region records, which carry the same sequence.
+#[inline(always)]
+pub(crate) fn ordered_state(tid: u32, kind: RecordKind) -> (u32, u32, u64) {
     // The thread's staged launches go first: the agent, reading the launch
     // ring before the ordered ring, then has every launch that precedes an ordered
     // record by the time it reads that record (see `profiler::events::OrderedQueue`).
@@ -836,7 +847,7 @@ fn emit_ordered(tid: u32, kind: RecordKind, probe: u32) {
         // SAFETY: a valid array element; only its holder, this thread, writes it.
         flush_stage(unsafe { &mut *stage });
     }
-    let (seq, depth, thread_launches) = match thread_state(tid, true) {
+    match thread_state(tid, true) {
         Some(state) => {
             // SAFETY: only this thread writes its own state.
             let state = unsafe { &mut *state };
@@ -849,8 +860,7 @@ fn emit_ordered(tid: u32, kind: RecordKind, probe: u32) {
             (state.seq, state.step_depth, state.launches)
         }
         None => (0, 0, 0),
-    };
-    write_ordered_record(tid, kind, probe, seq, depth, thread_launches);
+    }
 }
 
 /// The sequence number after `seq`: 0 means "none", so it is skipped.
@@ -904,6 +914,7 @@ pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
         release_claim(&STAGE_CLAIMS, tid & (STAGES - 1));
     }
     let _ = NAME_PENDING.remove(tid);
+    torch::forget_thread(tid);
     let index = slot_index(tid);
     let Some(slot) = THREAD_SLOTS.get_ptr_mut(index) else { return 0 };
     // SAFETY: a valid array element.

@@ -4,7 +4,9 @@ use std::collections::VecDeque;
 
 use zerocopy::FromBytes;
 
-use profiler_common::{KernelNameRecord, LaunchApi, LaunchRecord, OrderedRecord, RecordHeader, RecordKind};
+use profiler_common::{
+    KernelNameRecord, LaunchApi, LaunchRecord, OrderedRecord, REGION_NAME_CAP, RecordHeader, RecordKind, RegionRecord,
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchEvent {
@@ -47,6 +49,58 @@ pub enum Event {
     LoaderChange {
         ts_ns: u64,
     },
+    /// A PyTorch `record_function` region began.
+    RegionEnter(RegionEvent),
+    /// A region ended (`name` empty).
+    RegionExit(RegionEvent),
+}
+
+/// An ordered record of a `record_function` region.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionEvent {
+    pub ts_ns: u64,
+    pub tid: u32,
+    /// The region's `PythonRecordFunction*`: pairs an end with its begin.
+    pub key: u64,
+    pub thread_launches: u64,
+    /// As [`OrderedEvent::seq`] / [`OrderedEvent::depth`].
+    pub seq: u32,
+    pub depth: u32,
+    /// Empty for an end.
+    pub name: String,
+    /// `name` is the start of a longer name.
+    pub truncated: bool,
+}
+
+impl RegionEvent {
+    /// The fields the step tracker's sequence check reads.
+    pub fn as_ordered_event(&self) -> OrderedEvent {
+        OrderedEvent {
+            ts_ns: self.ts_ns,
+            tid: self.tid,
+            probe: u32::MAX,
+            thread_launches: self.thread_launches,
+            seq: self.seq,
+            depth: self.depth,
+        }
+    }
+}
+
+/// Decodes a region record.
+fn region(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> {
+    let r: RegionRecord = exact(bytes, header.kind)?;
+    let kept = (r.name_len as usize).min(REGION_NAME_CAP);
+    let e = RegionEvent {
+        ts_ns: header.ts_ns,
+        tid: header.tid,
+        key: r.key,
+        thread_launches: r.thread_launches,
+        seq: r.seq,
+        depth: r.depth,
+        name: String::from_utf8_lossy(&r.name[..kept]).into_owned(),
+        truncated: r.name_len as usize > REGION_NAME_CAP,
+    };
+    Ok(if header.kind == RecordKind::RegionEnter as u32 { Event::RegionEnter(e) } else { Event::RegionExit(e) })
 }
 
 /// A handle the driver returned for a kernel, and its name.
@@ -71,6 +125,7 @@ impl Event {
             }
             Self::KernelName(k) => k.ts_ns,
             Self::LoaderChange { ts_ns } => *ts_ns,
+            Self::RegionEnter(r) | Self::RegionExit(r) => r.ts_ns,
         }
     }
 }
@@ -166,6 +221,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             exact::<RecordHeader>(bytes, header.kind)?;
             Ok(Event::LoaderChange { ts_ns: header.ts_ns })
         }
+        Some(RecordKind::RegionEnter | RecordKind::RegionExit) => region(bytes, header),
         None => Err(DecodeError::Kind(header.kind)),
     }
 }
@@ -202,6 +258,7 @@ impl OrderedQueue {
             | Event::SyncEnter(e)
             | Event::SyncExit(e)
             | Event::ThreadExit(e) => e.tid,
+            Event::RegionEnter(r) | Event::RegionExit(r) => r.tid,
             _ => return out.push(event),
         };
         if self.held.is_empty() {
@@ -330,6 +387,32 @@ mod tests {
         );
         let exit = OrderedRecord { header: RecordHeader { kind: RecordKind::ThreadExit as u32, ..r.header }, ..r };
         assert!(matches!(decode(&bytes_of(&exit)), Ok(Event::ThreadExit(OrderedEvent { seq: 7, tid: 9, .. }))));
+    }
+
+    #[test]
+    fn decodes_region_records_and_says_when_a_name_was_cut() {
+        let mut r = RegionRecord {
+            header: RecordHeader { kind: RecordKind::RegionEnter as u32, tid: 4, ts_ns: 9 },
+            seq: 3,
+            depth: 0,
+            key: 0xabc,
+            thread_launches: 12,
+            name_len: 5,
+            _pad: 0,
+            name: [0; REGION_NAME_CAP],
+        };
+        r.name[..5].copy_from_slice(b"fwd#1");
+        let Ok(Event::RegionEnter(e)) = decode(&bytes_of(&r)) else { panic!("a region enter") };
+        assert_eq!((e.name.as_str(), e.truncated, e.key, e.seq, e.thread_launches), ("fwd#1", false, 0xabc, 3, 12));
+        r.name = [b'x'; REGION_NAME_CAP];
+        r.name_len = 300;
+        r.header.kind = RecordKind::RegionExit as u32;
+        let Ok(Event::RegionExit(e)) = decode(&bytes_of(&r)) else { panic!("a region exit") };
+        assert_eq!((e.name.len(), e.truncated), (REGION_NAME_CAP, true));
+        let mut q = OrderedQueue::default();
+        let mut out = Vec::new();
+        q.push(Event::RegionExit(e), &mut out);
+        assert!(out.is_empty(), "held like the other ordered records");
     }
 
     #[test]

@@ -9,6 +9,7 @@ mod fuzz_tests;
 mod ownership;
 mod privileges;
 mod probes;
+mod regions;
 mod samplers;
 mod session;
 mod steps;

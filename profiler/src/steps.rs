@@ -203,7 +203,8 @@ impl StepTracker {
         open
     }
 
-    fn label(&self, probe: u32) -> Option<&'static str> {
+    /// The label of step source `probe`.
+    pub fn label(&self, probe: u32) -> Option<&'static str> {
         self.labels.get(probe as usize).copied()
     }
 

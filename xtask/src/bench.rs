@@ -305,7 +305,8 @@ fn median(mut runs: Vec<Measured>) -> Measured {
     Measured { quiet_ns_per_launch: quiet, ..runs[runs.len() / 2].clone() }
 }
 
-pub fn main() -> Result<()> {
+/// The tables; `only == Some("torch")`: the PyTorch one alone.
+pub fn main(only: Option<&str>) -> Result<()> {
     if !crate::root::is_root() {
         bail!(
             "the benchmark loads eBPF programs throughout and needs root: run it as root, e.g. `sudo env \"PATH=$PATH\" cargo xtask bench` (sudo's secure_path hides rustup's cargo)"
@@ -313,6 +314,11 @@ pub fn main() -> Result<()> {
     }
     let work: PathBuf = crate::root().join("target/bench");
     std::fs::create_dir_all(&work)?;
+    match only {
+        Some("torch") => return crate::bench_torch::torch_table(&work),
+        Some(other) => bail!("no bench part '{other}' (parts: torch)"),
+        None => {}
+    }
     println!();
     println!("Host cost per launch, median of {REPEATS} runs; kernel {}", kernel());
     for (title, scenarios) in launch_sections() {
@@ -329,6 +335,7 @@ pub fn main() -> Result<()> {
     sampler_table(&work)?;
     maps_table(&work)?;
     crate::bench_python::python_table(&work)?;
+    crate::bench_torch::torch_table(&work)?;
     fuzz_long()
 }
 

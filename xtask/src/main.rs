@@ -4,9 +4,11 @@
 //! llvm-22-dev, bpf-linker built against it) and says what it is doing.
 mod bench;
 mod bench_python;
+mod bench_torch;
 mod gpu;
 mod root;
 mod toolchain;
+mod torch_env;
 
 use std::{
     path::{Path, PathBuf},
@@ -40,8 +42,13 @@ enum Task {
     },
     /// rustfmt check, and clippy with warnings denied for the host crates and the eBPF crate.
     Lint,
-    /// Print the overhead and throughput table.
-    Bench,
+    /// Print the overhead and throughput table (`torch`: only the PyTorch steps table).
+    Bench {
+        /// `torch`: only the PyTorch table.
+        only: Option<String>,
+    },
+    /// Make the PyTorch environments the tests use (cached; downloads only what is missing).
+    TorchEnv,
     /// Build everything and profile the bundled synthetic trainer into demo.db.
     Demo,
     /// Build target/gpu-bundle/: the profiler, the GPU check and its PyTorch loop, for a GPU machine.
@@ -183,7 +190,14 @@ fn test_phases(args: &[String], skipped: &mut Vec<String>) -> Result<()> {
     }
     say("root integration tests: the real profiler against fixtures with known ground truth");
     let (bin, fx) = (profiler_bin(), fixtures_dir());
-    let env = [("PROFILER_BIN", bin.as_os_str()), ("PROFILER_FIXTURES", fx.as_os_str())];
+    // The real PyTorch environments, as `name=python;…` for tests/tests/torch.rs.
+    let pythons = torch_env::ensure_all().iter().map(|(n, p)| format!("{n}={}", p.display())).collect::<Vec<_>>();
+    let pythons = std::ffi::OsString::from(pythons.join(";"));
+    let env = [
+        ("PROFILER_BIN", bin.as_os_str()),
+        ("PROFILER_FIXTURES", fx.as_os_str()),
+        ("PROFILER_TORCH_PYTHONS", pythons.as_os_str()),
+    ];
     for exe in root::test_executables("integration-tests")? {
         let mut c = root::command(&exe, &env, "loading eBPF programs")?;
         c.current_dir(root::package_dir("tests")).args(["--test-threads=1", "--show-output"]).args(args);
@@ -301,12 +315,19 @@ fn main() -> Result<()> {
         Task::Build => build(),
         Task::Fixtures => fixtures(),
         Task::Test { args } => test(&args),
-        Task::Bench => {
+        Task::Bench { only } => {
             build()?;
             fixtures()?;
-            bench::main()
+            bench::main(only.as_deref())
         }
         Task::Demo => demo(),
+        Task::TorchEnv => {
+            let ready = torch_env::ensure_all();
+            for (name, python) in &ready {
+                say(format!("torch-env: {name}: {}", python.display()));
+            }
+            Ok(())
+        }
         Task::GpuBundle => gpu::bundle().map(drop),
         Task::GpuCheck { standin, args } => gpu::check(standin, &args),
         Task::Lint => {

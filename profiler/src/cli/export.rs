@@ -6,6 +6,7 @@
 //! would sort millions of rows), so an export of any size runs in a few MiB.
 //! Trace viewers sort events themselves.
 use std::{
+    collections::{HashMap, HashSet},
     fs::File,
     io::{BufWriter, Write},
     path::{Path, PathBuf},
@@ -78,8 +79,8 @@ pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
         None => export_perfetto(&db, session, &mut out).and_then(|c| {
             out.flush()?;
             Ok(format!(
-                "{} events ({} steps, {} launches, {} syncs, {} counter values) of session {session}",
-                c.total, c.steps, c.launches, c.syncs, c.counters
+                "{} events ({} steps, {} regions, {} launches, {} syncs, {} counter values) of session {session}",
+                c.total, c.steps, c.regions, c.launches, c.syncs, c.counters
             ))
         }),
     };
@@ -102,6 +103,7 @@ pub struct EventCounts {
     pub launches: u64,
     pub syncs: u64,
     pub counters: u64,
+    pub regions: u64,
 }
 
 /// One trace event. Field names are the trace-event format's.
@@ -216,6 +218,21 @@ struct StepArgs<'a> {
     launches: Option<i64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     sync_wait_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data_wait_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    optimizer_ms: Option<f64>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    unfinished: bool,
+}
+
+#[derive(Serialize)]
+struct RegionArgs<'a> {
+    /// The step its thread was in when it began.
+    label: Option<&'a str>,
+    step: Option<i64>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    truncated: bool,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     unfinished: bool,
 }
@@ -307,7 +324,7 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
     let program = program_name(exe.as_deref(), &command);
     w.event(&t.meta("process_name", pid, &format!("{program} (pid {pid})")))?;
     let tid_sql = "SELECT tid FROM steps WHERE session_id = ?1 UNION SELECT tid FROM launches WHERE session_id = ?1
-                   UNION SELECT tid FROM syncs WHERE session_id = ?1";
+                   UNION SELECT tid FROM syncs WHERE session_id = ?1 UNION SELECT tid FROM regions WHERE session_id = ?1";
     {
         let mut q = db.conn.prepare(tid_sql)?;
         let mut rows = q.query([session])?;
@@ -318,34 +335,9 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
         }
     }
 
-    // Steps. One thread runs one step at a time (a step is the outermost
-    // call), so a thread's step slices never overlap.
-    {
-        let mut q = db.conn.prepare(
-            "SELECT label, step, tid, start_ns, end_ns, launches, sync_wait_ns FROM steps WHERE session_id = ?1
-             ORDER BY tid, start_ns",
-        )?;
-        let mut rows = q.query([session])?;
-        let mut name = String::new();
-        while let Some(r) = rows.next()? {
-            let label: String = r.get(0)?;
-            let step: i64 = r.get(1)?;
-            let end: Option<i64> = r.get(4)?;
-            name.clear();
-            name.push_str(&label);
-            name.push_str(" #");
-            name.push_str(&step.to_string());
-            let args = StepArgs {
-                label: &label,
-                step,
-                launches: r.get(5)?,
-                sync_wait_ms: r.get::<_, Option<i64>>(6)?.map(|n| n as f64 / 1e6),
-                unfinished: end.is_none(),
-            };
-            w.event(&t.span(&name, "step", r.get(2)?, r.get(3)?, end, args))?;
-            counts.steps += 1;
-        }
-    }
+    let steps = write_steps(db, session, t, &mut w)?;
+    counts.steps = steps.values().map(|v| v.len() as u64).sum();
+    counts.regions = write_regions(db, session, t, &steps, &mut w)?;
 
     // Host sync waits: inside the step that waited, on the same thread. A
     // sync is stored once it returned, so each has an end.
@@ -371,6 +363,95 @@ fn program_name(exe: Option<&str>, command: &str) -> String {
     exe.or_else(|| command.split_whitespace().next())
         .and_then(|p| Path::new(p).file_name())
         .map_or_else(|| "target".to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+/// Each thread's steps, (start, end) in start order (`i64::MAX`: not ended).
+type StepSpans = HashMap<i64, Vec<(i64, i64)>>;
+
+/// Steps as slices. One thread runs one step at a time (a step is the
+/// outermost call), so a thread's step slices never overlap.
+fn write_steps<W: Write>(
+    db: &ProfileDb,
+    session: i64,
+    t: Timeline,
+    w: &mut TraceWriter<W>,
+) -> anyhow::Result<StepSpans> {
+    let mut q = db.conn.prepare(
+        "SELECT label, step, tid, start_ns, end_ns, launches, sync_wait_ns, data_wait_ns, optimizer_ns
+         FROM steps WHERE session_id = ?1 ORDER BY tid, start_ns",
+    )?;
+    let mut rows = q.query([session])?;
+    let mut spans = StepSpans::new();
+    let ms = |v: Option<i64>| v.map(|n| n as f64 / 1e6);
+    while let Some(r) = rows.next()? {
+        let label: String = r.get(0)?;
+        let step: i64 = r.get(1)?;
+        let (tid, start, end): (i64, i64, Option<i64>) = (r.get(2)?, r.get(3)?, r.get(4)?);
+        let args = StepArgs {
+            label: &label,
+            step,
+            launches: r.get(5)?,
+            sync_wait_ms: ms(r.get(6)?),
+            data_wait_ms: ms(r.get(7)?),
+            optimizer_ms: ms(r.get(8)?),
+            unfinished: end.is_none(),
+        };
+        w.event(&t.span(&format!("{label} #{step}"), "step", tid, start, end, args))?;
+        spans.entry(tid).or_default().push((start, end.unwrap_or(i64::MAX)));
+    }
+    Ok(spans)
+}
+
+/// Added to a thread id for the track of its regions that cross one of its
+/// steps' boundaries (above Linux's largest pid, 2^22).
+const CROSSING_TRACK: i64 = 1 << 30;
+
+/// PyTorch `record_function` regions as slices on their thread's track,
+/// where they nest with each other (a thread's regions open and close in
+/// order) and with the thread's steps. A region that crosses a step's start
+/// or end (a user region around the forward, backward and optimizer step but
+/// not the batch fetch) would break the track's nesting: it goes to a track
+/// of its own next to the thread's.
+fn write_regions<W: Write>(
+    db: &ProfileDb,
+    session: i64,
+    t: Timeline,
+    steps: &StepSpans,
+    w: &mut TraceWriter<W>,
+) -> anyhow::Result<u64> {
+    let mut q = db.conn.prepare(
+        "SELECT name, tid, start_ns, end_ns, label, step, truncated FROM regions WHERE session_id = ?1
+         ORDER BY tid, start_ns",
+    )?;
+    let mut rows = q.query([session])?;
+    let (mut n, mut crossing_tracks) = (0, HashSet::new());
+    while let Some(r) = rows.next()? {
+        let name: String = r.get(0)?;
+        let (tid, start, end): (i64, i64, Option<i64>) = (r.get(1)?, r.get(2)?, r.get(3)?);
+        let on_thread = steps.get(&tid).is_none_or(|s| !crosses_a_step(s, start, end.unwrap_or(i64::MAX)));
+        let track = if on_thread { tid } else { tid + CROSSING_TRACK };
+        if !on_thread && crossing_tracks.insert(tid) {
+            w.event(&t.meta("thread_name", track, &format!("thread {tid}: regions crossing its steps")))?;
+        }
+        let label: Option<String> = r.get(4)?;
+        let args =
+            RegionArgs { label: label.as_deref(), step: r.get(5)?, truncated: r.get(6)?, unfinished: end.is_none() };
+        w.event(&t.span(&name, "region", track, start, end, args))?;
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// Whether [start, end] overlaps one of `steps` (sorted, disjoint) without
+/// containing it or lying inside it.
+fn crosses_a_step(steps: &[(i64, i64)], start: i64, end: i64) -> bool {
+    // Only steps that begin before the region ends can overlap it.
+    let upto = steps.partition_point(|&(s, _)| s < end);
+    steps[..upto].iter().rev().take_while(|&&(_, e)| e > start).any(|&(s, e)| {
+        let overlaps = s < end && start < e;
+        let nested = (start <= s && e <= end) || (s <= start && end <= e);
+        overlaps && !nested
+    })
 }
 
 /// Host sync waits as slices.
@@ -581,6 +662,19 @@ pub fn export_csv(db: &ProfileDb, session: i64, table: &str, out: impl Write) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn regions_that_cross_a_step_boundary_are_told_apart() {
+        let steps = [(10, 20), (30, 40), (50, i64::MAX)];
+        // Inside a step, around one, between two, around several: nested.
+        for (s, e) in [(12, 18), (10, 20), (5, 25), (21, 29), (0, 45), (55, 60), (45, i64::MAX)] {
+            assert!(!crosses_a_step(&steps, s, e), "{s}..{e}");
+        }
+        // Over a step's start or end.
+        for (s, e) in [(5, 15), (15, 25), (35, 45), (25, 35), (45, 55)] {
+            assert!(crosses_a_step(&steps, s, e), "{s}..{e}");
+        }
+    }
 
     #[test]
     fn counter_values_name_their_unit() {

@@ -59,6 +59,16 @@ pub struct TraceArgs {
     /// Repeatable.
     #[arg(long, value_name = "[LABEL=][FILE_SUFFIX:]NAME", value_parser = parse_python_step)]
     step_python: Vec<PythonStepSpec>,
+    /// Where steps come from: `auto` (the named step sources if any, else
+    /// PyTorch's optimizer markers once libtorch is loaded), `torch`, or `none`.
+    #[arg(long, value_enum, default_value_t = crate::regions::StepMode::Auto)]
+    steps: crate::regions::StepMode,
+    /// A PyTorch `record_function` region whose name starts with
+    /// NAME_PREFIX is a step (e.g. `ProfilerStep#`, or a user's
+    /// `record_function("train_step")`), with an optional LABEL= (default
+    /// `train`). Repeatable.
+    #[arg(long, value_name = "[LABEL=]NAME_PREFIX", value_parser = crate::regions::RegionStepSpec::parse)]
+    step_region: Vec<crate::regions::RegionStepSpec>,
     /// Keep a row per launch (`all`), or only per-step counts (`count`).
     #[arg(long, value_enum, default_value_t = LaunchMode::All)]
     launches: LaunchMode,
@@ -152,6 +162,8 @@ impl TraceArgs {
             system_interval: Duration::from_millis(self.system_interval),
             disk: self.disk,
             status_line: !self.quiet && std::io::stderr().is_terminal(),
+            step_mode: self.steps,
+            step_regions: self.step_region,
         }
     }
 }

@@ -28,6 +28,8 @@ use unicode_width::{UnicodeWidthChar, UnicodeWidthStr};
 const REPORT_VERSION: u32 = 1;
 /// Kernels listed under "top kernels".
 const TOP_KERNELS: usize = 10;
+/// `record_function` names in the report's top regions.
+const TOP_REGIONS: usize = 10;
 /// Unavailable metrics listed in the table before "… N more".
 const CAPABILITY_LINES: usize = 8;
 /// The table's width.
@@ -256,6 +258,8 @@ fn id_list(ids: &[i64]) -> String {
 ///     "inter_step_ms": { … },         // null if no measured step has a gap (first step of each thread)
 ///     "launches_per_step": { … },
 ///     "sync_wait_share": 0.12,        // Σ sync wait / Σ step time; null if not recorded
+///     "data_wait_ms": { … },          // PyTorch steps: time in the DataLoader's __next__; null otherwise
+///     "optimizer_ms": { … },          // PyTorch steps: time in Optimizer.step; null otherwise
 ///     "gpus": [ { "gpu": 0, "name": "H200", "steps": 94, "energy_per_step_j": 61.5,
 ///                 "energy_error_per_step_j": 0.4, "avg_power_w": 615.0, "below_resolution": 0 } ],
 ///                                     // null if the session has no GPU figures
@@ -268,6 +272,10 @@ fn id_list(ids: &[i64]) -> String {
 ///   "top_kernels": [ { "function": 1048576, "name": null, "demangled_name": null,
 ///                      "api": "cuLaunchKernel", "launches": 500, "share": 0.05 } ]
 ///                                     // whole session; null when launch rows were not kept (--launches count)
+///   "top_regions": [ { "name": "Optimizer.step#AdamW.step", "count": 500, "total_ms": 310.2,
+///                      "mean_ms": 0.62, "max_ms": 1.9, "open": 0 } ]
+///                                     // PyTorch record_function regions by total time (ended ones;
+///                                     // `open`: begun, end not seen); empty when none was recorded
 /// }
 /// ```
 ///
@@ -283,6 +291,20 @@ pub struct Report {
     pub capabilities: Vec<CapabilityRow>,
     pub labels: Vec<LabelReport>,
     pub top_kernels: Option<Vec<KernelRow>>,
+    pub top_regions: Vec<RegionStat>,
+}
+
+/// One PyTorch `record_function` name's regions over the whole session.
+#[derive(Debug, Serialize)]
+pub struct RegionStat {
+    pub name: String,
+    /// Regions of this name that ended.
+    pub count: i64,
+    pub total_ms: f64,
+    pub mean_ms: f64,
+    pub max_ms: f64,
+    /// Regions begun whose end was not seen (not in the times).
+    pub open: i64,
 }
 
 #[derive(Debug, Serialize)]
@@ -362,6 +384,8 @@ pub struct LabelReport {
     pub inter_step_ms: Option<Percentiles>,
     pub launches_per_step: Option<Percentiles>,
     pub sync_wait_share: Option<f64>,
+    pub data_wait_ms: Option<Percentiles>,
+    pub optimizer_ms: Option<Percentiles>,
     pub gpus: Option<Vec<GpuEnergy>>,
     pub cpu: Option<EnergyStat>,
     pub dram: Option<EnergyStat>,
@@ -437,6 +461,8 @@ struct StepRow {
     inter_step_ns: Option<i64>,
     launches: Option<i64>,
     sync_wait_ns: Option<i64>,
+    data_wait_ns: Option<i64>,
+    optimizer_ns: Option<i64>,
 }
 
 /// Sums for one energy series over the measured steps.
@@ -529,6 +555,7 @@ pub fn build(db: &ProfileDb, session: i64, label: Option<&str>, skip: u64) -> an
     }
 
     let top_kernels = top_kernels(db, session, &info.launch_mode)?;
+    let top_regions = top_regions(db, session)?;
     Ok(Report {
         report_version: REPORT_VERSION,
         database: db.path.display().to_string(),
@@ -538,7 +565,31 @@ pub fn build(db: &ProfileDb, session: i64, label: Option<&str>, skip: u64) -> an
         capabilities,
         labels,
         top_kernels,
+        top_regions,
     })
+}
+
+/// The session's `record_function` names with the most time in them.
+fn top_regions(db: &ProfileDb, session: i64) -> anyhow::Result<Vec<RegionStat>> {
+    let mut q = db.conn.prepare(&format!(
+        "SELECT name, count(end_ns), coalesce(sum(end_ns - start_ns), 0), coalesce(max(end_ns - start_ns), 0),
+                count(*) - count(end_ns)
+         FROM regions WHERE session_id = ?1 GROUP BY name ORDER BY 3 DESC, name LIMIT {TOP_REGIONS}"
+    ))?;
+    let rows = q
+        .query_map([session], |r| {
+            let (count, total): (i64, i64) = (r.get(1)?, r.get(2)?);
+            Ok(RegionStat {
+                name: r.get(0)?,
+                count,
+                total_ms: total as f64 / 1e6,
+                mean_ms: if count > 0 { total as f64 / 1e6 / count as f64 } else { 0.0 },
+                max_ms: r.get::<_, i64>(3)? as f64 / 1e6,
+                open: r.get(4)?,
+            })
+        })?
+        .collect::<rusqlite::Result<_>>()?;
+    Ok(rows)
 }
 
 /// One label's energy on every GPU the session saw (named or with figures);
@@ -619,7 +670,8 @@ fn session_info(db: &ProfileDb, session: i64) -> anyhow::Result<SessionInfo> {
 /// `--skip` counts in).
 fn load_steps(db: &ProfileDb, session: i64) -> anyhow::Result<Vec<StepRow>> {
     let mut q = db.conn.prepare(
-        "SELECT label, step, start_ns, end_ns, duration_ns, inter_step_ns, launches, sync_wait_ns
+        "SELECT label, step, start_ns, end_ns, duration_ns, inter_step_ns, launches, sync_wait_ns, data_wait_ns,
+                optimizer_ns
          FROM steps WHERE session_id = ?1 ORDER BY 1, start_ns, step",
     )?;
     let rows = q
@@ -633,6 +685,8 @@ fn load_steps(db: &ProfileDb, session: i64) -> anyhow::Result<Vec<StepRow>> {
                 inter_step_ns: r.get(5)?,
                 launches: r.get(6)?,
                 sync_wait_ns: r.get(7)?,
+                data_wait_ns: r.get(8)?,
+                optimizer_ns: r.get(9)?,
             })
         })?
         .collect::<rusqlite::Result<_>>()?;
@@ -663,6 +717,8 @@ fn label_figures(name: &str, rows: &[StepRow], used: &[&StepRow], skip: u64) -> 
         inter_step_ms: Percentiles::of(used.iter().filter_map(|s| s.inter_step_ns.map(ms)).collect()),
         launches_per_step: Percentiles::of(used.iter().filter_map(|s| s.launches.map(|n| n as f64)).collect()),
         sync_wait_share: (sync_seen && sync_dur > 0).then(|| sync_sum as f64 / sync_dur as f64),
+        data_wait_ms: Percentiles::of(used.iter().filter_map(|s| s.data_wait_ns.map(ms)).collect()),
+        optimizer_ms: Percentiles::of(used.iter().filter_map(|s| s.optimizer_ns.map(ms)).collect()),
         gpus: None,
         cpu: None,
         dram: None,
@@ -904,7 +960,35 @@ pub fn render_table(r: &Report) -> String {
     }
     o.push('\n');
     render_kernels(&mut o, r.top_kernels.as_deref());
+    render_regions(&mut o, &r.top_regions);
     o
+}
+
+fn render_regions(o: &mut String, regions: &[RegionStat]) {
+    if regions.is_empty() {
+        return;
+    }
+    let _ = writeln!(o, "\ntop PyTorch regions by total time (whole session; open: end not seen)");
+    let mut rows = vec![["total ms", "count", "mean ms", "open", "region"].map(str::to_owned).to_vec()];
+    for r in regions {
+        // Indent 2, figures 10 + 9 + 10 + 7, gap 2.
+        let name = fit(&r.name, WIDTH - 40);
+        rows.push(vec![
+            format!("{:.3}", r.total_ms),
+            r.count.to_string(),
+            format!("{:.3}", r.mean_ms),
+            r.open.to_string(),
+            name,
+        ]);
+    }
+    let cols = [
+        Col(Some(10), RIGHT, 0),
+        Col(Some(7), RIGHT, 2),
+        Col(Some(8), RIGHT, 2),
+        Col(Some(5), RIGHT, 2),
+        Col(None, LEFT, 2),
+    ];
+    block(o, &cols, rows, 1);
 }
 
 /// The key column of the session lines ("target", "traced", …).
@@ -988,7 +1072,12 @@ fn render_label(o: &mut String, l: &LabelReport) {
         ("step time (ms)", &l.step_time_ms, 3),
         ("inter-step (ms)", &l.inter_step_ms, 3),
         ("launches/step", &l.launches_per_step, 0),
+        ("data wait (ms)", &l.data_wait_ms, 3),
+        ("optimizer (ms)", &l.optimizer_ms, 3),
     ] {
+        if p.is_none() && matches!(name, "data wait (ms)" | "optimizer (ms)") {
+            continue; // PyTorch's phases: only steps from its markers have them
+        }
         let cell = |f: fn(&Percentiles) -> f64, decimals| num(p.as_ref().map(f), decimals);
         rows.push(vec![
             name.to_owned(),
@@ -1108,6 +1197,8 @@ fn write_csv(r: &Report, out: &mut impl Write) -> anyhow::Result<()> {
             ("step_time", &l.step_time_ms, "ms"),
             ("inter_step", &l.inter_step_ms, "ms"),
             ("launches_per_step", &l.launches_per_step, ""),
+            ("data_wait", &l.data_wait_ms, "ms"),
+            ("optimizer", &l.optimizer_ms, "ms"),
         ] {
             for (stat, get) in [
                 ("p50", (|p: &Percentiles| p.p50) as fn(&Percentiles) -> f64),
@@ -1142,6 +1233,9 @@ fn write_csv(r: &Report, out: &mut impl Write) -> anyhow::Result<()> {
         let name = kernel_display(k.name.as_deref(), k.demangled_name.as_deref(), k.api.as_deref(), k.function);
         row("kernel", "", &name, Some(k.launches.to_string()), "launches")?;
     }
+    for g in &r.top_regions {
+        row("region", "", &g.name, Some(g.total_ms.to_string()), "ms")?;
+    }
     w.flush()?;
     Ok(())
 }
@@ -1172,6 +1266,8 @@ mod tests {
             inter_step_ms: None,
             launches_per_step: Some(p(20.0)),
             sync_wait_share: Some(0.25),
+            data_wait_ms: None,
+            optimizer_ms: None,
             gpus,
             cpu: Some(stat(8.0)),
             dram: None,
@@ -1252,6 +1348,7 @@ mod tests {
                 kernel(Some("核函数_核函数_核函数_核函数_核函数_核函数_核函数_核函数_核函数"), 300),
                 kernel(None, 200),
             ]),
+            top_regions: Vec::new(),
         }
     }
 
@@ -1355,6 +1452,42 @@ mod tests {
         assert!(render_table(&r).lines().all(|line| line.width() <= WIDTH));
         drop(db);
         assert_eq!(std::fs::read(&path).expect("read"), bytes, "reading wrote to the profile");
+    }
+
+    /// Steps from PyTorch's markers show their data wait and optimizer time,
+    /// and the session's regions are ranked by their total time.
+    #[test]
+    fn pytorch_phases_and_top_regions() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("p.db");
+        let store = crate::store::Store::open(&path).expect("a profile");
+        let id = store.begin_session(&crate::store::testing::start()).expect("session");
+        drop(store);
+        let conn = Connection::open(&path).expect("open");
+        conn.execute_batch(&format!(
+            "INSERT INTO steps(session_id, label, step, tid, start_ns, end_ns, duration_ns, data_wait_ns, optimizer_ns)
+                 VALUES ({id}, 'train', 0, 9, 0, 4000000, 4000000, 1000000, 2000000),
+                        ({id}, 'train', 1, 9, 5000000, 9000000, 4000000, 3000000, 2000000);
+             INSERT INTO regions(session_id, tid, name, truncated, start_ns, end_ns, label, step)
+                 VALUES ({id}, 9, 'Optimizer.step#AdamW.step', 0, 1000000, 3000000, 'train', 0),
+                        ({id}, 9, 'Optimizer.step#AdamW.step', 0, 6000000, 8000000, 'train', 1),
+                        ({id}, 9, 'enumerate(DataLoader)#x.__next__', 0, 0, 1000000, NULL, NULL),
+                        ({id}, 9, 'enumerate(DataLoader)#x.__next__', 0, 9500000, NULL, NULL, NULL);"
+        ))
+        .expect("rows");
+        drop(conn);
+        let db = ProfileDb::open(&path).expect("a profile");
+        let r = build(&db, id, None, 0).expect("report");
+        let l = &r.labels[0];
+        assert_eq!(l.data_wait_ms.as_ref().map(|p| (p.p50, p.max)), Some((1.0, 3.0)));
+        assert_eq!(l.optimizer_ms.as_ref().map(|p| p.mean), Some(2.0));
+        let top: Vec<(&str, i64, f64, i64)> =
+            r.top_regions.iter().map(|g| (g.name.as_str(), g.count, g.total_ms, g.open)).collect();
+        assert_eq!(top, [("Optimizer.step#AdamW.step", 2, 4.0, 0), ("enumerate(DataLoader)#x.__next__", 1, 1.0, 1)]);
+        let table = render_table(&r);
+        assert!(table.contains("data wait (ms)") && table.contains("optimizer (ms)"), "{table}");
+        assert!(table.contains("top PyTorch regions"), "{table}");
+        assert!(table.lines().all(|line| line.width() <= WIDTH), "{table}");
     }
 
     /// The columns are read once at open; a view that no longer compiles

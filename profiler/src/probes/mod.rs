@@ -5,6 +5,7 @@ pub mod elf;
 pub mod maps;
 pub mod placement;
 pub mod step_symbol;
+pub mod torch;
 pub mod usdt;
 
 use std::{
@@ -518,14 +519,18 @@ fn release_elsewhere() -> std::io::Result<std::os::fd::OwnedFd> {
 
 /// The uprobe programs `Probes` loads (the USDT ones are `usdt`'s).
 fn program_names() -> impl Iterator<Item = &'static str> {
-    [programs::STEP_EXIT, programs::STEP_ENTER].into_iter().chain(LaunchApi::programs()).chain([
-        programs::SYNC_ENTER,
-        programs::SYNC_EXIT,
-        programs::NAME_ENTER,
-        programs::NAME_EXIT,
-        programs::LOADER,
-        programs::BARE,
-    ])
+    [programs::STEP_EXIT, programs::STEP_ENTER]
+        .into_iter()
+        .chain(LaunchApi::programs())
+        .chain([
+            programs::SYNC_ENTER,
+            programs::SYNC_EXIT,
+            programs::NAME_ENTER,
+            programs::NAME_EXIT,
+            programs::LOADER,
+            programs::BARE,
+        ])
+        .chain(torch::programs())
 }
 
 /// Maps a file read-only (libraries can be a gigabyte; callers touch only

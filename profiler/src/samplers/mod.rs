@@ -174,6 +174,7 @@ pub(crate) mod testing {
             end_ns,
             inter_step_ns: None,
             launches: None,
+            phases: None,
         }
     }
 

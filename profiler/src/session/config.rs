@@ -3,6 +3,7 @@ use std::{os::fd::OwnedFd, path::PathBuf, time::Duration};
 
 use crate::{
     probes::{step_symbol::StepSymbolSpec, usdt::python::PythonStepSpec},
+    regions::{RegionStepSpec, StepMode},
     samplers::gpu::GpuConfig,
 };
 
@@ -49,6 +50,10 @@ pub struct SessionConfig {
     pub disk: Option<PathBuf>,
     /// A live status line on stderr (a terminal, and not `--quiet`).
     pub status_line: bool,
+    /// `--steps`: where steps come from when none is named.
+    pub step_mode: StepMode,
+    /// `--step-region`s; their probe ids follow the PyTorch optimizer's (if any).
+    pub step_regions: Vec<RegionStepSpec>,
 }
 
 /// A process started by `profiler run`, held before `exec` until the probes are in.

@@ -1,5 +1,7 @@
 //! The consumer: drains the ring buffers, decodes the records, tracks steps, attributes launches and
 //! sync waits to the step their thread is in, and hands the rows to the store's writer in batches.
+mod regions;
+
 use std::collections::HashMap;
 
 use profiler_common::SyncApi;
@@ -8,6 +10,7 @@ use super::kernels::KernelNames;
 use crate::{
     events::{self, Event, OrderedEvent},
     probes,
+    regions::RegionSteps,
     steps::{DepthChange, OpenStep, StepTracker},
     store::{LaunchRow, ProbedFileRow, StepRow, StoreMsg, StoreWriter, SyncRow},
 };
@@ -47,6 +50,8 @@ pub(super) struct Consumer {
     released: Vec<Event>,
     /// (label, step) of the steps stored as incomplete (`steps.incomplete`).
     incomplete_steps: Vec<(&'static str, u64)>,
+    /// PyTorch `record_function` regions in flight and rows not yet sent.
+    regions: regions::RegionState,
 }
 
 /// What the consumer counted, for the summary line, once it is closed.
@@ -58,7 +63,8 @@ pub(super) struct ConsumerTotals {
 }
 
 impl Consumer {
-    pub fn new(writer: StoreWriter, labels: Vec<&'static str>, pid: u32) -> Self {
+    /// `labels`: every step source's label, by probe id; `sources`: the ones regions make.
+    pub fn new(writer: StoreWriter, labels: Vec<&'static str>, sources: RegionSteps, pid: u32) -> Self {
         Self {
             writer,
             tracker: StepTracker::new(labels),
@@ -78,6 +84,7 @@ impl Consumer {
             chunk: Vec::new(),
             released: Vec::new(),
             incomplete_steps: Vec::new(),
+            regions: regions::RegionState::new(sources),
         }
     }
 
@@ -155,6 +162,8 @@ impl Consumer {
             }
             Ok(Event::StepExit(e)) => self.step_exit(&e),
             Ok(Event::KernelName(k)) => self.kernels.named(k),
+            Ok(Event::RegionEnter(r)) => self.region_event(r, true),
+            Ok(Event::RegionExit(r)) => self.region_event(r, false),
             Ok(Event::SyncEnter(e)) => {
                 self.sequence(&e, DepthChange::None);
                 let step = self.tracker.current_step(e.tid);
@@ -164,6 +173,7 @@ impl Consumer {
             Ok(Event::ThreadExit(e)) => {
                 self.sequence(&e, DepthChange::None);
                 self.open_syncs.remove(&e.tid);
+                self.regions_thread_exited(e.tid);
                 for s in self.tracker.thread_exited(e.tid) {
                     self.store_open_step(s);
                 }
@@ -219,6 +229,7 @@ impl Consumer {
             end_ns: Some(s.end_ns),
             inter_step_ns: s.inter_step_ns,
             launches: Some(s.launches),
+            phases: None,
         });
     }
 
@@ -262,6 +273,7 @@ impl Consumer {
             end_ns: None,
             inter_step_ns: s.inter_step_ns,
             launches: None,
+            phases: None,
         });
     }
 
@@ -292,6 +304,7 @@ impl Consumer {
         if !kernels.is_empty() {
             self.writer.send(StoreMsg::Kernels(kernels));
         }
+        self.flush_regions();
     }
 
     /// (steps stored as incomplete so far, step ends seen without a start),
@@ -316,6 +329,7 @@ impl Consumer {
         for s in self.tracker.open_steps() {
             self.store_open_step(s);
         }
+        self.finish_regions();
         self.flush();
         let totals = ConsumerTotals {
             completed_steps: self.completed_steps,

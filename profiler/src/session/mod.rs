@@ -20,6 +20,7 @@ mod setup;
 mod status;
 mod symbolizer;
 mod teardown;
+mod torch;
 mod watcher;
 
 pub use config::{LaunchMode, LaunchedChild, SessionConfig, Target};
@@ -40,12 +41,12 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     let steps = setup::resolve_steps(&cfg, &target)?;
     let gpu = setup::open_gpu(&cfg, &target)?;
     let (mut probes, mut rings) = Probes::load(target.nz_pid, cfg.launch_mode == LaunchMode::All, cfg.place_probes)?;
-    let (session, writer) = setup::begin_session(&cfg, &target, store)?;
+    let (session, writer) = setup::begin_session(&cfg, &target, store, &steps.regions)?;
     let (samplers, gpu_live) = setup::start_samplers(&cfg, target.pid, gpu, &writer)?;
 
     // From here on, whatever happens, the session is finished and flushed.
-    let mut consumer = Consumer::new(writer, steps.labels.clone(), target.pid);
-    let mut watcher = LibraryWatcher::new(target.pid);
+    let mut consumer = Consumer::new(writer, steps.labels.clone(), steps.regions.clone(), target.pid);
+    let mut watcher = LibraryWatcher::new(target.pid, torch::TorchWatch::new(&cfg, &steps.regions));
     let mut python = None;
     let outcome = match attach::attach_all(&cfg, &target, &mut probes, &mut watcher, &steps) {
         Ok((libraries, py)) => {

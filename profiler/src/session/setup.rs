@@ -20,6 +20,7 @@ use crate::{
         step_symbol::{self, ResolvedStep},
         usdt::{self, python::PythonProbes},
     },
+    regions::RegionSteps,
     samplers::{
         self, SamplerThread,
         gpu::{GpuLive, GpuSampler},
@@ -131,6 +132,8 @@ pub(super) struct StepFunctions {
     pub python: Option<PythonProbes>,
     /// Every step's label, by probe id.
     pub labels: Vec<&'static str>,
+    /// The step sources PyTorch's regions make (their probe ids follow the others').
+    pub regions: RegionSteps,
 }
 
 /// Resolves the step functions: a typo costs nothing yet. Both kinds are
@@ -154,14 +157,15 @@ pub(super) fn resolve_steps(cfg: &SessionConfig, target: &TargetProcess) -> anyh
         Some(usdt::python::resolve(&usdt::python::candidates(exe, &mapped), open_in_target)?)
     };
     // Labels live as long as the session's rows refer to them: one small leak per session.
-    let labels: Vec<&'static str> = cfg
+    let mut labels: Vec<&'static str> = cfg
         .steps
         .iter()
         .map(|s| s.label.as_str())
         .chain(cfg.python_steps.iter().map(|s| s.label.as_str()))
         .map(|l| &*Box::leak(l.to_owned().into_boxed_str()))
         .collect();
-    Ok(StepFunctions { symbols, python, labels })
+    let regions = super::torch::step_sources(cfg, &mut labels);
+    Ok(StepFunctions { symbols, python, labels, regions })
 }
 
 /// NVML, before anything is attached: with `--require-gpu` its absence is an
@@ -196,6 +200,7 @@ pub(super) fn begin_session(
     cfg: &SessionConfig,
     target: &TargetProcess,
     store: Store,
+    regions: &RegionSteps,
 ) -> anyhow::Result<(BegunSession, StoreWriter)> {
     let started_ns = clock::monotonic_ns();
     let id = store.begin_session(&SessionStart {
@@ -204,7 +209,7 @@ pub(super) fn begin_session(
         exe: Some(target.exe.display().to_string()),
         mode: target.mode,
         launch_mode: cfg.launch_mode.as_str(),
-        step_source: step_specs(cfg),
+        step_source: super::torch::step_source_text(cfg, step_specs(cfg), regions),
         started_ns,
         unix_offset_ns: clock::unix_offset_ns(),
         hostname: read_trimmed("/proc/sys/kernel/hostname"),

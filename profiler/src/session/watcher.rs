@@ -6,7 +6,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::consumer::Consumer;
+use super::{consumer::Consumer, torch::TorchWatch};
 use crate::{
     clock,
     probes::{
@@ -28,11 +28,13 @@ pub(super) struct LibraryWatcher {
     pub loader_hooked: bool,
     /// Paths whose probes failed (reported once, see `not_probed`), and when they were last tried.
     failed: HashMap<PathBuf, Instant>,
+    /// PyTorch's `libtorch_cpu.so`, probed for its `record_function` regions.
+    torch: TorchWatch,
 }
 
 impl LibraryWatcher {
-    pub fn new(pid: u32) -> Self {
-        Self { pid, seen: HashSet::new(), loader_hooked: false, failed: HashMap::new() }
+    pub fn new(pid: u32, torch: TorchWatch) -> Self {
+        Self { pid, seen: HashSet::new(), loader_hooked: false, failed: HashMap::new(), torch }
     }
 
     /// Probes new CUDA libraries (their rows say `how` they were found), and
@@ -90,6 +92,7 @@ impl LibraryWatcher {
                 Err(e) => rows.extend(self.not_probed(&file.path, kind, how, &e)),
             }
         }
+        self.torch.scan(self.pid, probes, &maps, rows, quiet, how);
         Some(maps)
     }
 

@@ -18,7 +18,7 @@ use rusqlite::{Connection, DatabaseName, OpenFlags, backup::Backup, params};
 pub use self::{
     rows::{
         AtFinish, Capability, GpuRow, GpuSampleRow, KernelRow, LaunchRow, Losses, ProbedFileRow, RaplSampleRow,
-        SessionEnd, SessionStart, StepRow, SyncRow, SystemSampleRow,
+        RegionRow, SessionEnd, SessionStart, StepPhases, StepRow, SyncRow, SystemSampleRow,
     },
     schema::{SCHEMA_VERSION, quoted},
     writer::{RowSender, StoreMsg, StoreWriter},
@@ -267,6 +267,7 @@ mod tests {
                 end_ns: Some(250),
                 inter_step_ns: None,
                 launches: Some(1),
+                phases: None,
             }]));
             w.send(StoreMsg::Launches(vec![LaunchRow {
                 function: 0x1234,

@@ -74,6 +74,31 @@ pub struct StepRow {
     pub end_ns: Option<u64>,
     pub inter_step_ns: Option<u64>,
     pub launches: Option<u64>,
+    /// Where a step from PyTorch's optimizer markers spent its time; None for other sources.
+    pub phases: Option<StepPhases>,
+}
+
+/// Time a step's thread spent in PyTorch's DataLoader `__next__` (since the
+/// previous optimizer step) and in the optimizer's step, ns
+/// (`steps.data_wait_ns`, `steps.optimizer_ns`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepPhases {
+    pub data_wait_ns: u64,
+    pub optimizer_ns: u64,
+}
+
+/// One PyTorch `record_function` region (a `regions` row).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionRow {
+    pub tid: u32,
+    pub name: String,
+    /// `name` is the first bytes of a longer name.
+    pub truncated: bool,
+    pub start_ns: u64,
+    /// None: its end was not seen.
+    pub end_ns: Option<u64>,
+    /// The step its thread was in when it began: (label, step).
+    pub step: Option<(&'static str, u64)>,
 }
 
 /// A file the profiler probed (a CUDA library, a step function's object,

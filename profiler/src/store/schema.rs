@@ -30,6 +30,7 @@ pub(super) const MIGRATIONS: &[Migration] = &[
     Migration::Sql(include_str!("migrations/0005_losses.sql")),
     Migration::Sql(include_str!("migrations/0006_kernel_renames.sql")),
     Migration::Sql(include_str!("migrations/0007_probed_files_and_step_source.sql")),
+    Migration::Sql(include_str!("migrations/0008_regions.sql")),
 ];
 
 /// One schema change.
@@ -554,7 +555,7 @@ mod tests {
     /// is pinned. A new migration appends its hash; the message gives it.
     #[test]
     fn migrations_are_append_only() {
-        const FROZEN: [u64; 7] = [
+        const FROZEN: [u64; 8] = [
             0x8aee_e93b_06de_c1a5,
             0xcbca_4468_d4a3_de19,
             0xb9bd_525d_e831_4c63,
@@ -562,6 +563,7 @@ mod tests {
             0xa148_fd34_7523_097c,
             0x6309_9958_b308_0ccd,
             0x7113_d04a_b79f_8fe0,
+            0x5267_9fa5_8ae7_98c3,
         ];
         let fnv1a = |s: &str| {
             s.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
@@ -596,6 +598,7 @@ mod tests {
             end_ns: Some(250),
             inter_step_ns: None,
             launches: Some(1),
+            phases: None,
         };
         w.send(StoreMsg::Steps(vec![step("train", Some(40)), step("eval", None)]));
         w.send(StoreMsg::Syncs(vec![SyncRow {

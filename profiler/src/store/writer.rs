@@ -15,8 +15,8 @@ use rusqlite::{Connection, Transaction, params};
 use super::{
     StoreError,
     rows::{
-        AtFinish, Capability, GpuRow, GpuSampleRow, KernelRow, LaunchRow, ProbedFileRow, RaplSampleRow, SessionEnd,
-        StepRow, SyncRow, SystemSampleRow,
+        AtFinish, Capability, GpuRow, GpuSampleRow, KernelRow, LaunchRow, ProbedFileRow, RaplSampleRow, RegionRow,
+        SessionEnd, StepRow, SyncRow, SystemSampleRow,
     },
 };
 
@@ -26,6 +26,8 @@ pub enum StoreMsg {
     Launches(Vec<LaunchRow>),
     Steps(Vec<StepRow>),
     Syncs(Vec<SyncRow>),
+    /// PyTorch `record_function` regions.
+    Regions(Vec<RegionRow>),
     Kernels(Vec<KernelRow>),
     ProbedFile(ProbedFileRow),
     /// The sampled GPUs, once at the start.
@@ -131,6 +133,7 @@ fn write_msg(tx: &Transaction<'_>, session_id: i64, msg: &StoreMsg) -> rusqlite:
     match msg {
         StoreMsg::Kernels(rows) => write_kernels(tx, session_id, rows),
         StoreMsg::Syncs(rows) => write_syncs(tx, session_id, rows),
+        StoreMsg::Regions(rows) => write_regions(tx, session_id, rows),
         StoreMsg::Capability(c) => tx
             .execute(
                 "INSERT OR IGNORE INTO capabilities(session_id, source, metric, available, reason)
@@ -221,8 +224,8 @@ fn write_launches(tx: &Transaction<'_>, session_id: i64, rows: &[LaunchRow]) -> 
 fn write_steps(tx: &Transaction<'_>, session_id: i64, rows: &[StepRow]) -> rusqlite::Result<()> {
     let mut step = tx.prepare_cached(
         "INSERT OR REPLACE INTO steps(session_id, label, step, tid, start_ns, end_ns, duration_ns, inter_step_ns, launches,
-                                      sync_wait_ns)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+                                      sync_wait_ns, data_wait_ns, optimizer_ns)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
     )?;
     for r in rows {
         step.execute(params![
@@ -235,8 +238,22 @@ fn write_steps(tx: &Transaction<'_>, session_id: i64, rows: &[StepRow]) -> rusql
             r.end_ns.map(|e| i(e.saturating_sub(r.start_ns))),
             r.inter_step_ns.map(i),
             r.launches.map(i),
-            r.sync_wait_ns.map(i)
+            r.sync_wait_ns.map(i),
+            r.phases.map(|p| i(p.data_wait_ns)),
+            r.phases.map(|p| i(p.optimizer_ns))
         ])?;
+    }
+    Ok(())
+}
+
+fn write_regions(tx: &Transaction<'_>, session_id: i64, rows: &[RegionRow]) -> rusqlite::Result<()> {
+    let mut stmt = tx.prepare_cached(
+        "INSERT INTO regions(session_id, tid, name, truncated, start_ns, end_ns, label, step)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+    )?;
+    for r in rows {
+        let (label, step) = (r.step.map(|s| s.0), r.step.map(|s| i(s.1)));
+        stmt.execute(params![session_id, r.tid, r.name, r.truncated, i(r.start_ns), r.end_ns.map(i), label, step])?;
     }
     Ok(())
 }
@@ -335,6 +352,7 @@ fn rows_in(msgs: &[StoreMsg]) -> u64 {
             StoreMsg::Launches(r) => r.len() as u64,
             StoreMsg::Steps(r) => r.len() as u64,
             StoreMsg::Syncs(r) => r.len() as u64,
+            StoreMsg::Regions(r) => r.len() as u64,
             StoreMsg::Kernels(r) => r.len() as u64,
             StoreMsg::Gpus(r) => r.len() as u64,
             StoreMsg::GpusUsedByTarget(r) => r.len() as u64,

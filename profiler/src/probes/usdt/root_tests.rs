@@ -278,6 +278,8 @@ fn run_traced(args: &[&str], specs: &[&str]) -> Traced {
             | Event::SyncExit(_)
             | Event::KernelName(_)
             | Event::ThreadExit(_)
+            | Event::RegionEnter(_)
+            | Event::RegionExit(_)
             | Event::LoaderChange { .. } => {}
         }
     }

@@ -1,0 +1,561 @@
+//! PyTorch `record_function` regions: pairs each thread's region ends
+//! with their begins, and turns PyTorch's own markers (or any region named by
+//! `--step-region`) into step boundaries for the step tracker.
+//!
+//! No I/O: the consumer hands in decoded events and stores what comes out.
+//!
+//! Pairing is by key (the region's `PythonRecordFunction*`), not by order: an
+//! end whose begin was lost matches nothing and is counted; a begin whose end
+//! was lost stays open (stored with no end) and cannot capture a later end,
+//! because the later region's begin, with the same key if the address was
+//! reused, sits above it on the thread's stack and is found first.
+//!
+//! Training steps from PyTorch's markers, with GPUStatsMonitor's meaning: a
+//! step starts when its first batch is ready (the end of the first
+//! `enumerate(DataLoader)#…__next__` after the previous optimizer step) and
+//! ends at the end of the outermost `Optimizer.step#…`. A thread that has shown
+//! no DataLoader starts its next step where the previous optimizer step ended,
+//! and its first at its first `Optimizer.zero_grad` (or other non-step
+//! optimizer region), since nothing earlier marks it: that start is a guess,
+//! and the step says so ([`StepStart::Guessed`], stored as incomplete).
+//!
+//! Whether a thread uses a DataLoader is only known once its `__next__` is
+//! seen: a step opened before that (the loop's first, whose `zero_grad` comes
+//! before its first batch, or the first after an attach in mid-iteration) is
+//! opened early, so that its launches are counted, and its start is moved to
+//! its first batch's if one comes ([`StepStart::Batch`]). A first region that
+//! is an `Optimizer.step` (attached in mid-iteration) opens nothing: the step
+//! it ends began unseen.
+use std::collections::HashMap;
+
+use crate::{events::RegionEvent, store::StepPhases as Phases};
+
+/// The optimizer's step (`torch.optim.Optimizer`'s `profile_hook_step`).
+pub const OPTIMIZER_STEP: &str = "Optimizer.step#";
+/// Any of the optimizer's regions (`step`, `zero_grad`).
+const OPTIMIZER_ANY: &str = "Optimizer.";
+/// The DataLoader iterator's `__next__` (`_BaseDataLoaderIter`).
+const DATALOADER_PREFIX: &str = "enumerate(DataLoader)#";
+const DATALOADER_SUFFIX: &str = ".__next__";
+
+/// Regions open on one thread beyond this are taken as never ending (their
+/// ends lost): the oldest is stored with no end.
+const MAX_OPEN_PER_THREAD: usize = 256;
+
+/// `--steps`: where steps come from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum StepMode {
+    /// The named step sources if any are given, else PyTorch's optimizer markers.
+    #[default]
+    Auto,
+    /// PyTorch's optimizer markers (waits for libtorch if it is not loaded yet).
+    Torch,
+    /// No steps (regions are still recorded).
+    None,
+}
+
+impl StepMode {
+    /// Whether the optimizer's markers make steps, given whether other step sources were named.
+    pub fn optimizer_steps(self, named_sources: bool) -> bool {
+        match self {
+            Self::Auto => !named_sources,
+            Self::Torch => true,
+            Self::None => false,
+        }
+    }
+}
+
+/// `--step-region [LABEL=]NAME_PREFIX`: regions whose name starts with the
+/// prefix are steps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionStepSpec {
+    pub label: String,
+    pub prefix: String,
+}
+
+impl RegionStepSpec {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let (label, prefix) = match s.split_once('=') {
+            Some((l, p)) if !l.is_empty() && !l.contains('#') && !l.contains('(') => (l, p),
+            _ => ("train", s),
+        };
+        if prefix.is_empty() {
+            return Err(format!("'{s}' names no region: give a region name prefix, e.g. ProfilerStep#"));
+        }
+        Ok(Self { label: label.to_owned(), prefix: prefix.to_owned() })
+    }
+}
+
+impl std::fmt::Display for RegionStepSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}={}", self.label, self.prefix)
+    }
+}
+
+/// What makes steps from regions: the step tracker's probe ids.
+#[derive(Clone, Debug, Default)]
+pub struct RegionSteps {
+    /// Steps from the optimizer's markers, with this probe id.
+    pub optimizer: Option<u32>,
+    /// (probe id, name prefix) of each `--step-region`.
+    pub prefixes: Vec<(u32, String)>,
+}
+
+/// A step boundary for the step tracker (as a step function's entry or return).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Boundary {
+    Enter { probe: u32, ts_ns: u64, thread_launches: u64 },
+    Exit { probe: u32, ts_ns: u64, thread_launches: u64, phases: Option<Phases>, start: StepStart },
+}
+
+/// Where the step an [`Boundary::Exit`] ends really began.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepStart {
+    /// At its [`Boundary::Enter`].
+    Entered,
+    /// Later, when its first batch was ready (ns): it was entered before the
+    /// thread was known to use a DataLoader.
+    Batch(u64),
+    /// Unseen: it was entered at its first optimizer region, a guess.
+    Guessed,
+}
+
+/// How the open step of a thread was entered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Opened {
+    /// At a DataLoader `__next__`'s end: its first batch.
+    Batch,
+    /// At the previous optimizer step's end (no DataLoader seen yet).
+    OptimizerEnd,
+    /// At the thread's first non-step optimizer region (no DataLoader seen yet).
+    FirstRegion,
+}
+
+/// A region, ended or not. `T` is what the caller tags it with at its begin
+/// (the step its thread was in).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Region<T> {
+    pub tid: u32,
+    pub name: String,
+    pub truncated: bool,
+    pub start_ns: u64,
+    pub end_ns: Option<u64>,
+    pub tag: T,
+}
+
+struct ThreadState<T> {
+    open: Vec<(u64, Region<T>)>,
+    dataloader_seen: bool,
+    /// How the open step was entered; None: no step open.
+    opened: Option<Opened>,
+    /// When the open step's first batch was ready, if it was entered before.
+    batch_ready: Option<u64>,
+    /// Outermost `Optimizer.step` / DataLoader `__next__` regions open.
+    optimizer_depth: u32,
+    next_depth: u32,
+    data_wait_ns: u64,
+    optimizer_ns: u64,
+    last_launches: u64,
+}
+
+impl<T> Default for ThreadState<T> {
+    fn default() -> Self {
+        Self {
+            open: Vec::new(),
+            dataloader_seen: false,
+            opened: None,
+            batch_ready: None,
+            optimizer_depth: 0,
+            next_depth: 0,
+            data_wait_ns: 0,
+            optimizer_ns: 0,
+            last_launches: 0,
+        }
+    }
+}
+
+pub struct RegionTracker<T> {
+    steps: RegionSteps,
+    threads: HashMap<u32, ThreadState<T>>,
+    /// Ends whose begin was never seen.
+    pub unmatched_ends: u64,
+}
+
+fn is_dataloader_next(name: &str) -> bool {
+    name.starts_with(DATALOADER_PREFIX) && name.ends_with(DATALOADER_SUFFIX)
+}
+
+impl<T: Clone> RegionTracker<T> {
+    pub fn new(steps: RegionSteps) -> Self {
+        Self { steps, threads: HashMap::new(), unmatched_ends: 0 }
+    }
+
+    /// A region began. Returns a region taken as never ending (a thread
+    /// with too many open), to be stored with no end.
+    pub fn begin(&mut self, e: &RegionEvent, tag: T, out: &mut Vec<Boundary>) -> Option<Region<T>> {
+        let t = self.threads.entry(e.tid).or_default();
+        t.last_launches = e.thread_launches;
+        for (probe, prefix) in &self.steps.prefixes {
+            if e.name.starts_with(prefix.as_str()) {
+                out.push(Boundary::Enter { probe: *probe, ts_ns: e.ts_ns, thread_launches: e.thread_launches });
+            }
+        }
+        if let Some(probe) = self.steps.optimizer {
+            if is_dataloader_next(&e.name) {
+                t.dataloader_seen = true;
+                t.next_depth += 1;
+            } else if e.name.starts_with(OPTIMIZER_ANY)
+                && !e.name.starts_with(OPTIMIZER_STEP)
+                && t.opened.is_none()
+                && !t.dataloader_seen
+            {
+                // No DataLoader seen (yet): nothing marks this step's start earlier.
+                t.opened = Some(Opened::FirstRegion);
+                out.push(Boundary::Enter { probe, ts_ns: e.ts_ns, thread_launches: e.thread_launches });
+            }
+            if e.name.starts_with(OPTIMIZER_STEP) {
+                t.optimizer_depth += 1;
+            }
+        }
+        let region =
+            Region { tid: e.tid, name: e.name.clone(), truncated: e.truncated, start_ns: e.ts_ns, end_ns: None, tag };
+        t.open.push((e.key, region));
+        (t.open.len() > MAX_OPEN_PER_THREAD).then(|| t.open.remove(0).1)
+    }
+
+    /// A region ended: returns it with its end, or None when its begin was not seen.
+    pub fn end(&mut self, e: &RegionEvent, out: &mut Vec<Boundary>) -> Option<Region<T>> {
+        let Some(t) = self.threads.get_mut(&e.tid) else {
+            self.unmatched_ends += 1;
+            return None;
+        };
+        t.last_launches = e.thread_launches;
+        let Some(i) = t.open.iter().rposition(|(k, _)| *k == e.key) else {
+            self.unmatched_ends += 1;
+            return None;
+        };
+        let (_, mut region) = t.open.remove(i);
+        region.end_ns = Some(e.ts_ns);
+        let launches = e.thread_launches;
+        for (probe, prefix) in self.steps.prefixes.iter().rev() {
+            if region.name.starts_with(prefix.as_str()) {
+                let start = StepStart::Entered;
+                out.push(Boundary::Exit {
+                    probe: *probe,
+                    ts_ns: e.ts_ns,
+                    thread_launches: launches,
+                    phases: None,
+                    start,
+                });
+            }
+        }
+        if let Some(probe) = self.steps.optimizer {
+            optimizer_end(t, probe, &region, e.ts_ns, launches, out);
+        }
+        Some(region)
+    }
+
+    /// A thread exited: its open regions, to be stored with no end.
+    pub fn thread_exited(&mut self, tid: u32) -> Vec<Region<T>> {
+        self.threads.remove(&tid).map(|t| t.open.into_iter().map(|(_, r)| r).collect()).unwrap_or_default()
+    }
+
+    /// Every region still open (the session is over), oldest first per thread.
+    pub fn open_regions(&mut self) -> Vec<Region<T>> {
+        let mut out: Vec<Region<T>> =
+            self.threads.values_mut().flat_map(|t| std::mem::take(&mut t.open)).map(|(_, r)| r).collect();
+        out.sort_by_key(|r| (r.start_ns, r.tid));
+        out
+    }
+}
+
+/// The optimizer-marker steps' side of a region's end.
+fn optimizer_end<T>(
+    t: &mut ThreadState<T>,
+    probe: u32,
+    region: &Region<T>,
+    ts_ns: u64,
+    launches: u64,
+    out: &mut Vec<Boundary>,
+) {
+    let took = ts_ns.saturating_sub(region.start_ns);
+    if is_dataloader_next(&region.name) {
+        t.next_depth = t.next_depth.saturating_sub(1);
+        if t.next_depth == 0 {
+            t.data_wait_ns += took;
+            match t.opened {
+                None => {
+                    // The first batch after the previous optimizer step is ready.
+                    t.opened = Some(Opened::Batch);
+                    out.push(Boundary::Enter { probe, ts_ns, thread_launches: launches });
+                }
+                Some(Opened::Batch) => {}
+                Some(_) => {
+                    // Entered before the DataLoader was known: this is its real start.
+                    t.batch_ready.get_or_insert(ts_ns);
+                }
+            }
+        }
+        return;
+    }
+    if !region.name.starts_with(OPTIMIZER_STEP) {
+        return;
+    }
+    t.optimizer_depth = t.optimizer_depth.saturating_sub(1);
+    if t.optimizer_depth > 0 {
+        return; // an optimizer stepping another inside its own step
+    }
+    t.optimizer_ns += took;
+    if let Some(opened) = t.opened.take() {
+        let phases = Some(Phases { data_wait_ns: t.data_wait_ns, optimizer_ns: t.optimizer_ns });
+        let start = match (t.batch_ready.take(), opened) {
+            (Some(at), _) => StepStart::Batch(at),
+            (None, Opened::FirstRegion) => StepStart::Guessed,
+            (None, _) => StepStart::Entered,
+        };
+        out.push(Boundary::Exit { probe, ts_ns, thread_launches: launches, phases, start });
+    }
+    t.data_wait_ns = 0;
+    t.optimizer_ns = 0;
+    if !t.dataloader_seen {
+        // No DataLoader (seen yet): the next step starts where this one ended.
+        t.opened = Some(Opened::OptimizerEnd);
+        out.push(Boundary::Enter { probe, ts_ns, thread_launches: launches });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(tid: u32, ts_ns: u64, key: u64, name: &str) -> RegionEvent {
+        RegionEvent { ts_ns, tid, key, thread_launches: ts_ns, seq: 0, depth: 0, name: name.into(), truncated: false }
+    }
+
+    const NEXT: &str = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__";
+    const STEP: &str = "Optimizer.step#AdamW.step";
+    const ZERO: &str = "Optimizer.zero_grad#AdamW.zero_grad";
+
+    /// Runs (begin?, ts, key, name) events through a tracker; returns the boundaries and ended regions.
+    fn run(
+        steps: RegionSteps,
+        events: &[(bool, u64, u64, &str)],
+    ) -> (Vec<Boundary>, Vec<Region<()>>, RegionTracker<()>) {
+        let mut t = RegionTracker::new(steps);
+        let (mut out, mut ended) = (Vec::new(), Vec::new());
+        for &(begin, ts, key, name) in events {
+            if begin {
+                assert!(t.begin(&ev(1, ts, key, name), (), &mut out).is_none());
+            } else {
+                ended.extend(t.end(&ev(1, ts, key, ""), &mut out));
+            }
+        }
+        (out, ended, t)
+    }
+
+    fn torch() -> RegionSteps {
+        RegionSteps { optimizer: Some(0), prefixes: Vec::new() }
+    }
+
+    fn spans(b: &[Boundary]) -> Vec<(char, u64)> {
+        b.iter()
+            .map(|b| match b {
+                Boundary::Enter { ts_ns, .. } => ('[', *ts_ns),
+                Boundary::Exit { ts_ns, .. } => (']', *ts_ns),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn dataloader_loop_steps_start_when_the_batch_is_ready_and_end_with_the_optimizer_step() {
+        let mut events = Vec::new();
+        for i in 0..3u64 {
+            let t = i * 100;
+            events.extend([
+                (true, t, 1, NEXT),
+                (false, t + 10, 1, ""),
+                (true, t + 20, 2, ZERO),
+                (false, t + 22, 2, ""),
+                (true, t + 60, 3, STEP),
+                (false, t + 90, 3, ""),
+            ]);
+        }
+        let (b, ended, _) = run(torch(), &events);
+        assert_eq!(spans(&b), vec![('[', 10), (']', 90), ('[', 110), (']', 190), ('[', 210), (']', 290)]);
+        assert!(b.iter().all(|x| match x {
+            Boundary::Exit { phases, .. } => *phases == Some(Phases { data_wait_ns: 10, optimizer_ns: 30 }),
+            _ => true,
+        }));
+        assert_eq!(ended.len(), 9);
+        assert_eq!(ended[0].name, NEXT);
+        assert_eq!((ended[0].start_ns, ended[0].end_ns), (0, Some(10)));
+    }
+
+    #[test]
+    fn gradient_accumulation_is_one_step_per_optimizer_step_with_all_its_batches_waits() {
+        let events = [
+            (true, 0, 1, NEXT),
+            (false, 5, 1, ""),
+            (true, 20, 1, NEXT),
+            (false, 27, 1, ""),
+            (true, 40, 2, STEP),
+            (false, 50, 2, ""),
+        ];
+        let (b, _, _) = run(torch(), &events);
+        assert_eq!(spans(&b), vec![('[', 5), (']', 50)]);
+        assert!(matches!(b[1], Boundary::Exit { phases: Some(Phases { data_wait_ns: 12, optimizer_ns: 10 }), .. }));
+    }
+
+    #[test]
+    fn without_a_dataloader_steps_are_back_to_back_from_the_first_optimizer_region() {
+        let events = [
+            (true, 10, 2, ZERO),
+            (false, 12, 2, ""),
+            (true, 40, 3, STEP),
+            (false, 50, 3, ""),
+            (true, 60, 2, ZERO),
+            (false, 61, 2, ""),
+            (true, 80, 3, STEP),
+            (false, 95, 3, ""),
+        ];
+        let (b, _, _) = run(torch(), &events);
+        // The last Enter opens the step in progress at the end.
+        assert_eq!(spans(&b), vec![('[', 10), (']', 50), ('[', 50), (']', 95), ('[', 95)]);
+    }
+
+    /// (start kind, ts) of each Exit.
+    fn starts(b: &[Boundary]) -> Vec<StepStart> {
+        b.iter()
+            .filter_map(|b| match b {
+                Boundary::Exit { start, .. } => Some(*start),
+                Boundary::Enter { .. } => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_first_step_entered_at_zero_grad_starts_at_its_first_batch() {
+        // A loop's iteration: zero_grad, then the batch, then the step.
+        let mut events = Vec::new();
+        for i in 0..2u64 {
+            let t = i * 100;
+            events.extend([
+                (true, t, 2, ZERO),
+                (false, t + 2, 2, ""),
+                (true, t + 10, 1, NEXT),
+                (false, t + 20, 1, ""),
+                (true, t + 60, 3, STEP),
+                (false, t + 90, 3, ""),
+            ]);
+        }
+        let (b, _, _) = run(torch(), &events);
+        // Entered at zero_grad (launches count from there), started at the batch.
+        assert_eq!(spans(&b), vec![('[', 0), (']', 90), ('[', 120), (']', 190)]);
+        assert_eq!(starts(&b), vec![StepStart::Batch(20), StepStart::Entered]);
+    }
+
+    #[test]
+    fn attached_in_mid_iteration_the_step_begun_unseen_is_not_a_step() {
+        // The batch's begin and the optimizer step's begin came before the probes.
+        let events = [
+            (false, 5, 1, ""),
+            (true, 60, 3, STEP),
+            (false, 90, 3, ""),
+            (true, 100, 2, ZERO),
+            (false, 102, 2, ""),
+            (true, 110, 1, NEXT),
+            (false, 120, 1, ""),
+            (true, 160, 3, STEP),
+            (false, 190, 3, ""),
+        ];
+        let (b, _, t) = run(torch(), &events);
+        // Entered at the first step's end (no DataLoader seen yet), started at the batch.
+        assert_eq!(spans(&b), vec![('[', 90), (']', 190)]);
+        assert_eq!(starts(&b), vec![StepStart::Batch(120)]);
+        assert_eq!(t.unmatched_ends, 1);
+    }
+
+    #[test]
+    fn without_a_dataloader_the_first_start_is_a_guess_and_says_so() {
+        let events = [(true, 10, 2, ZERO), (false, 12, 2, ""), (true, 40, 3, STEP), (false, 50, 3, "")];
+        let (b, _, _) = run(torch(), &events);
+        assert_eq!(starts(&b), vec![StepStart::Guessed]);
+    }
+
+    #[test]
+    fn a_lost_end_leaves_its_region_open_and_later_pairs_intact() {
+        // Key 1's first end is lost; the address is reused by the next region.
+        let events = [(true, 0, 1, "a"), (true, 10, 1, "b"), (false, 20, 1, ""), (false, 30, 9, "")];
+        let (_, ended, mut t) = run(RegionSteps::default(), &events);
+        assert_eq!(ended.len(), 1);
+        assert_eq!((ended[0].name.as_str(), ended[0].end_ns), ("b", Some(20)));
+        assert_eq!(t.unmatched_ends, 1, "the end with no begin is counted, not paired");
+        let open = t.open_regions();
+        assert_eq!(open.len(), 1);
+        assert_eq!((open[0].name.as_str(), open[0].end_ns), ("a", None));
+    }
+
+    #[test]
+    fn regions_nest_and_step_regions_make_steps_per_prefix() {
+        let steps = RegionSteps { optimizer: None, prefixes: vec![(4, "ProfilerStep#".into()), (5, "fwd".into())] };
+        let events = [
+            (true, 0, 1, "ProfilerStep#0"),
+            (true, 5, 2, "fwd"),
+            (true, 6, 3, "inner"),
+            (false, 7, 3, ""),
+            (false, 9, 2, ""),
+            (false, 10, 1, ""),
+        ];
+        let (b, ended, _) = run(steps, &events);
+        let probes: Vec<(char, u32)> = b
+            .iter()
+            .map(|x| match x {
+                Boundary::Enter { probe, .. } => ('[', *probe),
+                Boundary::Exit { probe, .. } => (']', *probe),
+            })
+            .collect();
+        assert_eq!(probes, vec![('[', 4), ('[', 5), (']', 5), (']', 4)]);
+        assert_eq!(ended.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(), vec!["inner", "fwd", "ProfilerStep#0"]);
+    }
+
+    #[test]
+    fn an_optimizer_inside_an_optimizer_ends_one_step() {
+        let events = [
+            (true, 0, 1, NEXT),
+            (false, 1, 1, ""),
+            (true, 10, 2, "Optimizer.step#Wrapper.step"),
+            (true, 11, 3, STEP),
+            (false, 19, 3, ""),
+            (false, 20, 2, ""),
+        ];
+        let (b, _, _) = run(torch(), &events);
+        assert_eq!(spans(&b), vec![('[', 1), (']', 20)]);
+    }
+
+    #[test]
+    fn too_many_open_regions_give_up_the_oldest() {
+        let mut t = RegionTracker::new(RegionSteps::default());
+        let mut out = Vec::new();
+        for i in 0..MAX_OPEN_PER_THREAD as u64 {
+            assert!(t.begin(&ev(1, i, i + 1, "x"), i, &mut out).is_none());
+        }
+        let dropped = t.begin(&ev(1, 999, 999, "y"), 999, &mut out).expect("the oldest goes");
+        assert_eq!((dropped.start_ns, dropped.tag, dropped.end_ns), (0, 0, None));
+        assert_eq!(t.thread_exited(1).len(), MAX_OPEN_PER_THREAD);
+        assert!(t.thread_exited(1).is_empty());
+    }
+
+    #[test]
+    fn step_region_specs_parse() {
+        assert_eq!(
+            RegionStepSpec::parse("ProfilerStep#"),
+            Ok(RegionStepSpec { label: "train".into(), prefix: "ProfilerStep#".into() })
+        );
+        assert_eq!(
+            RegionStepSpec::parse("eval=eval_step"),
+            Ok(RegionStepSpec { label: "eval".into(), prefix: "eval_step".into() })
+        );
+        assert!(RegionStepSpec::parse("").is_err());
+        assert!(RegionStepSpec::parse("x=").is_err());
+    }
+}

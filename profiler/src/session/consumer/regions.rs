@@ -1,0 +1,114 @@
+//! The consumer's side of PyTorch's `record_function` regions: region events
+//! become `regions` rows, and (through `crate::regions`) step boundaries that
+//! go through the step tracker like a step function's entry and return, with
+//! the steps' data-wait and optimizer time.
+use super::Consumer;
+use crate::{
+    events::{OrderedEvent, RegionEvent},
+    regions::{Boundary, Region, RegionSteps, RegionTracker, StepStart},
+    steps::DepthChange,
+    store::{RegionRow, StoreMsg},
+};
+
+/// The step a thread was in when a region began.
+type StepTag = Option<(&'static str, u64)>;
+
+/// Regions in flight and rows not yet sent (a field of the consumer).
+pub(in crate::session) struct RegionState {
+    tracker: RegionTracker<StepTag>,
+    rows: Vec<RegionRow>,
+}
+
+impl RegionState {
+    pub(in crate::session) fn new(sources: RegionSteps) -> Self {
+        Self { tracker: RegionTracker::new(sources), rows: Vec::new() }
+    }
+
+    fn keep(&mut self, regions: impl IntoIterator<Item = Region<StepTag>>) {
+        self.rows.extend(regions.into_iter().map(|r| RegionRow {
+            tid: r.tid,
+            name: r.name,
+            truncated: r.truncated,
+            start_ns: r.start_ns,
+            end_ns: r.end_ns,
+            step: r.tag,
+        }));
+    }
+}
+
+impl Consumer {
+    /// A region began (`begin`) or ended.
+    pub(super) fn region_event(&mut self, event: RegionEvent, begin: bool) {
+        self.sequence(&event.as_ordered_event(), DepthChange::None);
+        let mut boundaries = Vec::new();
+        if begin {
+            let tag = self.tracker.current_step(event.tid);
+            let dropped = self.regions.tracker.begin(&event, tag, &mut boundaries);
+            self.regions.keep(dropped);
+        } else {
+            let ended = self.regions.tracker.end(&event, &mut boundaries);
+            self.regions.keep(ended);
+        }
+        for b in boundaries {
+            self.boundary(event.tid, b);
+        }
+    }
+
+    /// A step boundary from regions: a step function's entry or return, with
+    /// no sequence of its own (the region record's was checked).
+    fn boundary(&mut self, tid: u32, b: Boundary) {
+        match b {
+            Boundary::Enter { probe, ts_ns, thread_launches } => {
+                self.tracker.enter(tid, probe, ts_ns, thread_launches);
+            }
+            Boundary::Exit { probe, ts_ns, thread_launches, phases, start } => {
+                let before = self.steps.len();
+                let e = OrderedEvent { ts_ns, tid, probe, thread_launches, seq: 0, depth: 0 };
+                self.step_exit(&e);
+                if self.steps.len() == before {
+                    return;
+                }
+                let Some(step) = self.steps.last_mut() else { return };
+                step.phases = phases;
+                match start {
+                    StepStart::Entered => {}
+                    // Its first batch is its start; the time before it was the gap.
+                    StepStart::Batch(at) if at > step.start_ns => {
+                        let late = at - step.start_ns;
+                        step.inter_step_ns = step.inter_step_ns.map(|g| g + late);
+                        step.start_ns = at;
+                    }
+                    StepStart::Batch(_) => {}
+                    // Stored as incomplete: its start was not seen.
+                    StepStart::Guessed => {
+                        if let Some(label) = self.tracker.label(probe) {
+                            self.incomplete_steps.push((label, step.step));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A thread exited: its open regions are stored with no end.
+    pub(super) fn regions_thread_exited(&mut self, tid: u32) {
+        let open = self.regions.tracker.thread_exited(tid);
+        self.regions.keep(open);
+    }
+
+    /// The session is over: regions still open are stored with no end.
+    pub(super) fn finish_regions(&mut self) {
+        let open = self.regions.tracker.open_regions();
+        self.regions.keep(open);
+        if self.regions.tracker.unmatched_ends > 0 {
+            log::info!("{} record_function ends had no begin seen", self.regions.tracker.unmatched_ends);
+        }
+    }
+
+    /// Sends the region rows.
+    pub(super) fn flush_regions(&mut self) {
+        if !self.regions.rows.is_empty() {
+            self.writer.send(StoreMsg::Regions(std::mem::take(&mut self.regions.rows)));
+        }
+    }
+}

@@ -1,0 +1,313 @@
+//! Steps from PyTorch's own `record_function` markers (#12), on a real
+//! PyTorch (2.15.0 from PyPI, CPU) in the environments `cargo xtask` makes
+//! (`PROFILER_TORCH_PYTHONS`): training loops that write their own ground
+//! truth (tests/fixtures/torch_loop.py), compared with the database.
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command},
+    time::{Duration, Instant},
+};
+
+use integration_tests::*;
+
+/// The environments as `name=python;…`; empty where none could be made.
+fn pythons() -> Vec<(String, PathBuf)> {
+    std::env::var("PROFILER_TORCH_PYTHONS")
+        .unwrap_or_default()
+        .split(';')
+        .filter_map(|p| p.split_once('=').map(|(n, p)| (n.to_owned(), PathBuf::from(p))))
+        .collect()
+}
+
+fn python(name: &str) -> Option<PathBuf> {
+    let p = pythons().into_iter().find(|(n, _)| n == name).map(|(_, p)| p);
+    if p.is_none() {
+        skip(format!("no PyTorch environment for {name} (see `cargo xtask torch-env`)"));
+    }
+    p
+}
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/torch_loop.py")
+}
+
+/// One optimizer step as the loop saw it.
+#[derive(Clone, Debug)]
+struct LoopStep {
+    tid: u32,
+    /// -1: not known (the first step of a loop without a DataLoader).
+    start_ns: i64,
+    end_ns: i64,
+    data_wait_ns: i64,
+}
+
+/// Reads the loop's `step` (or `region`) lines.
+fn read_truth(path: &Path, kind: &str) -> Vec<LoopStep> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.lines()
+        .filter(|l| l.starts_with(kind))
+        .map(|l| {
+            let f: Vec<i64> = l.split_whitespace().skip(1).map(|x| x.parse().expect("a number")).collect();
+            LoopStep { tid: f[1] as u32, start_ns: f[2], end_ns: f[3], data_wait_ns: f.get(4).copied().unwrap_or(0) }
+        })
+        .collect()
+}
+
+struct Loop {
+    child: Child,
+    dir: PathBuf,
+}
+
+impl Loop {
+    /// Starts the loop and waits until it has imported torch (unless it imports late).
+    fn start(python: &Path, name: &str, args: &[&str]) -> Loop {
+        let dir = workdir(name);
+        let child = Command::new(python)
+            .arg(fixture())
+            .args(args)
+            .arg("--truth")
+            .arg(dir.join("truth.txt"))
+            .arg("--wait-file")
+            .arg(dir.join("go"))
+            .arg("--ready-file")
+            .arg(dir.join("ready"))
+            .spawn()
+            .expect("python loop");
+        let l = Loop { child, dir };
+        if !args.contains(&"--late-import") {
+            let t0 = Instant::now();
+            while !l.dir.join("ready").exists() {
+                assert!(t0.elapsed() < Duration::from_secs(120), "the loop never got ready");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        l
+    }
+
+    fn go(&self) {
+        std::fs::write(self.dir.join("go"), b"").expect("go");
+    }
+
+    fn db(&self) -> PathBuf {
+        self.dir.join("p.db")
+    }
+
+    fn truth(&self, kind: &str) -> Vec<LoopStep> {
+        read_truth(&self.dir.join("truth.txt"), kind)
+    }
+}
+
+/// Runs the loop under the profiler from its first step to its end.
+fn traced(python: &Path, name: &str, args: &[&str], flags: &[&str]) -> (Loop, String) {
+    let mut l = Loop::start(python, name, args);
+    let mut all = vec!["--no-gpu"];
+    all.extend(flags);
+    let agent = Agent::attach(l.child.id(), &l.db(), &all);
+    l.go();
+    assert!(l.child.wait().expect("wait").success());
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "{stderr}");
+    (l, stderr)
+}
+
+/// Completed steps of `label`, in order.
+fn db_steps(db: &Path, label: &str) -> Vec<DbStep> {
+    let s = last_session(db);
+    steps(db, s.id).into_iter().filter(|d| d.label == label && d.end_ns.is_some()).collect()
+}
+
+/// Every loop step is a database step, in order, on its thread, with both
+/// boundaries near the loop's own stamps. Returns the p99 errors (ns).
+fn compare(truth: &[LoopStep], db: &[DbStep]) -> (i64, i64) {
+    assert_eq!(db.len(), truth.len(), "steps: database {} vs the loop's {}", db.len(), truth.len());
+    let (mut starts, mut ends) = (Vec::new(), Vec::new());
+    for (t, d) in truth.iter().zip(db) {
+        assert_eq!(d.tid, t.tid, "thread of step {}", d.step);
+        let end = d.end_ns.expect("ended") as i64;
+        // The probe fires inside the optimizer's step (and the DataLoader's
+        // `__next__`), just before the loop's stamp after it returns.
+        let de = t.end_ns - end;
+        assert!((0..STEP_TOLERANCE_NS).contains(&de), "step {} end: {end} vs loop {} ({de} ns)", d.step, t.end_ns);
+        ends.push(de);
+        if t.start_ns >= 0 {
+            let ds = t.start_ns - d.start_ns as i64;
+            assert!(
+                (0..STEP_TOLERANCE_NS).contains(&ds),
+                "step {} start: {} vs {} ({ds} ns)",
+                d.step,
+                d.start_ns,
+                t.start_ns
+            );
+            starts.push(ds);
+        }
+    }
+    (BoundaryErrors::p99(&starts), BoundaryErrors::p99(&ends))
+}
+
+fn phases(db: &Path) -> Vec<(Option<i64>, Option<i64>)> {
+    let s = last_session(db);
+    let conn = open(db);
+    let mut q = conn
+        .prepare("SELECT data_wait_ns, optimizer_ns FROM steps WHERE session_id = ?1 AND end_ns IS NOT NULL ORDER BY start_ns")
+        .expect("prepare");
+    q.query_map([s.id], |r| Ok((r.get(0)?, r.get(1)?))).expect("query").collect::<Result<_, _>>().expect("rows")
+}
+
+fn dataloader_loop(name: &str, python: &Path, args: &[&str], steps: usize) {
+    let (l, stderr) = traced(python, name, args, &[]);
+    assert!(stderr.contains("steps from PyTorch's optimizer markers"), "{stderr}");
+    let truth = l.truth("step");
+    assert_eq!(truth.len(), steps);
+    let db = db_steps(&l.db(), "train");
+    let (ps, pe) = compare(&truth, &db);
+    println!("{name}: {} steps, p99 start {ps} ns, end {pe} ns", truth.len());
+    // The loop's data wait holds the probe's (its stamps are outside `__next__`).
+    for ((wait, opt), t) in phases(&l.db()).into_iter().zip(&truth) {
+        let (wait, opt) = (wait.expect("data_wait_ns"), opt.expect("optimizer_ns"));
+        assert!(wait > 0 && wait <= t.data_wait_ns, "data wait {wait} vs loop {}", t.data_wait_ns);
+        assert!(opt > 0, "optimizer time");
+    }
+    let s = last_session(&l.db());
+    let step_source: Option<String> =
+        open(&l.db()).query_row("SELECT step_source FROM sessions WHERE id = ?1", [s.id], |r| r.get(0)).expect("row");
+    assert_eq!(step_source.as_deref(), Some("torch:Optimizer.step#"));
+    let per_name = |like: &str| {
+        count(
+            &l.db(),
+            &format!(
+                "SELECT count(*) FROM regions WHERE session_id = ?1 AND end_ns IS NOT NULL AND name LIKE '{like}'"
+            ),
+            s.id,
+        )
+    };
+    assert_eq!(per_name("Optimizer.step#%") as usize, steps, "an ended region per optimizer step");
+    assert_eq!(per_name("Optimizer.zero_grad#%") as usize, steps);
+}
+
+#[test]
+fn adamw_with_a_dataloader_on_python311() {
+    let Some(py) = python("python3.11") else { return };
+    dataloader_loop("torch-adamw", &py, &["--steps", "60", "--optimizer", "adamw"], 60);
+}
+
+#[test]
+fn sgd_with_gradient_accumulation_is_one_step_per_optimizer_step() {
+    let Some(py) = python("python3.11") else { return };
+    dataloader_loop("torch-sgd-accum", &py, &["--steps", "30", "--optimizer", "sgd", "--accum", "4"], 30);
+}
+
+#[test]
+fn the_same_loop_on_pyenv_python312_and_313_without_usdt() {
+    for name in ["python3.12", "python3.13"] {
+        let Some(py) = python(name) else { continue };
+        dataloader_loop(&format!("torch-{name}"), &py, &["--steps", "40"], 40);
+    }
+}
+
+#[test]
+fn a_loop_without_a_dataloader_steps_from_optimizer_step_to_optimizer_step() {
+    let Some(py) = python("python3.11") else { return };
+    let (l, _) = traced(&py, "torch-nodl", &["--steps", "40", "--no-dataloader"], &[]);
+    let truth = l.truth("step");
+    let (ps, pe) = compare(&truth, &db_steps(&l.db(), "train"));
+    println!("no DataLoader: {} steps, p99 start {ps} ns, end {pe} ns", truth.len());
+}
+
+#[test]
+fn a_user_region_is_a_step_with_step_region() {
+    let Some(py) = python("python3.11") else { return };
+    let (l, _) = traced(
+        &py,
+        "torch-region",
+        &["--steps", "30", "--user-region", "train_step"],
+        &["--step-region", "user=train_step"],
+    );
+    let regions = l.truth("region");
+    let db = db_steps(&l.db(), "user");
+    // The region's probes fire inside `with`: the loop's stamps are just outside.
+    assert_eq!(db.len(), regions.len());
+    for (t, d) in regions.iter().zip(&db) {
+        let (ds, de) = (d.start_ns as i64 - t.start_ns, t.end_ns - d.end_ns.expect("ended") as i64);
+        assert!((0..STEP_TOLERANCE_NS).contains(&ds) && (0..STEP_TOLERANCE_NS).contains(&de), "{d:?} vs {t:?}");
+    }
+    // A named source: the optimizer's markers make no steps of their own (auto).
+    assert!(db_steps(&l.db(), "train").is_empty());
+}
+
+#[test]
+fn a_loop_that_imports_torch_after_the_profiler_attached() {
+    let Some(py) = python("python3.11") else { return };
+    let mut l = Loop::start(&py, "torch-late", &["--steps", "30", "--late-import", "--after-import-ms", "1000"]);
+    let agent = Agent::attach(l.child.id(), &l.db(), &["--no-gpu", "--steps", "torch"]);
+    agent.wait_for("waiting for it", Duration::from_secs(10));
+    l.go();
+    assert!(l.child.wait().expect("wait").success());
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "{stderr}");
+    compare(&l.truth("step"), &db_steps(&l.db(), "train"));
+}
+
+#[test]
+fn attach_to_a_running_loop_records_its_steps_within_a_second() {
+    let Some(py) = python("python3.11") else { return };
+    let mut l = Loop::start(&py, "torch-running", &["--forever"]);
+    l.go();
+    std::thread::sleep(Duration::from_millis(500));
+    let t0 = clock_ns();
+    let agent = Agent::attach(l.child.id(), &l.db(), &["--no-gpu", "--duration", "3"]);
+    let (status, stderr) = agent.finish();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(l.child.id() as i32, libc::SIGKILL) };
+    let _ = l.child.wait();
+    assert!(status.success(), "{stderr}");
+    let db = db_steps(&l.db(), "train");
+    assert!(!db.is_empty(), "steps recorded");
+    let first = db[0].end_ns.expect("ended") as i64 - t0;
+    println!("first step recorded (ended) {:.3} s after attach started", first as f64 / 1e9);
+    assert!(first < 1_000_000_000 + 5_000_000_000, "first step {first} ns after attach");
+    // Each database step that is not marked incomplete is one of the loop's,
+    // start and end, the first one included: a step begun before the probes
+    // must not pass for one that was seen.
+    let truth = l.truth("step");
+    let incomplete = incomplete_steps(&l.db());
+    let checked: Vec<&DbStep> = db.iter().filter(|d| !incomplete.contains(&d.step)).collect();
+    assert!(checked.len() > 10, "{} complete steps of {}", checked.len(), db.len());
+    for d in checked {
+        let end = d.end_ns.expect("ended") as i64;
+        let t = truth.iter().find(|t| (0..STEP_TOLERANCE_NS).contains(&(t.end_ns - end)));
+        let Some(t) = t else { panic!("{d:?}: no loop step ends just after it (last: {:?})", truth.last()) };
+        let ds = t.start_ns - d.start_ns as i64;
+        assert!((0..STEP_TOLERANCE_NS).contains(&ds), "{d:?} vs {t:?}: start off by {ds} ns");
+    }
+}
+
+/// Numbers of the `train` steps stored as incomplete.
+fn incomplete_steps(db: &Path) -> Vec<i64> {
+    let s = last_session(db);
+    let conn = open(db);
+    let mut q = conn
+        .prepare("SELECT step FROM steps WHERE session_id = ?1 AND label = 'train' AND incomplete = 1")
+        .expect("prepare");
+    q.query_map([s.id], |r| r.get(0)).expect("query").collect::<Result<_, _>>().expect("rows")
+}
+
+fn clock_ns() -> i64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec * 1_000_000_000 + ts.tv_nsec
+}
+
+#[test]
+fn a_target_without_pytorch_says_no_steps_will_be_recorded() {
+    let Some(py) = python("python3.11") else { return };
+    let mut child = Command::new(py).args(["-c", "import time; time.sleep(30)"]).spawn().expect("python");
+    let db = workdir("torch-none").join("p.db");
+    let agent = Agent::attach(child.id(), &db, &["--no-gpu", "--duration", "0.5"]);
+    let (status, stderr) = agent.finish();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(status.success(), "{stderr}");
+    assert_eq!(stderr.lines().filter(|l| l.contains("no steps will be recorded")).count(), 1, "{stderr}");
+    assert!(stderr.contains("--step-symbol"), "{stderr}");
+}

@@ -1,0 +1,154 @@
+//! A real PyTorch for the tests and the benchmark: the pinned wheels
+//! from PyPI, downloaded once into a cache, and one virtual environment per
+//! Python on the machine image (Debian's 3.11, pyenv's 3.12 and 3.13), kept
+//! in the cache too, so a repeated run (or a fresh clone on the same machine)
+//! fetches and installs nothing.
+//!
+//! CPU use only: the CUDA wheel runs on CPU, but `import torch` preloads
+//! cuBLAS, cuDNN, NCCL, … from the `nvidia-*` wheels and fails without them
+//! (checked with 2.15.0), so they are installed; `triton`, `cuda-bindings`
+//! and `jinja2` are not needed to import torch and train, and are left out
+//! (`--no-deps` with an explicit list), which also spares downloading their
+//! per-Python wheels.
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result};
+
+use crate::{run, say};
+
+pub const TORCH_VERSION: &str = "2.15.0";
+
+/// What `import torch` and a training loop need, besides torch itself.
+const PACKAGES: &[&str] = &[
+    "numpy",
+    "filelock",
+    "typing_extensions",
+    "sympy",
+    "mpmath",
+    "networkx",
+    "fsspec",
+    "nvidia-cublas",
+    "nvidia-cudnn-cu13",
+    "nvidia-cuda-nvrtc",
+    "nvidia-cuda-runtime",
+    "nvidia-cuda-cupti",
+    "nvidia-cufft",
+    "nvidia-nvjitlink",
+    "nvidia-cusparse",
+    "nvidia-cusparselt-cu13",
+    "nvidia-cusolver",
+    "nvidia-nccl-cu13",
+    "nvidia-nvshmem-cu13",
+    "nvidia-cufile",
+    "nvidia-nvtx",
+];
+
+/// The Pythons to provide, where the machine has them: (name, interpreter).
+pub const PYTHONS: &[(&str, &str)] = &[
+    ("python3.11", "/usr/bin/python3.11"),
+    ("python3.12", "/root/.pyenv/versions/3.12.1/bin/python3.12"),
+    ("python3.13", "/root/.pyenv/versions/3.13.0/bin/python3.13"),
+];
+
+/// The cache: `PROFILER_TORCH_CACHE`, else /var/cache/profiler where it can
+/// be written (root), else `target/torch-cache`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("PROFILER_TORCH_CACHE") {
+        return d.into();
+    }
+    let system = Path::new("/var/cache/profiler");
+    if std::fs::create_dir_all(system).is_ok() && access_w(system) {
+        return system.to_owned();
+    }
+    crate::root().join("target/torch-cache")
+}
+
+fn access_w(p: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else { return false };
+    // SAFETY: a NUL-terminated path; access has no other preconditions.
+    unsafe { libc::access(c.as_ptr(), libc::W_OK) == 0 }
+}
+
+/// Makes every environment whose interpreter exists; returns the ready ones
+/// (name, its Python). A Python that cannot get one is reported, not fatal:
+/// the tests that need it skip, saying why.
+pub fn ensure_all() -> Vec<(String, PathBuf)> {
+    let mut ready = Vec::new();
+    for (name, python) in PYTHONS {
+        if !Path::new(python).exists() {
+            say(format!("torch-env: {python} is not on this machine: no {name} environment"));
+            continue;
+        }
+        match ensure(name, Path::new(python)) {
+            Ok(p) => ready.push((name.to_string(), p)),
+            Err(e) => say(format!("torch-env: no PyTorch for {name}: {e:#}")),
+        }
+    }
+    ready
+}
+
+fn ensure(name: &str, python: &Path) -> Result<PathBuf> {
+    let cache = cache_dir();
+    let venv = cache.join(format!("venvs/{name}-torch{TORCH_VERSION}"));
+    let marker = venv.join(".profiler-ready");
+    if marker.exists() && venv.join("bin/python").exists() {
+        return Ok(venv.join("bin/python"));
+    }
+    let wheels = cache.join("wheels");
+    std::fs::create_dir_all(&wheels).with_context(|| format!("creating {}", wheels.display()))?;
+    let partial = venv.with_extension("partial");
+    let _ = std::fs::remove_dir_all(&partial);
+    let _ = std::fs::remove_dir_all(&venv);
+    // The environment first: its pip (from ensurepip) downloads what is
+    // missing, so a machine whose interpreter has no pip of its own (Debian
+    // without python3-pip) works too.
+    run(Command::new(python).args(["-m", "venv"]).arg(&partial))?;
+    fill_wheels(&partial.join("bin/python"), &wheels)?;
+    say(format!("torch-env: creating {} (offline, from {})", venv.display(), wheels.display()));
+    let pip = |c: &mut Command| {
+        c.args(["-m", "pip", "install", "-q", "--no-index", "--no-deps", "--find-links"]).arg(&wheels);
+        c.arg(format!("torch=={TORCH_VERSION}")).args(PACKAGES);
+    };
+    let mut c = Command::new(partial.join("bin/python"));
+    pip(&mut c);
+    run(&mut c)?;
+    run(Command::new(partial.join("bin/python")).args(["-c", "import torch"]))?;
+    std::fs::write(partial.join(".profiler-ready"), TORCH_VERSION)?;
+    // The environment's `bin/python` finds its packages through pyvenv.cfg
+    // next to it, so the renamed tree works (its pip scripts' shebangs do
+    // not; everything here runs `python -m`).
+    std::fs::rename(&partial, &venv)?;
+    Ok(venv.join("bin/python"))
+}
+
+/// Downloads, once, what `python` needs: its own torch and numpy wheels,
+/// and (the first time) the pure-Python and NVIDIA wheels all share.
+fn fill_wheels(python: &Path, wheels: &Path) -> Result<()> {
+    let out = Command::new(python)
+        .args(["-c", "import sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]}')"])
+        .output()
+        .context("asking the Python its tag")?;
+    let tag = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let have = |prefix: &str, tag: &str| {
+        std::fs::read_dir(wheels).into_iter().flatten().flatten().any(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.starts_with(prefix) && n.contains(tag) && n.ends_with(".whl")
+        })
+    };
+    let download = |args: &[&str]| {
+        say(format!("torch-env: downloading {} into {} (once)", args.join(" "), wheels.display()));
+        run(Command::new(python).args(["-m", "pip", "download", "-q", "-d"]).arg(wheels).args(args))
+    };
+    let torch = format!("torch=={TORCH_VERSION}");
+    if !have(&format!("torch-{TORCH_VERSION}-"), &format!("{tag}-")) || !have("numpy-", &format!("{tag}-")) {
+        download(&["--no-deps", &torch, "numpy"])?;
+    }
+    if !have("nvidia_cuda_runtime-", "") || !have("sympy-", "") {
+        // With its dependencies, so that their versions are the ones torch pins.
+        download(&[&torch])?;
+    }
+    Ok(())
+}
