@@ -17,8 +17,9 @@ use crate::{
     probes::{
         self,
         maps::{self, MappedFile},
+        python_any::{self, PythonMechanism},
         step_symbol::{self, ResolvedStep},
-        usdt::{self, python::PythonProbes},
+        usdt,
     },
     samplers::{
         self, SamplerThread,
@@ -127,8 +128,8 @@ fn wait_for_exec(process: &procfs::process::Process, pid: u32) {
 pub(super) struct StepFunctions {
     /// The `--step-symbol`s, in probe-id order.
     pub symbols: Vec<ResolvedStep>,
-    /// CPython's USDT probes, when a `--step-python` is named.
-    pub python: Option<PythonProbes>,
+    /// How the `--step-python`s are seen (USDT or the frame hook), when one is named.
+    pub python: Option<PythonMechanism>,
     /// Every step's label, by probe id.
     pub labels: Vec<&'static str>,
 }
@@ -147,11 +148,12 @@ pub(super) fn resolve_steps(cfg: &SessionConfig, target: &TargetProcess) -> anyh
             symbols.push(step_symbol::resolve(spec, &candidates, open_in_target)?);
         }
     }
-    // CPython's USDT probes: no probes is an error that says what to do.
+    // CPython's USDT probes, else the frame hook: neither is an error that says what to do.
     let python = if cfg.python_steps.is_empty() {
         None
     } else {
-        Some(usdt::python::resolve(&usdt::python::candidates(exe, &mapped), open_in_target)?)
+        let candidates = usdt::python::candidates(exe, &mapped);
+        Some(python_any::resolve(&candidates, open_in_target, cfg.target_writes)?)
     };
     // Labels live as long as the session's rows refer to them: one small leak per session.
     let labels: Vec<&'static str> = cfg

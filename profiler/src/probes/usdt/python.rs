@@ -365,29 +365,7 @@ impl PythonSteps {
         probes: &PythonProbes,
         targets: &[PythonTarget],
     ) -> Result<Self, PythonAttachError> {
-        if targets.len() > PY_MAX_TARGETS as usize {
-            return Err(PythonAttachError::TooManyTargets { count: targets.len(), max: PY_MAX_TARGETS });
-        }
-        let mut ordered: Vec<&PythonTarget> = targets.iter().collect();
-        ordered.sort_by_key(|t| t.spec.file_suffix.is_none());
-        for (i, t) in ordered.iter().enumerate() {
-            let same =
-                |o: &&PythonTarget| o.spec.function == t.spec.function && o.spec.file_suffix == t.spec.file_suffix;
-            if ordered[..i].iter().any(same) {
-                return Err(PythonAttachError::Duplicate(t.spec.to_string()));
-            }
-        }
-        {
-            let map = ebpf.map_mut(map_names::PY_TARGETS).ok_or(PythonAttachError::Missing(map_names::PY_TARGETS))?;
-            let mut array: Array<_, PyTarget> = Array::try_from(map)
-                .map_err(|source| PythonAttachError::Map { name: map_names::PY_TARGETS, source })?;
-            for i in 0..PY_MAX_TARGETS {
-                let value = ordered.get(i as usize).map_or_else(PyTarget::default, |t| t.spec.target(t.label_id));
-                array
-                    .set(i, value, 0)
-                    .map_err(|source| PythonAttachError::Map { name: map_names::PY_TARGETS, source })?;
-            }
-        }
+        fill_targets(ebpf, targets)?;
         // One USDT_ARGS slot per probe site, entries then returns; the slot
         // travels as the cookie.
         {
@@ -446,6 +424,32 @@ impl PythonSteps {
         drop(tracing_switch);
         drop(links);
     }
+}
+
+/// Fills `PY_TARGETS` of `ebpf`, shared by the USDT probes and the frame hook.
+///
+/// Targets that name a file go first in the kernel's list, which stops at
+/// the first match: `helper.py:train_step` wins over a bare `train_step`.
+pub(crate) fn fill_targets(ebpf: &mut Ebpf, targets: &[PythonTarget]) -> Result<(), PythonAttachError> {
+    if targets.len() > PY_MAX_TARGETS as usize {
+        return Err(PythonAttachError::TooManyTargets { count: targets.len(), max: PY_MAX_TARGETS });
+    }
+    let mut ordered: Vec<&PythonTarget> = targets.iter().collect();
+    ordered.sort_by_key(|t| t.spec.file_suffix.is_none());
+    for (i, t) in ordered.iter().enumerate() {
+        let same = |o: &&PythonTarget| o.spec.function == t.spec.function && o.spec.file_suffix == t.spec.file_suffix;
+        if ordered[..i].iter().any(same) {
+            return Err(PythonAttachError::Duplicate(t.spec.to_string()));
+        }
+    }
+    let map = ebpf.map_mut(map_names::PY_TARGETS).ok_or(PythonAttachError::Missing(map_names::PY_TARGETS))?;
+    let mut array: Array<_, PyTarget> =
+        Array::try_from(map).map_err(|source| PythonAttachError::Map { name: map_names::PY_TARGETS, source })?;
+    for i in 0..PY_MAX_TARGETS {
+        let value = ordered.get(i as usize).map_or_else(PyTarget::default, |t| t.spec.target(t.label_id));
+        array.set(i, value, 0).map_err(|source| PythonAttachError::Map { name: map_names::PY_TARGETS, source })?;
+    }
+    Ok(())
 }
 
 /// The descriptor of `ebpf`'s loaded uprobe program `name`.
