@@ -329,6 +329,7 @@ pub fn main() -> Result<()> {
     sampler_table(&work)?;
     maps_table(&work)?;
     crate::bench_python::python_table(&work)?;
+    crate::bench_frame_hook::frame_hook_table(&work)?;
     fuzz_long()
 }
 

@@ -3,6 +3,7 @@
 //! Installs what a fresh machine lacks (rust-src for nightly, Debian's
 //! llvm-22-dev, bpf-linker built against it) and says what it is doing.
 mod bench;
+mod bench_frame_hook;
 mod bench_python;
 mod gpu;
 mod root;

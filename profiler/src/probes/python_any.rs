@@ -72,6 +72,21 @@ pub fn resolve<B: AsRef<[u8]>>(
     Err(PythonResolveError::Neither { usdt, hook: reasons.join("; ") })
 }
 
+/// What `--step-python` would use for process `pid` and why, for `doctor`:
+/// None when no candidate is a CPython at all.
+pub fn mechanism_for(pid: u32, candidates: &[PathBuf]) -> Option<Result<String, String>> {
+    let open = |p: &Path| super::open_in_target(pid, p);
+    let is_cpython = |p: &PathBuf| {
+        open(p).is_some_and(|b| {
+            !matches!(cpython::inspect(&b), Err(cpython::CPythonError::NotElf | cpython::CPythonError::Missing(_)))
+        })
+    };
+    if !candidates.iter().any(is_cpython) {
+        return None;
+    }
+    Some(resolve(candidates, open, true).map(|m| m.describe()).map_err(|e| e.to_string()))
+}
+
 impl PythonMechanism {
     /// One line for `doctor` and the session's output: what it is and what it costs.
     pub fn describe(&self) -> String {
