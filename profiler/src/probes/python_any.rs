@@ -43,7 +43,7 @@ pub enum PythonResolveError {
         "{usdt}; nor can the PEP 523 frame hook be used: {hook}. Run the training under CPython 3.10–3.14, \
          or mark steps in native code with --step-symbol"
     )]
-    Neither { usdt: PythonProbeError, hook: String },
+    Neither { usdt: Box<PythonProbeError>, hook: String },
 }
 
 /// The mechanism for `candidates` (target-visible paths: the executable,
@@ -69,7 +69,7 @@ pub fn resolve<B: AsRef<[u8]>>(
             Err(e) => reasons.push(format!("{}: {e}", path.display())),
         }
     }
-    Err(PythonResolveError::Neither { usdt, hook: reasons.join("; ") })
+    Err(PythonResolveError::Neither { usdt: Box::new(usdt), hook: reasons.join("; ") })
 }
 
 /// What `--step-python` would use for process `pid` and why, for `doctor`:

@@ -26,7 +26,9 @@ fn debug_offsets_need_their_cookie_and_a_gil_build() {
 
 /// Ground truth from each build's own debug info (gdb, see the module doc):
 /// `(version, interpreters.head, eval_frame, frame code, co_flags, co_name, co_filename, sizeof(PyASCIIObject))`.
-const PYENV: [(&str, (u8, u8), u64, u64, [u32; 5]); 4] = [
+/// `(release, version, interpreters.head, eval_frame, [code, co_flags, co_name, co_filename, ascii])`.
+type Expected = (&'static str, (u8, u8), u64, u64, [u32; 5]);
+const PYENV: [Expected; 4] = [
     ("3.10.13", (3, 10), 0x20, 0x558, [0x20, 0x24, 0x70, 0x68, 48]),
     ("3.11.7", (3, 11), 0x28, 0x590, [0x20, 0x30, 0x78, 0x70, 48]),
     ("3.12.1", (3, 12), 0x28, 0x6d0, [0, 0x30, 0x78, 0x70, 40]),
