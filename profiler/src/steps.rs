@@ -12,18 +12,6 @@
 //! the step it ended, not every later step of the thread.
 use std::collections::HashMap;
 
-/// Schema for what a loss costs: appended to the store's migrations (see
-/// `store::MIGRATIONS`). `steps.incomplete` is 1 for a step during (or just
-/// before) which records of its thread were lost: its `sync_wait_ns` may be
-/// low and its `inter_step_ns` may span steps never seen; with `end_ns` NULL
-/// it ended unseen. Its `launches`, counted in the kernel, stay exact when
-/// its start and end were seen. NULL in sessions from before this column.
-pub const LOSS_SCHEMA: &str = r#"
-ALTER TABLE sessions ADD COLUMN lost_step_records INTEGER;
-ALTER TABLE sessions ADD COLUMN map_failures INTEGER;
-ALTER TABLE steps ADD COLUMN incomplete INTEGER;
-"#;
-
 /// How a step-ring record changes its thread's step depth.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DepthChange {
@@ -51,7 +39,9 @@ pub struct CompletedStep {
     /// Time the thread spent in synchronisation calls during the step.
     pub sync_wait_ns: u64,
     /// Records of the thread were lost during the step or since its last one
-    /// (see [`LOSS_SCHEMA`]).
+    /// (stored as `steps.incomplete`: its `sync_wait_ns` may be low and its
+    /// `inter_step_ns` may span steps never seen; its `launches`, counted in
+    /// the kernel, stay exact when its start and end were seen).
     pub incomplete: bool,
 }
 
@@ -308,29 +298,6 @@ impl StepTracker {
         v.sort_by_key(|s| (s.label, s.step));
         v
     }
-}
-
-/// Stores what was lost (see [`LOSS_SCHEMA`]): in the session's row, the
-/// step ring's share of the lost records and the failed map updates; in
-/// `steps`, which steps are incomplete (every other step of the session 0).
-pub fn store_losses(
-    conn: &rusqlite::Connection,
-    session: i64,
-    kc: &crate::probes::KernelCounters,
-    incomplete: &[(&str, u64)],
-) -> rusqlite::Result<()> {
-    let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-    conn.execute(
-        "UPDATE sessions SET lost_step_records = ?2, map_failures = ?3 WHERE id = ?1",
-        rusqlite::params![session, n(kc.lost_step_records), n(kc.map_failures)],
-    )?;
-    let mut mark =
-        conn.prepare("UPDATE steps SET incomplete = 1 WHERE session_id = ?1 AND label = ?2 AND step = ?3")?;
-    for (label, step) in incomplete {
-        mark.execute(rusqlite::params![session, label, n(*step)])?;
-    }
-    conn.execute("UPDATE steps SET incomplete = 0 WHERE session_id = ?1 AND incomplete IS NULL", [session])?;
-    Ok(())
 }
 
 /// What each kind of loss cost, one line each, for the end of a session

@@ -97,25 +97,22 @@ pub struct Truth {
 
 impl Truth {
     pub fn read(path: &Path) -> Truth {
-        let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read truth {}: {e}", path.display()));
+        let file = TruthFile::read(path);
         let mut t = Truth::default();
-        for line in text.lines() {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            let n = |s: &str| s.parse::<u64>().expect("number in truth file");
-            match f.as_slice() {
-                ["step", tid, s, e, l, rest @ ..] => t.steps.push(TruthStep {
-                    label: rest.first().map_or("train", |l| *l).to_string(),
-                    tid: n(tid) as u32,
-                    start_ns: n(s),
-                    end_ns: n(e),
-                    launches: n(l),
-                }),
-                ["total", v] => t.total = n(v),
-                ["api", name, v, ..] => {
-                    t.apis.insert(name.to_string(), n(v));
-                }
-                _ => {}
-            }
+        for f in file.records("step") {
+            t.steps.push(TruthStep {
+                label: f.get(4).map_or("train", |l| *l).to_string(),
+                tid: file.num(&f, 0),
+                start_ns: file.num(&f, 1),
+                end_ns: file.num(&f, 2),
+                launches: file.num(&f, 3),
+            });
+        }
+        if let Some(f) = file.records("total").last() {
+            t.total = file.num(&f, 0);
+        }
+        for f in file.records("api") {
+            t.apis.insert(f[0].to_string(), file.num(&f, 1));
         }
         t.steps.sort_by_key(|s| (s.tid, s.start_ns));
         t
@@ -127,6 +124,60 @@ impl Truth {
         let last = self.steps.iter().map(|s| s.end_ns).max().unwrap_or(0);
         self.total as f64 / ((last - first) as f64 / 1e9)
     }
+}
+
+/// A ground-truth file a fixture wrote: one record per line, its words split
+/// on whitespace, the first word naming the record (`step`, `total`, `api`,
+/// `cuInit`, …).
+pub struct TruthFile {
+    path: PathBuf,
+    pub text: String,
+}
+
+impl TruthFile {
+    pub fn read(path: &Path) -> TruthFile {
+        let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read truth {}: {e}", path.display()));
+        TruthFile { path: path.to_owned(), text }
+    }
+
+    /// The words after the name of every `kind` record, in file order.
+    pub fn records<'a>(&'a self, kind: &'a str) -> impl Iterator<Item = Vec<&'a str>> + 'a {
+        self.text.lines().filter_map(move |line| {
+            let mut words = line.split_whitespace();
+            (words.next() == Some(kind)).then(|| words.collect())
+        })
+    }
+
+    /// Word `i` of a record as a number; a panic that names the file and the record otherwise.
+    pub fn num<T: std::str::FromStr>(&self, record: &[&str], i: usize) -> T {
+        record.get(i).and_then(|w| w.parse().ok()).unwrap_or_else(|| {
+            panic!("{}: no number at word {} of record {record:?}\n{}", self.path.display(), i + 1, self.text)
+        })
+    }
+}
+
+/// Nearest-rank percentile (the report's definition): the smallest of `values`
+/// with at least `p` % of them at or below it. None when empty.
+pub fn percentile<T: Copy + PartialOrd>(values: &[T], p: f64) -> Option<T> {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    let rank = ((p / 100.0 * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len().max(1));
+    sorted.get(rank - 1).copied()
+}
+
+/// Asserts that every line of `table` fits an 80-column terminal, a wide
+/// glyph counting two columns.
+pub fn assert_fits_80_columns(table: &str) {
+    for line in table.lines() {
+        assert!(unicode_width::UnicodeWidthStr::width(line) <= 80, "wider than 80 columns: {line:?}\n{table}");
+    }
+}
+
+/// Sends `sig` (a `libc::SIG*` number) to process `pid`, a child of this test.
+pub fn send_signal(pid: u32, sig: i32) {
+    let pid = rustix::process::Pid::from_raw(pid as i32).expect("a process id");
+    let sig = rustix::process::Signal::from_named_raw(sig).expect("a named signal");
+    rustix::process::kill_process(pid, sig).expect("signal a child");
 }
 
 /// The synthetic trainer, held before it loads CUDA until [`Trainer::go`].
@@ -158,6 +209,11 @@ impl Trainer {
 
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// Sends `sig` (a `libc::SIG*` number).
+    pub fn signal(&self, sig: i32) {
+        send_signal(self.pid(), sig);
     }
 
     pub fn go(&self) {
@@ -245,8 +301,7 @@ impl Agent {
     }
 
     pub fn signal(&self, sig: i32) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.child.id() as i32, sig) };
+        send_signal(self.child.id(), sig);
     }
 
     /// Waits for exit, and for the kernel to finish removing its probes;
@@ -413,9 +468,7 @@ pub struct BoundaryErrors {
 
 impl BoundaryErrors {
     pub fn p99(v: &[i64]) -> i64 {
-        let mut s = v.to_vec();
-        s.sort_unstable();
-        s.get(((s.len() as f64) * 0.99).ceil() as usize - 1).copied().unwrap_or(0)
+        percentile(v, 99.0).unwrap_or(0)
     }
 }
 

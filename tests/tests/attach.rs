@@ -138,7 +138,7 @@ fn runtime_launches_are_counted_once(name: &str, deeper: bool) {
     assert_steps_match(&truth.steps, &steps(&db, s.id), STEP_TOLERANCE_NS);
     let runtime_lib = count(
         &db,
-        "SELECT count(*) FROM libraries WHERE session_id = ?1 AND kind = 'runtime' AND how = 'dlopen'",
+        "SELECT count(*) FROM probed_files WHERE session_id = ?1 AND kind = 'runtime' AND how = 'dlopen'",
         s.id,
     );
     assert_eq!(runtime_lib, 1);
@@ -284,7 +284,7 @@ fn late_dlopen_of_the_driver_is_probed_before_it_loads() {
     assert_eq!(s.total_launches, Some(200));
     assert_eq!(api_counts(&db, s.id).get("cuLaunchKernel"), Some(&200));
     assert_steps_match(&truth.steps, &steps(&db, s.id), STEP_TOLERANCE_NS);
-    assert_eq!(count(&db, "SELECT count(*) FROM libraries WHERE session_id = ?1 AND how = 'predicted'", s.id), 1);
+    assert_eq!(count(&db, "SELECT count(*) FROM probed_files WHERE session_id = ?1 AND how = 'predicted'", s.id), 1);
 }
 
 /// A library loaded from a path nobody could predict is probed once the
@@ -311,11 +311,11 @@ fn late_dlopen_from_an_unpredictable_path_is_found_through_the_loader_hook() {
     assert_eq!(s.total_launches, Some(200));
     assert_steps_match(&trainer.truth().steps, &steps(&db, s.id), STEP_TOLERANCE_NS);
     let how: String = open(&db)
-        .query_row("SELECT how FROM libraries WHERE session_id = ?1 AND kind = 'driver'", [s.id], |r| r.get(0))
+        .query_row("SELECT how FROM probed_files WHERE session_id = ?1 AND kind = 'driver'", [s.id], |r| r.get(0))
         .expect("driver library row");
     assert_eq!(how, "dlopen");
     let loader: String = open(&db)
-        .query_row("SELECT how FROM libraries WHERE session_id = ?1 AND kind = 'loader'", [s.id], |r| r.get(0))
+        .query_row("SELECT how FROM probed_files WHERE session_id = ?1 AND kind = 'loader'", [s.id], |r| r.get(0))
         .expect("loader row");
     assert!(loader.starts_with("_dl_debug_state at file offset 0x"), "{loader}");
 }
@@ -354,8 +354,7 @@ fn interrupted(name: &str, sig: i32, extra: &[&str], reason: &str) {
     let (status, stderr) = agent.finish();
     assert!(status.success(), "{stderr}");
     // The trainer keeps running after the profiler leaves; stop it for its truth.
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(trainer.pid() as i32, libc::SIGTERM) };
+    trainer.signal(libc::SIGTERM);
     assert!(trainer.wait().success());
     let s = last_session(&db);
     assert_eq!(s.end_reason.as_deref(), Some(reason), "{stderr}");
@@ -432,7 +431,7 @@ fn duration_zero_smoke_run_loads_and_attaches() {
     ]);
     assert_eq!(code, Some(0), "{stderr}");
     assert_eq!(last_session(&db).end_reason.as_deref(), Some("duration"));
-    let probes = count(&db, "SELECT sum(probes) FROM libraries WHERE session_id = ?1", 1);
+    let probes = count(&db, "SELECT sum(probes) FROM probed_files WHERE session_id = ?1", 1);
     assert_eq!(
         probes,
         2 + 8 + 4 + 3 + 1,
@@ -477,14 +476,12 @@ fn genuine_nvidia_driver_library() {
         .expect("run profiler");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    let t = std::fs::read_to_string(&truth).expect("truth");
+    let file = TruthFile::read(&truth);
+    let t = &file.text;
     // cuInit returns what this host gives: 100 (no device) without the NVIDIA
     // driver; with it, whatever the 535 library makes of the host's driver.
-    let init: i64 = t
-        .lines()
-        .find_map(|l| l.strip_prefix("cuInit "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no cuInit line: {t}"));
+    let init: i64 =
+        file.records("cuInit").next().map(|f| file.num(&f, 0)).unwrap_or_else(|| panic!("no cuInit line: {t}"));
     match nvidia_driver() {
         None => assert_eq!(init, 100, "no NVIDIA driver here: cuInit must fail with 100 (no device): {t}"),
         Some(driver) => {
@@ -492,11 +489,7 @@ fn genuine_nvidia_driver_library() {
         }
     }
     // No context is current on any host: every call fails, and the probes fired on the real code anyway.
-    let failed: Vec<i64> = t
-        .lines()
-        .filter(|l| l.starts_with("api "))
-        .map(|l| l.split_whitespace().nth(4).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("rc in {l}")))
-        .collect();
+    let failed: Vec<i64> = file.records("api").map(|f| file.num(&f, 3)).collect();
     assert!(failed.len() == 8 && failed.iter().all(|&rc| rc != 0), "every launch fails without a context: {t}");
     let expected = Truth::read(&truth).apis;
     assert_eq!(expected.len(), 8, "the genuine library exports all 8 driver launch entry points: {t}");
@@ -779,15 +772,14 @@ fn sigkill_mid_session_keeps_every_committed_row_and_report_says_so() {
     assert_eq!(code, Some(0), "{err}");
     println!("{table}");
     assert!(table.contains("did not end cleanly (the profiler was killed?)"), "{table}");
-    assert!(table.lines().all(|l| l.chars().count() <= 80), "{table}");
+    assert_fits_80_columns(&table);
     let killed = json(&db);
     assert_eq!(killed["session"]["state"], "unclean", "{}", killed["session"]);
     assert!(killed["session"]["end_reason"].is_null() && killed["session"]["duration_s"].is_null());
     let (_, csv, _) = report_of(&db, &["--format", "csv"]);
     assert!(csv.lines().any(|l| l == "session,,state,unclean,"), "{csv}");
 
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(trainer.pid() as i32, libc::SIGTERM) };
+    trainer.signal(libc::SIGTERM);
     assert!(trainer.wait().success(), "trainer failed");
     let truth = trainer.truth();
 
@@ -834,7 +826,7 @@ fn sigkill_mid_session_keeps_every_committed_row_and_report_says_so() {
 
 /// A driver library whose probes attach only half way (its second launch
 /// entry point lies past the end of the file, where the kernel refuses a
-/// uprobe): none of its probes stay, one warning and a `libraries` row say
+/// uprobe): none of its probes stay, one warning and a `probed_files` row say
 /// why, and the session goes on.
 #[test]
 fn a_library_probed_half_way_keeps_no_probe_and_says_why() {
@@ -850,11 +842,11 @@ fn a_library_probed_half_way_keeps_no_probe_and_says_why() {
     let lib = lib_dir.join("libcuda.so.1").display().to_string();
     let (kind, probes, how): (String, i64, String) = open(&db)
         .query_row(
-            "SELECT kind, probes, how FROM libraries WHERE session_id = ?1 AND path = ?2",
+            "SELECT kind, probes, how FROM probed_files WHERE session_id = ?1 AND path = ?2",
             rusqlite::params![s.id, lib],
             |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
         )
-        .expect("a libraries row for the library that could not be probed");
+        .expect("a probed_files row for the library that could not be probed");
     assert_eq!((kind.as_str(), probes), ("driver", 0), "{how}");
     assert!(how.starts_with("not probed (predicted): "), "{how}");
     let placed: i64 = open(&db)

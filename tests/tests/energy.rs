@@ -127,8 +127,8 @@ fn step_energy_from_rapl_is_within_its_bound_across_a_wrap() {
         total += cpu;
         truth_total += cpu_truth;
     }
-    rel.sort_by(f64::total_cmp);
-    let (median, p90, worst) = (rel[rel.len() / 2], rel[rel.len() * 9 / 10], rel[rel.len() - 1]);
+    let at = |p| percentile(&rel, p).expect("steps measured");
+    let (median, p90, worst) = (at(50.0), at(90.0), at(100.0));
     println!(
         "RAPL per step: CPU relative error median {:.3}%, p90 {:.3}%, worst {:.2}%, steps' CPU energy {total:.3} J vs true {truth_total:.3} J",
         100.0 * median,

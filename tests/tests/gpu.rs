@@ -84,8 +84,8 @@ fn per_step_gpu_energy_is_within_its_bound_and_gpus_follow_cuda_visible_devices(
         bound_sum += bound;
         err_sum += err;
     }
-    rel.sort_by(f64::total_cmp);
-    let (median, p90, worst) = (rel[rel.len() / 2], rel[rel.len() * 9 / 10], rel[rel.len() - 1]);
+    let at = |p| percentile(&rel, p).expect("steps measured");
+    let (median, p90, worst) = (at(50.0), at(90.0), at(100.0));
     println!(
         "GPU energy per step: relative error median {:.3}%, p90 {:.3}%, worst {:.2}%, mean error {:.3} J, mean bound {:.3} J",
         100.0 * median,

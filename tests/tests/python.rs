@@ -43,7 +43,7 @@ fn python_steps_by_name_with_labels_threads_nesting_and_exceptions() {
     // must have been probed where the target's LD_LIBRARY_PATH points.
     let predicted = count(
         &db,
-        "SELECT count(*) FROM libraries WHERE session_id = ?1 AND kind = 'driver' AND how = 'predicted'",
+        "SELECT count(*) FROM probed_files WHERE session_id = ?1 AND kind = 'driver' AND how = 'predicted'",
         s.id,
     );
     assert_eq!(predicted, 1, "libcuda probed before the target loaded it");

@@ -75,7 +75,7 @@ fn any_cpython_steps_match_truth_with_or_without_usdt() {
         assert!(status.success(), "{stderr}");
         let s = last_session(&db);
         let row: String = open(&db)
-            .query_row("SELECT how FROM libraries WHERE session_id = ?1 AND kind = 'step'", [s.id], |r| r.get(0))
+            .query_row("SELECT how FROM probed_files WHERE session_id = ?1 AND kind = 'step'", [s.id], |r| r.get(0))
             .expect("the step probes' row");
         assert!(row.contains(how), "{}: {row}", python.display());
         let truth = Truth::read(&truth);

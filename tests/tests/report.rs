@@ -68,34 +68,18 @@ fn no_rapl_root(dir: &Path) -> String {
     root.display().to_string()
 }
 
-/// `label` where the profile has the column, else the label old profiles imply.
-fn label_expr(conn: &Connection, table: &str) -> &'static str {
-    let has: bool = conn
-        .query_row("SELECT count(*) > 0 FROM pragma_table_info(?1) WHERE name = 'label'", [table], |r| r.get(0))
-        .expect("table_info");
-    if has { "label" } else { "'train'" }
-}
-
-fn has_column(conn: &Connection, table: &str, column: &str) -> bool {
-    conn.query_row("SELECT count(*) > 0 FROM pragma_table_info(?1) WHERE name = ?2", [table, column], |r| r.get(0))
-        .expect("table_info")
-}
-
 /// A CTE of the measured steps: label 'train', after the first `skip` by
 /// start time, completed. Parameters: ?1 session, ?2 skip.
-fn used_cte(conn: &Connection) -> String {
-    let label = label_expr(conn, "steps");
-    format!(
-        "WITH ranked AS (SELECT s.*, {label} AS lbl,
-                                ROW_NUMBER() OVER (PARTITION BY {label} ORDER BY start_ns, step) AS rn
-                         FROM steps s WHERE session_id = ?1),
-              used AS (SELECT * FROM ranked WHERE rn > ?2 AND end_ns IS NOT NULL AND lbl = 'train')"
-    )
+fn used_cte() -> &'static str {
+    "WITH ranked AS (SELECT s.*, label AS lbl,
+                            ROW_NUMBER() OVER (PARTITION BY label ORDER BY start_ns, step) AS rn
+                     FROM steps s WHERE session_id = ?1),
+          used AS (SELECT * FROM ranked WHERE rn > ?2 AND end_ns IS NOT NULL AND lbl = 'train')"
 }
 
 /// Nearest-rank percentile of `expr` over the measured steps, by SQL.
 fn sql_percentile(conn: &Connection, session: i64, expr: &str, p: i64) -> Option<f64> {
-    let cte = used_cte(conn);
+    let cte = used_cte();
     let n: i64 = conn
         .query_row(&format!("{cte} SELECT count(*) FROM used WHERE {expr} IS NOT NULL"), params![session, SKIP], |r| {
             r.get(0)
@@ -180,7 +164,7 @@ fn report_matches_sql_and_ground_truth() {
             close(f(&l[key][stat]), want, &format!("{key}.{stat}"));
         }
     }
-    let cte = used_cte(&conn);
+    let cte = used_cte();
     let (n, mean_ms, first, last): (i64, f64, i64, i64) = conn
         .query_row(
             &format!("{cte} SELECT count(*), avg(duration_ns) / 1e6, min(start_ns), max(end_ns) FROM used"),
@@ -200,37 +184,31 @@ fn report_matches_sql_and_ground_truth() {
     assert_steps_match(&truth.steps, &db_steps, STEP_TOLERANCE_NS);
     let mut pairs: Vec<(&DbStep, &TruthStep)> = db_steps.iter().zip(&truth.steps).collect();
     pairs.sort_by_key(|(d, _)| (d.start_ns, d.step));
-    let mut truth_ms: Vec<f64> =
+    let truth_ms: Vec<f64> =
         pairs.iter().skip(SKIP as usize).map(|(_, t)| (t.end_ns - t.start_ns) as f64 / 1e6).collect();
-    truth_ms.sort_by(f64::total_cmp);
-    let truth_p50 = truth_ms[(50 * truth_ms.len()).div_ceil(100) - 1];
+    let truth_p50 = percentile(&truth_ms, 50.0).expect("measured steps");
     let p50 = f(&l["step_time_ms"]["p50"]);
     println!("step p50: report {p50:.4} ms, trainer {truth_p50:.4} ms, Δ {:.1} µs", 1e3 * (p50 - truth_p50));
     assert!((p50 - truth_p50).abs() < 0.3, "step p50 {p50} ms vs the trainer's {truth_p50} ms");
 
-    // Sync wait: only where the profile records it.
-    if has_column(&conn, "steps", "sync_wait_ns") {
-        let share: Option<f64> = conn
-            .query_row(
-                &format!(
-                    "{cte} SELECT sum(sync_wait_ns) * 1.0 / sum(duration_ns) FROM used WHERE sync_wait_ns IS NOT NULL"
-                ),
-                params![session.id, SKIP],
-                |r| r.get(0),
-            )
-            .expect("share");
-        assert_eq!(l["sync_wait_share"].as_f64(), share);
-    } else {
-        assert!(l["sync_wait_share"].is_null(), "no sync_wait_ns column: absent, not zero");
-    }
+    // Sync wait.
+    let share: Option<f64> = conn
+        .query_row(
+            &format!(
+                "{cte} SELECT sum(sync_wait_ns) * 1.0 / sum(duration_ns) FROM used WHERE sync_wait_ns IS NOT NULL"
+            ),
+            params![session.id, SKIP],
+            |r| r.get(0),
+        )
+        .expect("share");
+    assert_eq!(l["sync_wait_share"].as_f64(), share);
 
     // GPU energy per step against SQL, and against the stand-in's known power (100 + 50 g W).
-    let gpu_key = if has_column(&conn, "step_gpu", "label") { "AND g.label = u.lbl" } else { "" };
     let mut q = conn
         .prepare(&format!(
             "{cte} SELECT g.gpu, count(g.energy_j), avg(g.energy_j), avg(g.energy_error_j),
                           sum(g.energy_j) / (sum(u.duration_ns) / 1e9)
-             FROM step_gpu g JOIN used u ON u.step = g.step {gpu_key}
+             FROM step_gpu g JOIN used u ON u.step = g.step AND g.label = u.lbl
              WHERE g.session_id = ?1 AND g.energy_j IS NOT NULL GROUP BY g.gpu ORDER BY g.gpu"
         ))
         .expect("prepare");
@@ -290,9 +268,7 @@ fn report_matches_sql_and_ground_truth() {
     // The table: 80 columns, the same figures.
     let table = stdout_of(&["report", &dbs, "--skip", &SKIP.to_string()]);
     println!("{table}");
-    for line in table.lines() {
-        assert!(line.chars().count() <= 80, "wider than 80 columns: {line:?}");
-    }
+    assert_fits_80_columns(&table);
     let row = |name: &str| table.lines().find(|line| line.trim_start().starts_with(name)).map(str::to_owned);
     let step_row = row("step time (ms)").expect("step time row");
     assert!(step_row.contains(&format!("{:.3}", f(&l["step_time_ms"]["p50"]))), "{step_row}");
@@ -556,15 +532,10 @@ fn perfetto_export_is_well_formed_and_matches_the_database() {
     assert!(want_counters > 0);
     // No RAPL (an empty powercap root): no power counters for CPU or DRAM, not zeros.
     assert_eq!(counters.iter().filter(|e| e.name.contains("power") && !e.name.starts_with("GPU ")).count(), 0);
-    // System usage, where the profile has it: one event per non-NULL reading.
+    // System usage: one event per non-NULL reading.
     let mut want_system = 0;
-    if has_column(&conn, "system_samples", "ts_ns") {
-        for col in ["cpu_usage_pct", "process_cpu_pct", "ram_used_gb", "process_rss_gb"] {
-            if has_column(&conn, "system_samples", col) {
-                want_system +=
-                    count(&db, &format!("SELECT count({col}) FROM system_samples WHERE session_id = ?1"), s.id);
-            }
-        }
+    for col in ["cpu_usage_pct", "process_cpu_pct", "ram_used_gb", "process_rss_gb"] {
+        want_system += count(&db, &format!("SELECT count({col}) FROM system_samples WHERE session_id = ?1"), s.id);
     }
     assert_eq!((counters.len() - gpu_counters) as i64, want_system, "system counters");
     let power: Vec<f64> = counters.iter().filter(|e| e.name == "GPU 1 power").map(|e| f(&e.args["W"])).collect();
@@ -664,14 +635,12 @@ fn a_large_session_exports_in_bounded_memory() {
             .expect("query")
             .collect::<Result<_, _>>()
             .expect("rows");
-        let label = if has_column(&tx, "launches", "label") { ", label" } else { "" };
-        let label_value = if label.is_empty() { "" } else { ", 'train'" };
         let mut ins = tx
-            .prepare(&format!(
+            .prepare(
                 "INSERT INTO launches(session_id, ts_ns, tid, api, function, grid_x, grid_y, grid_z, block_x, block_y,
-                                      block_z, shared_mem_bytes, stream, step{label})
-                 VALUES (?1, ?2, ?3, 1, ?4, 1, 2, 3, 32, 2, 1, 0, 28672, ?5{label_value})"
-            ))
+                                      block_z, shared_mem_bytes, stream, step, label)
+                 VALUES (?1, ?2, ?3, 1, ?4, 1, 2, 3, 32, 2, 1, 0, 28672, ?5, 'train')",
+            )
             .expect("prepare");
         for i in 0..EXTRA {
             let (step, tid, start) = st[(i as usize) % st.len()];
@@ -921,9 +890,9 @@ fn doctor_without_privileges_fails_with_the_capability_fix() {
     assert!(stdout.contains("attach would fail"), "{stdout}");
 }
 
-/// Tables and columns that later profilers write (labels other than train,
-/// sync waits, kernel names, CPU energy, RAPL samples), added here to a real
-/// profile with known values: the report and the trace use them.
+/// Figures the stand-ins do not produce (labels other than train, sync waits,
+/// kernel names, CPU energy, RAPL samples), written here into a real profile
+/// with known values: the report and the trace use them.
 #[test]
 fn report_and_export_use_what_later_profilers_record() {
     let dir = workdir("later");
@@ -933,36 +902,15 @@ fn report_and_export_use_what_later_profilers_record() {
     const CPU_W: f64 = 50.0;
     {
         let conn = open(&db);
-        let labelled = has_column(&conn, "steps", "label");
-        if labelled {
-            // The last 10 steps become validation steps (numbers stay unique per label).
-            for table in ["steps", "step_gpu", "launches"] {
-                if has_column(&conn, table, "label") {
-                    conn.execute(
-                        &format!("UPDATE {table} SET label = 'validate' WHERE session_id = ?1 AND step >= 40"),
-                        [s.id],
-                    )
-                    .expect("relabel");
-                }
-            }
-        } else {
-            conn.execute("ALTER TABLE steps ADD COLUMN label TEXT NOT NULL DEFAULT 'train'", []).expect("label");
-            conn.execute("UPDATE steps SET label = 'validate' WHERE session_id = ?1 AND step >= 40", [s.id])
-                .expect("relabel");
-        }
-        if !has_column(&conn, "steps", "sync_wait_ns") {
-            conn.execute("ALTER TABLE steps ADD COLUMN sync_wait_ns INTEGER", []).expect("sync_wait_ns");
+        // The last 10 steps become validation steps (numbers stay unique per label).
+        for table in ["steps", "step_gpu", "launches"] {
+            conn.execute(
+                &format!("UPDATE {table} SET label = 'validate' WHERE session_id = ?1 AND step >= 40"),
+                [s.id],
+            )
+            .expect("relabel");
         }
         conn.execute("UPDATE steps SET sync_wait_ns = duration_ns / 4 WHERE session_id = ?1", [s.id]).expect("sync");
-        conn.execute_batch(
-            "CREATE TABLE IF NOT EXISTS syncs (session_id INTEGER, tid INTEGER, api, start_ns INTEGER, end_ns INTEGER,
-                                               step INTEGER);
-             CREATE TABLE IF NOT EXISTS kernels (session_id INTEGER, function INTEGER, name TEXT, demangled_name TEXT);
-             CREATE TABLE IF NOT EXISTS step_energy (session_id INTEGER, step INTEGER, cpu_energy_j REAL,
-                 dram_energy_j REAL, cpu_energy_error_j REAL, dram_energy_error_j REAL, below_resolution INTEGER);
-             CREATE TABLE IF NOT EXISTS rapl_samples (session_id INTEGER, ts_ns INTEGER, domain TEXT, energy_j REAL);",
-        )
-        .expect("tables");
         // A sync wait in the second quarter of every completed step.
         conn.execute(
             "INSERT INTO syncs (session_id, tid, api, start_ns, end_ns, step)
@@ -972,25 +920,20 @@ fn report_and_export_use_what_later_profilers_record() {
         )
         .expect("syncs");
         // Names for the first five kernels (the trainer's handles are 0x100000 + i).
-        // (Profilers that record kernels also record where each name came from.)
-        let source = if has_column(&conn, "kernels", "source") { ", source" } else { "" };
-        let source_value = if source.is_empty() { "" } else { ", 'cuModuleGetFunction'" };
         for i in 0..5i64 {
             conn.execute(
-                &format!(
-                    "INSERT INTO kernels (session_id, function, name, demangled_name{source}) VALUES (?1, ?2, ?3, ?4{source_value})"
-                ),
+                "INSERT INTO kernels (session_id, function, name, demangled_name, source)
+                 VALUES (?1, ?2, ?3, ?4, 'cuModuleGetFunction')",
                 params![s.id, 0x100000 + i, format!("_Z6kernelILi{i}EEvv"), format!("void kernel<{i}>()")],
             )
             .expect("kernel");
         }
         // CPU package at a constant 50 W; no DRAM domain (as on AMD).
-        let label_col = if has_column(&conn, "step_energy", "label") { "label, " } else { "" };
         conn.execute("DELETE FROM step_energy WHERE session_id = ?1", [s.id]).expect("clear");
         conn.execute(
             &format!(
-                "INSERT INTO step_energy (session_id, {label_col}step, cpu_energy_j, cpu_energy_error_j, below_resolution)
-                 SELECT session_id, {label_col}step, {CPU_W} * duration_ns / 1e9, 0.001, 0
+                "INSERT INTO step_energy (session_id, label, step, cpu_energy_j, cpu_energy_error_j, below_resolution)
+                 SELECT session_id, label, step, {CPU_W} * duration_ns / 1e9, 0.001, 0
                  FROM steps WHERE session_id = ?1 AND end_ns IS NOT NULL"
             ),
             [s.id],
@@ -1022,16 +965,13 @@ fn report_and_export_use_what_later_profilers_record() {
         assert_eq!(l["skipped"], SKIP, "--skip counts per label");
         assert_eq!(l["measured"], steps - SKIP);
         let label = l["label"].as_str().expect("label");
-        let energy_label = if has_column(&conn, "step_energy", "label") { "AND e.label = u.label" } else { "" };
         // Against SQL: the label's steps after the first SKIP by start time.
         let (share, cpu_j, dur_s): (f64, f64, f64) = conn
             .query_row(
-                &format!(
-                    "WITH u AS (SELECT * FROM (SELECT *, ROW_NUMBER() OVER (ORDER BY start_ns, step) AS rn
+                "WITH u AS (SELECT * FROM (SELECT *, ROW_NUMBER() OVER (ORDER BY start_ns, step) AS rn
                                            FROM steps WHERE session_id = ?1 AND label = ?2) WHERE rn > ?3)
                  SELECT sum(sync_wait_ns) * 1.0 / sum(duration_ns), avg(e.cpu_energy_j), sum(u.duration_ns) / 1e9
-                 FROM u JOIN step_energy e ON e.session_id = u.session_id AND e.step = u.step {energy_label}"
-                ),
+                 FROM u JOIN step_energy e ON e.session_id = u.session_id AND e.step = u.step AND e.label = u.label",
                 params![s.id, label, SKIP],
                 |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
             )
@@ -1059,9 +999,7 @@ fn report_and_export_use_what_later_profilers_record() {
     let table = stdout_of(&["report", &dbs]);
     assert!(table.contains("validate: 10 steps") && table.contains("void kernel<0>()"), "{table}");
     assert!(table.lines().any(|l| l.contains("sync wait") && l.contains("25.0%")), "{table}");
-    for line in table.lines() {
-        assert!(line.chars().count() <= 80, "wider than 80 columns: {line:?}");
-    }
+    assert_fits_80_columns(&table);
 
     let trace = dir.join("trace.json");
     stdout_of(&["export", &dbs, "-o", &trace.display().to_string()]);

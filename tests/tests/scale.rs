@@ -229,8 +229,8 @@ fn detaching_many_probes_keeps_every_record_from_before_the_stop() {
     trainer.go();
     let (status, stderr) = agent.finish();
     assert!(status.success(), "profiler failed: {stderr}");
-    // SAFETY: signalling our own child; it finishes its step and writes its truth.
-    unsafe { libc::kill(trainer.pid() as i32, libc::SIGTERM) };
+    // It finishes its step and writes its truth.
+    trainer.signal(libc::SIGTERM);
     assert!(trainer.wait().success());
     let truth = trainer.truth();
     let s = last_session(&db);

@@ -128,7 +128,18 @@ fn render(checks: &[Check], pid_header: Option<(usize, &str)>) -> String {
 
 fn machine_checks(args: &DoctorArgs) -> Vec<Check> {
     let mut checks = vec![kernel_check(), btf_check()];
-    // What `attach` and `run` decide on (privileges::check), read the same way.
+    let (privileges, privileged, cap_fix) = privileges_check();
+    checks.push(privileges);
+    checks.extend(bpf_checks(privileged, &cap_fix));
+    checks.push(nvml_check(args.nvml_lib.as_deref()));
+    // What the sampler would read: a named tree alone, else the PMU, else powercap.
+    checks.push(rapl_check(rapl::open(args.powercap_root.as_deref())));
+    checks
+}
+
+/// Whether this process may trace, as `attach` and `run` decide it
+/// (privileges::check): the check, the verdict, and how to get them.
+fn privileges_check() -> (Check, bool, String) {
     let status = privileges::own_status();
     let caps = status.as_ref().map(|s| s.capeff).map_err(Clone::clone);
     let cap_eff = caps.as_ref().copied().unwrap_or(0);
@@ -147,21 +158,26 @@ fn machine_checks(args: &DoctorArgs) -> Vec<Check> {
         Ok(_) if held.is_empty() => "none of CAP_BPF, CAP_PERFMON, CAP_SYS_ADMIN".into(),
         Ok(_) => held.join(", "),
     };
-    checks.push(if privileged {
+    let check = if privileged {
         Check::pass("privileges", format!("{held_text} (as {who})"))
     } else {
         Check::fail("privileges", format!("{held_text} (as {who}); needs CAP_BPF and CAP_PERFMON"), cap_fix.clone())
-    });
+    };
+    (check, privileged, cap_fix)
+}
 
-    // The BPF checks load a trivial program and create maps: they prove the
-    // syscall works for this process, not just that the kernel has the feature.
+/// The BPF checks load a trivial program and create maps: they prove the
+/// syscall works for this process, not just that the kernel has the feature.
+/// (The uprobe PMU check, which needs no BPF, sits among them.)
+fn bpf_checks(privileged: bool, cap_fix: &str) -> Vec<Check> {
+    let mut checks = Vec::new();
     let bpf_fix = |e: &str| {
         if privileged {
             format!(
                 "the kernel refused ({e}): check lockdown (/sys/kernel/security/lockdown) and seccomp/container limits on bpf()"
             )
         } else {
-            cap_fix.clone()
+            cap_fix.to_owned()
         }
     };
     let bpf_ok = match is_program_supported(ProgramType::KProbe) {
@@ -209,9 +225,6 @@ fn machine_checks(args: &DoctorArgs) -> Vec<Check> {
     } else {
         checks.push(Check::fail("ring buffer", needs_bpf, "fix the BPF syscall first (above)"));
     }
-    checks.push(nvml_check(args.nvml_lib.as_deref()));
-    // What the sampler would read: a named tree alone, else the PMU, else powercap.
-    checks.push(rapl_check(rapl::open(args.powercap_root.as_deref())));
     checks
 }
 

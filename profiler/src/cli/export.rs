@@ -304,20 +304,12 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
     let mut counts = EventCounts::default();
 
     // Track names.
-    let program = exe
-        .as_deref()
-        .or_else(|| command.split_whitespace().next())
-        .and_then(|p| Path::new(p).file_name())
-        .map_or_else(|| "target".to_string(), |n| n.to_string_lossy().into_owned());
+    let program = program_name(exe.as_deref(), &command);
     w.event(&t.meta("process_name", pid, &format!("{program} (pid {pid})")))?;
-    let has_syncs = db.has_table("syncs");
-    let mut tid_sql =
-        "SELECT tid FROM steps WHERE session_id = ?1 UNION SELECT tid FROM launches WHERE session_id = ?1".to_string();
-    if has_syncs {
-        tid_sql.push_str(" UNION SELECT tid FROM syncs WHERE session_id = ?1");
-    }
+    let tid_sql = "SELECT tid FROM steps WHERE session_id = ?1 UNION SELECT tid FROM launches WHERE session_id = ?1
+                   UNION SELECT tid FROM syncs WHERE session_id = ?1";
     {
-        let mut q = db.conn.prepare(&tid_sql)?;
+        let mut q = db.conn.prepare(tid_sql)?;
         let mut rows = q.query([session])?;
         while let Some(r) = rows.next()? {
             let tid: i64 = r.get(0)?;
@@ -329,12 +321,10 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
     // Steps. One thread runs one step at a time (a step is the outermost
     // call), so a thread's step slices never overlap.
     {
-        let label = db.label_expr("steps");
-        let sync = if db.has_column("steps", "sync_wait_ns") { "sync_wait_ns" } else { "NULL" };
-        let mut q = db.conn.prepare(&format!(
-            "SELECT {label}, step, tid, start_ns, end_ns, launches, {sync} FROM steps WHERE session_id = ?1
-             ORDER BY tid, start_ns"
-        ))?;
+        let mut q = db.conn.prepare(
+            "SELECT label, step, tid, start_ns, end_ns, launches, sync_wait_ns FROM steps WHERE session_id = ?1
+             ORDER BY tid, start_ns",
+        )?;
         let mut rows = q.query([session])?;
         let mut name = String::new();
         while let Some(r) = rows.next()? {
@@ -359,16 +349,7 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
 
     // Host sync waits: inside the step that waited, on the same thread. A
     // sync is stored once it returned, so each has an end.
-    if has_syncs {
-        let mut q = db.conn.prepare("SELECT api, tid, start_ns, end_ns, step FROM syncs WHERE session_id = ?1")?;
-        let mut rows = q.query([session])?;
-        while let Some(r) = rows.next()? {
-            let api: String = r.get(0)?;
-            let args = SyncArgs { step: r.get(4)? };
-            w.event(&t.span(&api, "sync", r.get(1)?, r.get(2)?, Some(r.get(3)?), args))?;
-            counts.syncs += 1;
-        }
-    }
+    counts.syncs = write_syncs(db, session, t, &mut w)?;
 
     counts.launches = write_launches(db, session, t, &mut w)?;
     counts.counters = write_counters(db, session, t, &mut w)?;
@@ -384,13 +365,34 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
     Ok(counts)
 }
 
+/// The target's program for its track name: the executable's file name, else
+/// the command's first word's.
+fn program_name(exe: Option<&str>, command: &str) -> String {
+    exe.or_else(|| command.split_whitespace().next())
+        .and_then(|p| Path::new(p).file_name())
+        .map_or_else(|| "target".to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+/// Host sync waits as slices.
+fn write_syncs<W: Write>(db: &ProfileDb, session: i64, t: Timeline, w: &mut TraceWriter<W>) -> anyhow::Result<u64> {
+    let mut q = db.conn.prepare("SELECT api, tid, start_ns, end_ns, step FROM syncs WHERE session_id = ?1")?;
+    let mut rows = q.query([session])?;
+    let mut n = 0;
+    while let Some(r) = rows.next()? {
+        let api: String = r.get(0)?;
+        let args = SyncArgs { step: r.get(4)? };
+        w.event(&t.span(&api, "sync", r.get(1)?, r.get(2)?, Some(r.get(3)?), args))?;
+        n += 1;
+    }
+    Ok(n)
+}
+
 /// Launch instants, named by kernel where the profile knows the name.
 fn write_launches<W: Write>(db: &ProfileDb, session: i64, t: Timeline, w: &mut TraceWriter<W>) -> anyhow::Result<u64> {
-    let label = if db.has_column("launches", "label") { "l.label" } else { "NULL" };
     let (names, kernels) = kernel_names(db, session, "l.function", "l.ts_ns")?;
     let sql = format!(
         "SELECT l.ts_ns, l.tid, l.function, a.name, {names}, l.grid_x, l.grid_y, l.grid_z,
-                l.block_x, l.block_y, l.block_z, l.shared_mem_bytes, l.stream, {label}, l.step
+                l.block_x, l.block_y, l.block_z, l.shared_mem_bytes, l.stream, l.label, l.step
          FROM launches l LEFT JOIN apis a ON a.id = l.api {kernels} WHERE l.session_id = ?1"
     );
     let mut q = db.conn.prepare(&sql)?;
@@ -440,7 +442,7 @@ fn write_counters<W: Write>(db: &ProfileDb, session: i64, t: Timeline, w: &mut T
 
     // RAPL counters are cumulative joules per domain: the power over each
     // interval is drawn from the interval's start.
-    if db.has_table("rapl_samples") {
+    {
         let mut q = db
             .conn
             .prepare("SELECT domain, ts_ns, energy_j FROM rapl_samples WHERE session_id = ?1 ORDER BY domain, ts_ns")?;
@@ -483,8 +485,8 @@ fn write_counters<W: Write>(db: &ProfileDb, session: i64, t: Timeline, w: &mut T
 }
 
 /// Counter tracks from a table of samples (`ts_ns` and one column per
-/// reading): for each (column, track name, unit) of `series` the file has,
-/// one value per sample that has it. With `gpu`, the column telling the
+/// reading): for each (column, track name, unit) of `series`, one value per
+/// sample that has it. With `gpu`, the column telling the
 /// GPU, tracks are per GPU: "GPU <n> <track name>".
 fn sample_counters<W: Write>(
     db: &ProfileDb,
@@ -495,10 +497,7 @@ fn sample_counters<W: Write>(
     gpu: Option<&str>,
     series: &[(&str, &str, &str)],
 ) -> anyhow::Result<()> {
-    let present: Vec<&(&str, &str, &str)> = series.iter().filter(|(c, ..)| db.has_column(table, c)).collect();
-    if present.is_empty() {
-        return Ok(());
-    }
+    let present: Vec<&(&str, &str, &str)> = series.iter().collect();
     let list: Vec<&str> = present.iter().map(|(c, ..)| *c).collect();
     let mut q = db.conn.prepare(&format!(
         "SELECT {}, ts_ns, {} FROM {table} WHERE session_id = ?1",

@@ -7,7 +7,7 @@ mod export;
 mod report;
 mod run;
 
-use std::{path::PathBuf, process::ExitCode, time::Duration};
+use std::{io::IsTerminal, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Args, Parser, Subcommand};
 
@@ -67,8 +67,8 @@ pub struct TraceArgs {
     /// Keep a row per launch (`all`), or only per-step counts (`count`).
     #[arg(long, value_enum, default_value_t = LaunchMode::All)]
     launches: LaunchMode,
-    /// Stop tracing after this many seconds.
-    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
+    /// Stop tracing after this many seconds, or this long (`90s`, `2m`, `1h 30m`).
+    #[arg(long, value_name = "SECS", value_parser = parse_duration)]
     duration: Option<Duration>,
     /// How often to read the target's maps for newly loaded CUDA libraries, in
     /// ms, when its dynamic loader cannot be probed (with it probed, the maps
@@ -117,19 +117,23 @@ fn parse_python_step(s: &str) -> Result<PythonStepSpec, String> {
 
 /// The longest `--duration`: a year. Longer is a typo, and far enough past
 /// any clock's end that the deadline arithmetic would overflow.
-const MAX_DURATION_SECS: f64 = 365.0 * 24.0 * 3600.0;
+const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 
-fn parse_secs(s: &str) -> Result<Duration, String> {
-    let v: f64 = s.parse().map_err(|_| format!("'{s}' is not a number of seconds"))?;
-    if !v.is_finite() || v < 0.0 {
-        return Err(format!("'{s}' is not a non-negative number of seconds"));
-    }
-    if v > MAX_DURATION_SECS {
-        return Err(format!(
-            "'{s}' seconds is more than a year ({MAX_DURATION_SECS} s); leave --duration out to trace until Ctrl-C"
-        ));
-    }
-    Ok(Duration::from_secs_f64(v))
+/// `--duration`: a number of seconds (fractions allowed), or a duration with
+/// units as humantime reads them (`90s`, `2m`, `1h 30m`, `500ms`).
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let d = match s.parse::<f64>() {
+        Ok(v) if !v.is_finite() || v < 0.0 => return Err(format!("'{s}' is not a non-negative number of seconds")),
+        // Checked before the conversion, which panics past u64 seconds.
+        Ok(v) if v > MAX_DURATION.as_secs_f64() => None,
+        Ok(v) => Some(Duration::from_secs_f64(v)),
+        Err(_) => Some(humantime::parse_duration(s).map_err(|e| {
+            format!("'{s}' is neither a number of seconds nor a duration such as 90s, 2m or 1h 30m ({e})")
+        })?),
+    };
+    d.filter(|d| *d <= MAX_DURATION).ok_or_else(|| {
+        format!("'{s}' is more than a year ({} s); leave --duration out to trace until Ctrl-C", MAX_DURATION.as_secs())
+    })
 }
 
 impl TraceArgs {
@@ -153,8 +157,7 @@ impl TraceArgs {
             powercap_root: self.powercap_root,
             system_interval: Duration::from_millis(self.system_interval),
             disk: self.disk,
-            // SAFETY: isatty has no preconditions.
-            status_line: !self.quiet && unsafe { libc::isatty(libc::STDERR_FILENO) } == 1,
+            status_line: !self.quiet && std::io::stderr().is_terminal(),
         }
     }
 }
@@ -206,11 +209,17 @@ mod tests {
     fn rejects_bad_values() {
         assert!(Cli::try_parse_from(["profiler", "attach", "notapid"]).is_err());
         assert!(Cli::try_parse_from(["profiler", "attach", "1", "--duration", "-1"]).is_err());
-        for bad in ["1e20", "inf", "NaN", "31536001", "1s"] {
+        for bad in ["1e20", "inf", "NaN", "31536001", "366days", "1y", "1 fortnight", "5 x", ""] {
             let e = Cli::try_parse_from(["profiler", "attach", "1", "--duration", bad]).expect_err(bad);
-            assert!(e.to_string().contains(bad), "{e}");
+            assert!(e.to_string().contains(&format!("'{bad}'")), "{e}");
         }
-        assert!(Cli::try_parse_from(["profiler", "attach", "1", "--duration", "31536000"]).is_ok());
+        for (good, secs) in [("31536000", 31_536_000.0), ("0", 0.0), ("0.25", 0.25), ("90s", 90.0), ("2m", 120.0)] {
+            let duration = |a: TraceArgs| a.duration;
+            let cli = Cli::try_parse_from(["profiler", "attach", "1", "--duration", good]).expect(good);
+            let Command::Attach(a) = cli.command else { panic!("attach expected") };
+            assert_eq!(duration(a.trace), Some(Duration::from_secs_f64(secs)), "{good}");
+        }
+        assert!(Cli::try_parse_from(["profiler", "attach", "1", "--duration", "1h 30m"]).is_ok());
         assert!(Cli::try_parse_from(["profiler", "attach", "1", "--gpu-interval", "0"]).is_err());
         assert!(Cli::try_parse_from(["profiler", "attach", "1", "--maps-interval", "99999999999999999999"]).is_err());
         assert!(Cli::try_parse_from(["profiler", "attach", "1", "--launches", "some"]).is_err());

@@ -3,10 +3,11 @@
 //! for an 80-column terminal, JSON for scripts, or CSV; and the read-only view
 //! of a profile that `export` shares.
 //!
-//! Profiles written by different versions hold different tables and columns
-//! (labels, sync wait, kernel names, CPU/DRAM energy came later), so every
-//! query is built from what the file has, and whatever it lacks is reported as
-//! absent (`–`, `null`, an empty CSV field), never as zero.
+//! A profile written by an older profiler is migrated in memory when opened
+//! (`store::open_for_reading`), so every query sees today's schema; what an
+//! old file could not hold (labels, sync wait, kernel names, CPU/DRAM energy
+//! came later) is NULL there, and reported as absent (`–`, `null`, an empty
+//! CSV field), never as zero.
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     fmt::Write as _,
@@ -17,8 +18,10 @@ use std::{
 
 use anyhow::{Context, anyhow, bail};
 use clap::{Args, ValueEnum};
-use rusqlite::{Connection, ErrorCode, OpenFlags};
+use comfy_table::{CellAlignment, ColumnConstraint, Row, Table, Width};
+use rusqlite::{Connection, ErrorCode};
 use serde::Serialize;
+use unicode_width::{UnicodeWidthChar, UnicodeWidthStr};
 
 /// Version of the JSON shape below; bumped only when a field changes meaning
 /// or goes away (new fields may be added without a bump).
@@ -93,7 +96,9 @@ pub(super) fn reader_went_away(e: &anyhow::Error) -> bool {
     })
 }
 
-/// A profile opened read-only, with its tables and views and their columns.
+/// A profile opened for reading at the current schema (see
+/// [`crate::store::open_for_reading`]), with its tables and views and their
+/// columns (for `export --format csv`, which names a table).
 pub(super) struct ProfileDb {
     pub conn: Connection,
     pub path: PathBuf,
@@ -105,8 +110,9 @@ pub(super) struct ProfileDb {
 }
 
 impl ProfileDb {
-    /// Opens `path` read-only; a missing file, a file that is not SQLite, and
-    /// a database without the profiler's tables each get one clear error.
+    /// Opens `path` without writing it; a missing file, a file that is not
+    /// SQLite, a database without the profiler's schema and one from a newer
+    /// profiler each get one clear error.
     pub fn open(path: &Path) -> anyhow::Result<Self> {
         if !path.exists() {
             bail!("{} does not exist; pass the file written by `profiler attach/run -o FILE`", path.display());
@@ -115,21 +121,26 @@ impl ProfileDb {
         // used to look would drop every fcntl lock this process holds on it,
         // its own connection's included.
         let written_by_a_live_profiler = crate::store::written_by_a_live_profiler(path);
-        // Read-only: a report must never create, migrate or lock a profile
-        // that a running profiler may still be writing.
-        let conn =
-            Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
-                .map_err(|e| anyhow!("cannot open {} ({e})", path.display()))?;
-        let tables = match read_schema(&conn) {
-            Ok(t) => t,
-            Err(e) if e.sqlite_error_code() == Some(ErrorCode::NotADatabase) => {
-                bail!("{} is not a SQLite database; pass a profile written by `profiler attach/run -o`", path.display())
+        // A report must never create, migrate or lock a profile that a
+        // running profiler may still be writing: an old one is migrated in memory.
+        let conn = crate::store::open_for_reading(path).map_err(|e| {
+            use crate::store::StoreError;
+            let p = path.display();
+            match e {
+                StoreError::NotADatabase { .. } => {
+                    anyhow!("{p} is not a SQLite database; pass a profile written by `profiler attach/run -o`")
+                }
+                StoreError::Foreign { .. } => {
+                    anyhow!("{p} is a SQLite database but not a profile (it has no profiler schema)")
+                }
+                StoreError::TooNew { found, .. } => anyhow!(
+                    "{p} has schema version {found}, newer than this profiler's {}; upgrade profiler to read it",
+                    crate::store::SCHEMA_VERSION
+                ),
+                e => anyhow!("cannot read {p} ({e})"),
             }
-            Err(e) => bail!("cannot read {} ({e})", path.display()),
-        };
-        if !tables.contains_key("sessions") || !tables.contains_key("steps") {
-            bail!("{} is a SQLite database but not a profile (it has no sessions and steps tables)", path.display());
-        }
+        })?;
+        let tables = read_schema(&conn).map_err(|e| anyhow!("cannot read {} ({e})", path.display()))?;
         Ok(Self { conn, path: path.to_owned(), tables, written_by_a_live_profiler })
     }
 
@@ -147,10 +158,6 @@ impl ProfileDb {
         self.tables.get(table).map_or(&[], Vec::as_slice)
     }
 
-    pub fn has_column(&self, table: &str, column: &str) -> bool {
-        self.columns(table).iter().any(|c| c == column)
-    }
-
     /// The session asked for, or the latest.
     pub fn session(&self, requested: Option<i64>) -> anyhow::Result<i64> {
         let ids: Vec<i64> = self
@@ -166,12 +173,6 @@ impl ProfileDb {
             Some(n) if ids.contains(&n) => Ok(n),
             Some(n) => bail!("{} has no session {n}; its sessions are {}", self.path.display(), id_list(&ids)),
         }
-    }
-
-    /// The expression for a step's label in `table`: profiles written before
-    /// labels existed only had training steps.
-    pub fn label_expr(&self, table: &str) -> &'static str {
-        if self.has_column(table, "label") { "label" } else { "'train'" }
     }
 }
 
@@ -480,17 +481,15 @@ pub fn build(db: &ProfileDb, session: i64, label: Option<&str>, skip: u64) -> an
     let mut info = session_info(db, session)?;
     // duration_s is NULL exactly when ended_ns is (started_ns is NOT NULL).
     info.state = session_state(db, session, info.duration_s.is_some())?;
-    let capabilities = if db.has_table("capabilities") {
-        let mut q = db.conn.prepare(
+    let capabilities = db
+        .conn
+        .prepare(
             "SELECT source, metric, available, reason FROM capabilities WHERE session_id = ?1 ORDER BY source, metric",
-        )?;
-        q.query_map([session], |r| {
+        )?
+        .query_map([session], |r| {
             Ok(CapabilityRow { source: r.get(0)?, metric: r.get(1)?, available: r.get(2)?, reason: r.get(3)? })
         })?
-        .collect::<rusqlite::Result<_>>()?
-    } else {
-        Vec::new()
-    };
+        .collect::<rusqlite::Result<_>>()?;
 
     let steps = load_steps(db, session)?;
     let mut by_label: BTreeMap<String, Vec<StepRow>> = BTreeMap::new();
@@ -517,41 +516,16 @@ pub fn build(db: &ProfileDb, session: i64, label: Option<&str>, skip: u64) -> an
         labels.push(label_figures(name, rows, &used, skip));
     }
 
-    let gpu_sums = gpu_energy(db, session, &measured, all_labels.len())?;
-    let (cpu_sums, dram_sums) = cpu_dram_energy(db, session, &measured, all_labels.len())?;
+    let gpu_sums = gpu_energy(db, session, &measured)?;
+    let (cpu_sums, dram_sums) = cpu_dram_energy(db, session, &measured)?;
     let gpu_names = gpu_names(db, session)?;
     for l in &mut labels {
         if let Some(per_gpu) = &gpu_sums {
-            let mut gpus: BTreeSet<i64> = gpu_names.keys().copied().collect();
-            gpus.extend(per_gpu.keys().map(|(_, g)| *g));
-            l.gpus = Some(
-                gpus.into_iter()
-                    .map(|g| GpuEnergy {
-                        gpu: g,
-                        name: gpu_names.get(&g).cloned().flatten(),
-                        energy: per_gpu.get(&(l.label.clone(), g)).and_then(EnergySum::stat).unwrap_or_default(),
-                    })
-                    .collect(),
-            );
+            l.gpus = Some(label_gpus(&l.label, per_gpu, &gpu_names));
         }
         l.cpu = cpu_sums.as_ref().and_then(|m| m.get(&l.label)).and_then(EnergySum::stat);
         l.dram = dram_sums.as_ref().and_then(|m| m.get(&l.label)).and_then(EnergySum::stat);
-        let mut total = None;
-        let mut parts = Vec::new();
-        for g in l.gpus.iter().flatten() {
-            if let Some(e) = g.energy.energy_per_step_j {
-                *total.get_or_insert(0.0) += e;
-                parts.push(format!("GPU {}", g.gpu));
-            }
-        }
-        for (part, stat) in [("CPU", &l.cpu), ("DRAM", &l.dram)] {
-            if let Some(e) = stat.as_ref().and_then(|s| s.energy_per_step_j) {
-                *total.get_or_insert(0.0) += e;
-                parts.push(part.to_string());
-            }
-        }
-        l.energy_per_step_j = total;
-        l.energy_components = parts;
+        l.add_up_energy();
     }
 
     let top_kernels = top_kernels(db, session, &info.launch_mode)?;
@@ -567,9 +541,49 @@ pub fn build(db: &ProfileDb, session: i64, label: Option<&str>, skip: u64) -> an
     })
 }
 
+/// One label's energy on every GPU the session saw (named or with figures);
+/// a GPU without figures for the label has an empty [`EnergyStat`].
+fn label_gpus(
+    label: &str,
+    per_gpu: &BTreeMap<(String, i64), EnergySum>,
+    gpu_names: &BTreeMap<i64, Option<String>>,
+) -> Vec<GpuEnergy> {
+    let mut gpus: BTreeSet<i64> = gpu_names.keys().copied().collect();
+    gpus.extend(per_gpu.keys().map(|(_, g)| *g));
+    gpus.into_iter()
+        .map(|g| GpuEnergy {
+            gpu: g,
+            name: gpu_names.get(&g).cloned().flatten(),
+            energy: per_gpu.get(&(label.to_owned(), g)).and_then(EnergySum::stat).unwrap_or_default(),
+        })
+        .collect()
+}
+
+impl LabelReport {
+    /// The energy per step over the parts that have a figure, and which they are.
+    fn add_up_energy(&mut self) {
+        let mut total = None;
+        let mut parts = Vec::new();
+        for g in self.gpus.iter().flatten() {
+            if let Some(e) = g.energy.energy_per_step_j {
+                *total.get_or_insert(0.0) += e;
+                parts.push(format!("GPU {}", g.gpu));
+            }
+        }
+        for (part, stat) in [("CPU", &self.cpu), ("DRAM", &self.dram)] {
+            if let Some(e) = stat.as_ref().and_then(|s| s.energy_per_step_j) {
+                *total.get_or_insert(0.0) += e;
+                parts.push(part.to_string());
+            }
+        }
+        self.energy_per_step_j = total;
+        self.energy_components = parts;
+    }
+}
+
 fn session_info(db: &ProfileDb, session: i64) -> anyhow::Result<SessionInfo> {
     Ok(db.conn.query_row(
-        "SELECT id, pid, command, exe, mode, launch_mode, step_symbol,
+        "SELECT id, pid, command, exe, mode, launch_mode, step_source,
                 strftime('%Y-%m-%d %H:%M:%S', (started_ns + unix_offset_ns) / 1e9, 'unixepoch'),
                 (started_ns + unix_offset_ns) / 1e9, (ended_ns - started_ns) / 1e9, end_reason, lost_events,
                 total_launches, stored_launches, unmatched_returns, hostname, kernel_release, profiler_version
@@ -604,13 +618,10 @@ fn session_info(db: &ProfileDb, session: i64) -> anyhow::Result<SessionInfo> {
 /// Every step of the session, each label's in start order (the order
 /// `--skip` counts in).
 fn load_steps(db: &ProfileDb, session: i64) -> anyhow::Result<Vec<StepRow>> {
-    let label = db.label_expr("steps");
-    let sync = if db.has_column("steps", "sync_wait_ns") { "sync_wait_ns" } else { "NULL" };
-    let sql = format!(
-        "SELECT {label}, step, start_ns, end_ns, duration_ns, inter_step_ns, launches, {sync}
-         FROM steps WHERE session_id = ?1 ORDER BY 1, start_ns, step"
-    );
-    let mut q = db.conn.prepare(&sql)?;
+    let mut q = db.conn.prepare(
+        "SELECT label, step, start_ns, end_ns, duration_ns, inter_step_ns, launches, sync_wait_ns
+         FROM steps WHERE session_id = ?1 ORDER BY 1, start_ns, step",
+    )?;
     let rows = q
         .query_map([session], |r| {
             Ok(StepRow {
@@ -660,52 +671,22 @@ fn label_figures(name: &str, rows: &[StepRow], used: &[&StepRow], skip: u64) -> 
     }
 }
 
-/// How a per-step table's rows name their step: with a label column, or by
-/// number alone (files from before labels), which is only unambiguous when
-/// the session has a single label. None: the rows cannot be matched.
-fn step_key(db: &ProfileDb, table: &str, labels_in_session: usize) -> Option<&'static str> {
-    if db.has_column(table, "label") {
-        Some("label")
-    } else if labels_in_session <= 1 {
-        Some("NULL")
-    } else {
-        None
-    }
-}
-
-/// The label a per-step row belongs to: its own, or the session's only one.
-fn row_label(own: Option<String>, measured: &Measured) -> Option<String> {
-    own.or_else(|| measured.keys().next().map(|(l, _)| l.clone()))
-}
-
 /// GPU energy of the measured steps, per (label, gpu); None when the profile
 /// has no per-step GPU figures for this session.
 fn gpu_energy(
     db: &ProfileDb,
     session: i64,
     measured: &Measured,
-    labels_in_session: usize,
 ) -> anyhow::Result<Option<BTreeMap<(String, i64), EnergySum>>> {
-    if !db.has_table("step_gpu") {
-        return Ok(None);
-    }
-    let Some(label) = step_key(db, "step_gpu", labels_in_session) else {
-        return Ok(None);
-    };
-    let col = |c: &'static str| if db.has_column("step_gpu", c) { c } else { "NULL" };
-    let sql = format!(
-        "SELECT {label}, step, gpu, {}, {}, {} FROM step_gpu WHERE session_id = ?1",
-        col("energy_j"),
-        col("energy_error_j"),
-        col("below_resolution")
-    );
-    let mut q = db.conn.prepare(&sql)?;
+    let mut q = db.conn.prepare(
+        "SELECT label, step, gpu, energy_j, energy_error_j, below_resolution FROM step_gpu WHERE session_id = ?1",
+    )?;
     let mut rows = q.query([session])?;
     let mut out: BTreeMap<(String, i64), EnergySum> = BTreeMap::new();
     let mut any = false;
     while let Some(r) = rows.next()? {
         any = true;
-        let Some(l) = row_label(r.get(0)?, measured) else { continue };
+        let l: String = r.get(0)?;
         let step: i64 = r.get(1)?;
         let gpu: i64 = r.get(2)?;
         let sum = out.entry((l.clone(), gpu)).or_default();
@@ -716,9 +697,6 @@ fn gpu_energy(
 }
 
 fn gpu_names(db: &ProfileDb, session: i64) -> anyhow::Result<BTreeMap<i64, Option<String>>> {
-    if !db.has_table("gpus") {
-        return Ok(BTreeMap::new());
-    }
     let mut q = db.conn.prepare("SELECT gpu, name FROM gpus WHERE session_id = ?1")?;
     let names = q.query_map([session], |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<rusqlite::Result<_>>()?;
     Ok(names)
@@ -728,33 +706,16 @@ type LabelSums = Option<BTreeMap<String, EnergySum>>;
 
 /// CPU package and DRAM energy of the measured steps, per label; each None
 /// when the profile has no such figures for this session.
-fn cpu_dram_energy(
-    db: &ProfileDb,
-    session: i64,
-    measured: &Measured,
-    labels_in_session: usize,
-) -> anyhow::Result<(LabelSums, LabelSums)> {
-    if !db.has_table("step_energy") {
-        return Ok((None, None));
-    }
-    let Some(label) = step_key(db, "step_energy", labels_in_session) else {
-        return Ok((None, None));
-    };
-    let col = |c: &'static str| if db.has_column("step_energy", c) { c } else { "NULL" };
-    let sql = format!(
-        "SELECT {label}, step, {}, {}, {}, {}, {} FROM step_energy WHERE session_id = ?1",
-        col("cpu_energy_j"),
-        col("cpu_energy_error_j"),
-        col("dram_energy_j"),
-        col("dram_energy_error_j"),
-        col("below_resolution")
-    );
-    let mut q = db.conn.prepare(&sql)?;
+fn cpu_dram_energy(db: &ProfileDb, session: i64, measured: &Measured) -> anyhow::Result<(LabelSums, LabelSums)> {
+    let mut q = db.conn.prepare(
+        "SELECT label, step, cpu_energy_j, cpu_energy_error_j, dram_energy_j, dram_energy_error_j, below_resolution
+         FROM step_energy WHERE session_id = ?1",
+    )?;
     let mut rows = q.query([session])?;
     let (mut cpu, mut dram): (BTreeMap<String, EnergySum>, BTreeMap<String, EnergySum>) = Default::default();
     let (mut cpu_any, mut dram_any) = (false, false);
     while let Some(r) = rows.next()? {
-        let Some(l) = row_label(r.get(0)?, measured) else { continue };
+        let l: String = r.get(0)?;
         let step: i64 = r.get(1)?;
         let below: Option<i64> = r.get(6)?;
         let dur = measured.get(&(l.clone(), step)).copied();
@@ -821,16 +782,13 @@ fn top_kernels(db: &ProfileDb, session: i64, launch_mode: &str) -> anyhow::Resul
 
 /// The names of the kernel handle in `function` (a column) at time `at` (a
 /// column), for a query whose `?1` is `session`: the two columns `name, demangled_name`, and the joins that provide
-/// them (none in files from before kernel names). Each joins at most one row.
+/// them. Each joins at most one row.
 pub(super) fn kernel_names(
     db: &ProfileDb,
     session: i64,
     function: &str,
     at: &str,
 ) -> rusqlite::Result<(&'static str, String)> {
-    if !db.has_table("kernels") {
-        return Ok(("NULL, NULL", String::new()));
-    }
     let first = format!("LEFT JOIN kernels k ON k.session_id = ?1 AND k.function = {function}");
     // The rename lookup costs one query per row: only for sessions that need it.
     if !handles_renamed(db, session)? {
@@ -845,7 +803,7 @@ const RENAMED_NAMES: &str =
 
 /// The `kernel_renames` row naming handle `function` at time `at` (SQL
 /// expressions; `?1` the session): its latest rename at or before `at`; NULL
-/// while the handle still has its first name (see `store::KERNELS_OVER_TIME`).
+/// while the handle still has its first name (see the store's migration 6, `kernel_renames`).
 fn rename_at(function: &str, at: &str) -> String {
     format!(
         "(SELECT r2.rowid FROM kernel_renames r2 WHERE r2.session_id = ?1 AND r2.function = {function}
@@ -855,9 +813,6 @@ fn rename_at(function: &str, at: &str) -> String {
 
 /// Whether a handle of the session was named again (see [`rename_at`]).
 fn handles_renamed(db: &ProfileDb, session: i64) -> rusqlite::Result<bool> {
-    if !db.has_table("kernel_renames") {
-        return Ok(false);
-    }
     db.conn.query_row("SELECT EXISTS (SELECT 1 FROM kernel_renames WHERE session_id = ?1)", [session], |r| r.get(0))
 }
 
@@ -873,33 +828,25 @@ pub(super) fn kernel_display(name: Option<&str>, demangled: Option<&str>, api: O
     }
 }
 
-/// `s` cut to `width` characters, with an ellipsis if cut.
+/// `s` cut to `width` terminal columns (a wide glyph counts two), with an
+/// ellipsis if cut.
 fn fit(s: &str, width: usize) -> String {
-    if s.chars().count() <= width {
+    if s.width() <= width {
         return s.to_owned();
     }
-    let mut out: String = s.chars().take(width.saturating_sub(1)).collect();
+    let mut out = String::new();
+    let mut used = 0;
+    for c in s.chars() {
+        let w = c.width().unwrap_or(0);
+        // Room for the ellipsis, one column.
+        if used + w + 1 > width {
+            break;
+        }
+        used += w;
+        out.push(c);
+    }
     out.push('…');
     out
-}
-
-/// Greedy word wrap to `width` characters (a word longer than that gets its own line).
-fn wrap(text: &str, width: usize) -> Vec<String> {
-    let mut lines: Vec<String> = Vec::new();
-    let mut line = String::new();
-    for word in text.split_whitespace() {
-        if !line.is_empty() && line.chars().count() + 1 + word.chars().count() > width {
-            lines.push(std::mem::take(&mut line));
-        }
-        if !line.is_empty() {
-            line.push(' ');
-        }
-        line.push_str(word);
-    }
-    if !line.is_empty() {
-        lines.push(line);
-    }
-    lines
 }
 
 const ABSENT: &str = "–";
@@ -912,12 +859,62 @@ fn int(v: Option<i64>) -> String {
     v.map_or_else(|| ABSENT.to_string(), |v| v.to_string())
 }
 
+/// One column of a [`block`]: its width in terminal columns (None: as wide as
+/// its widest cell), alignment, and blank columns before it.
+#[derive(Clone, Copy)]
+struct Col(Option<u16>, CellAlignment, u16);
+
+const LEFT: CellAlignment = CellAlignment::Left;
+const RIGHT: CellAlignment = CellAlignment::Right;
+
+/// `rows` as a borderless block of `cols`, indented two columns, appended to
+/// `o`. comfy-table pads by terminal width (wide glyphs line up), wraps a cell
+/// wider than its column at spaces, and shows at most `max_lines` lines of a
+/// row, the last cut with an ellipsis.
+fn block(o: &mut String, cols: &[Col], rows: Vec<Vec<String>>, max_lines: usize) {
+    let mut t = Table::new();
+    t.load_style(comfy_table::presets::NOTHING).set_truncation_indicator("…");
+    for cells in rows {
+        let mut row = Row::from(cells);
+        row.max_height(max_lines);
+        t.add_row(row);
+    }
+    for (column, &Col(width, align, gap)) in t.column_iter_mut().zip(cols) {
+        column.set_padding((gap, 0)).set_cell_alignment(align);
+        if let Some(w) = width {
+            column.set_constraint(ColumnConstraint::Absolute(Width::Fixed(w + gap)));
+        }
+    }
+    for line in t.lines() {
+        let _ = writeln!(o, "  {}", line.trim_end());
+    }
+}
+
 /// The table: readable in 80 columns.
 pub fn render_table(r: &Report) -> String {
     let mut o = String::new();
+    render_session(&mut o, r);
+    render_capabilities(&mut o, &r.capabilities);
+    if r.labels.is_empty() {
+        let _ = writeln!(o, "\nno steps recorded (was --step-symbol given?)");
+    }
+    for l in &r.labels {
+        o.push('\n');
+        render_label(&mut o, l);
+    }
+    o.push('\n');
+    render_kernels(&mut o, r.top_kernels.as_deref());
+    o
+}
+
+/// The key column of the session lines ("target", "traced", …).
+const KEY: Col = Col(Some(10), LEFT, 0);
+/// Width left for a value after the key column and the indent.
+const VALUE_WIDTH: usize = WIDTH - 12;
+
+fn render_session(o: &mut String, r: &Report) {
     let s = &r.session;
     let _ = writeln!(o, "{}", fit(&format!("session {} of {}", s.id, r.database), WIDTH));
-    let _ = writeln!(o, "  target    {}", fit(&format!("pid {}  {}", s.pid, s.command), WIDTH - 12));
     let started = s.started_utc.as_deref().map_or(String::new(), |t| format!("from {t} UTC, "));
     let traced = match (s.state, s.duration_s) {
         (SessionState::Ended, Some(d)) => {
@@ -926,134 +923,29 @@ pub fn render_table(r: &Report) -> String {
         (SessionState::Running, _) => format!("{}, {started}still running", s.mode),
         _ => format!("{}, {started}not ended", s.mode),
     };
-    let _ = writeln!(o, "  traced    {}", fit(&traced, WIDTH - 12));
+    let mut rows = vec![("target", format!("pid {}  {}", s.pid, s.command)), ("traced", traced)];
     if s.state == SessionState::Unclean {
-        let _ = writeln!(o, "  end       did not end cleanly (the profiler was killed?)");
-        let _ =
-            writeln!(o, "            {}", fit("committed rows are all here; the end and totals are not", WIDTH - 12));
+        rows.push(("end", "did not end cleanly (the profiler was killed?)".into()));
+        rows.push(("", "committed rows are all here; the end and totals are not".into()));
     }
     if let Some(sym) = &s.step_symbol {
-        let _ = writeln!(o, "  step fn   {}", fit(sym, WIDTH - 12));
+        rows.push(("step fn", sym.clone()));
     }
-    let _ = writeln!(
-        o,
-        "  launches  {} seen, {} stored ({}), {} lost events",
+    let launches = format!(
+        "{} seen, {} stored ({}), {} lost events",
         int(s.total_launches),
         int(s.stored_launches),
         s.launch_mode,
         int(s.lost_events)
     );
-    render_capabilities(&mut o, &r.capabilities);
-
-    if r.labels.is_empty() {
-        let _ = writeln!(o, "\nno steps recorded (was --step-symbol given?)");
-    }
-    for l in &r.labels {
-        o.push('\n');
-        let rate = l.steps_per_s.map_or(String::new(), |v| format!(", {v:.1} steps/s"));
-        let head = format!(
-            "{}: {} steps, {} completed, {} skipped, {} measured{rate}",
-            l.label, l.steps, l.completed, l.skipped, l.measured
-        );
-        let _ = writeln!(o, "{}", fit(&head, WIDTH));
-        let _ = writeln!(o, "  {:<18}{:>12}{:>12}{:>12}{:>12}{:>12}", "", "p50", "p90", "p99", "max", "mean");
-        for (name, p, decimals) in [
-            ("step time (ms)", &l.step_time_ms, 3),
-            ("inter-step (ms)", &l.inter_step_ms, 3),
-            ("launches/step", &l.launches_per_step, 0),
-        ] {
-            let cell = |f: fn(&Percentiles) -> f64| num(p.as_ref().map(f), decimals);
-            let mean = num(p.as_ref().map(|p| p.mean), decimals.max(1));
-            let _ = writeln!(
-                o,
-                "  {name:<18}{:>12}{:>12}{:>12}{:>12}{mean:>12}",
-                cell(|p| p.p50),
-                cell(|p| p.p90),
-                cell(|p| p.p99),
-                cell(|p| p.max)
-            );
-        }
-        let sync = l
-            .sync_wait_share
-            .map_or_else(|| format!("{ABSENT:>12}  (not recorded)"), |v| format!("{:>11.1}%  of step time", 100.0 * v));
-        let _ = writeln!(o, "  {:<18}{sync}", "sync wait");
-
-        let _ =
-            writeln!(o, "  {:<32}{:>12}{:>12}{:>10}{:>6}", "energy per step", "J/step", "± J/step", "avg W", "steps");
-        let energy_row = |o: &mut String, name: &str, e: Option<&EnergyStat>| {
-            let _ = writeln!(
-                o,
-                "  {:<32}{:>12}{:>12}{:>10}{:>6}",
-                fit(name, 31),
-                num(e.and_then(|e| e.energy_per_step_j), 3),
-                num(e.and_then(|e| e.energy_error_per_step_j), 3),
-                num(e.and_then(|e| e.avg_power_w), 1),
-                e.map_or_else(|| ABSENT.to_string(), |e| e.steps.to_string())
-            );
-        };
-        match &l.gpus {
-            Some(gpus) if !gpus.is_empty() => {
-                for g in gpus {
-                    let name = match &g.name {
-                        Some(n) => format!("GPU {} {n}", g.gpu),
-                        None => format!("GPU {}", g.gpu),
-                    };
-                    energy_row(&mut o, &name, Some(&g.energy));
-                }
-            }
-            _ => energy_row(&mut o, "GPU", None),
-        }
-        energy_row(&mut o, "CPU package", l.cpu.as_ref());
-        energy_row(&mut o, "DRAM", l.dram.as_ref());
-        let parts = if l.energy_components.is_empty() {
-            String::new()
-        } else {
-            format!("  ({})", l.energy_components.join(" + "))
-        };
-        let _ = writeln!(o, "{}", fit(&format!("  {:<32}{:>12}{parts}", "total", num(l.energy_per_step_j, 3)), WIDTH));
-        let below = l
-            .gpus
-            .iter()
-            .flatten()
-            .map(|g| &g.energy)
-            .chain(l.cpu.as_ref())
-            .chain(l.dram.as_ref())
-            .filter_map(|e| e.below_resolution)
-            .max()
-            .unwrap_or(0);
-        if below > 0 {
-            let _ = writeln!(
-                o,
-                "  {below} of {} steps are shorter than an energy counter's update period:\n  \
-                 their energy is an interpolated share (see ± J/step)",
-                l.measured
-            );
-        }
-    }
-
-    o.push('\n');
-    match &r.top_kernels {
-        None => {
-            let _ = writeln!(o, "top kernels: {ABSENT} (launch rows not kept: --launches count)");
-        }
-        Some(k) if k.is_empty() => {
-            let _ = writeln!(o, "top kernels: no launches recorded");
-        }
-        Some(kernels) => {
-            let _ = writeln!(o, "top kernels (whole session)");
-            let _ = writeln!(o, "  {:>10}  {:>6}  kernel", "launches", "share");
-            for k in kernels {
-                let name = kernel_display(k.name.as_deref(), k.demangled_name.as_deref(), k.api.as_deref(), k.function);
-                let _ = writeln!(o, "  {:>10}  {:>5.1}%  {}", k.launches, 100.0 * k.share, fit(&name, WIDTH - 22));
-            }
-        }
-    }
-    o
+    rows.push(("launches", launches));
+    let rows = rows.into_iter().map(|(k, v)| vec![k.to_owned(), fit(&v, VALUE_WIDTH)]).collect();
+    block(o, &[KEY, Col(None, LEFT, 0)], rows, 1);
 }
 
 fn render_capabilities(o: &mut String, caps: &[CapabilityRow]) {
     if caps.is_empty() {
-        let _ = writeln!(o, "  sources   {ABSENT} (none recorded)");
+        block(o, &[KEY, Col(None, LEFT, 0)], vec![vec!["sources".into(), format!("{ABSENT} (none recorded)")]], 1);
         return;
     }
     let mut per_source: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
@@ -1069,23 +961,114 @@ fn render_capabilities(o: &mut String, caps: &[CapabilityRow]) {
             missing.entry((&c.source, why)).or_default().push(&c.metric);
         }
     }
-    for (i, (source, (ok, n))) in per_source.iter().enumerate() {
-        let head = if i == 0 { "  sources   " } else { "            " };
-        let _ = writeln!(o, "{head}{source}: {ok} of {n} metrics available");
-    }
-    for ((source, why), metrics) in missing.iter().take(CAPABILITY_LINES) {
+    let sources = per_source.iter().enumerate().map(|(i, (source, (ok, n)))| {
+        vec![if i == 0 { "sources" } else { "" }.to_owned(), format!("{source}: {ok} of {n} metrics available")]
+    });
+    block(o, &[KEY, Col(None, LEFT, 0)], sources.collect(), 1);
+    let reasons = missing.iter().take(CAPABILITY_LINES).map(|((source, why), metrics)| {
         let what = if metrics.len() > 3 { format!("{} metrics", metrics.len()) } else { metrics.join(", ") };
-        // The reason is what the user acts on: up to two lines of it.
-        let lines = wrap(&format!("✗ {source} {what}: {why}"), WIDTH - 14);
-        for (i, line) in lines.iter().take(2).enumerate() {
-            let line = if i == 1 && lines.len() > 2 { format!("{line} …") } else { line.clone() };
-            let indent = if i == 0 { "            " } else { "              " };
-            let _ = writeln!(o, "{indent}{}", fit(&line, WIDTH - indent.len()));
-        }
-    }
+        vec![String::new(), "✗".to_owned(), format!("{source} {what}: {why}")]
+    });
+    // The reason is what the user acts on: up to two lines of it.
+    block(o, &[KEY, Col(Some(2), LEFT, 0), Col(Some(VALUE_WIDTH as u16 - 4), LEFT, 0)], reasons.collect(), 2);
     if missing.len() > CAPABILITY_LINES {
         let _ = writeln!(o, "            … {} more (see the capabilities table)", missing.len() - CAPABILITY_LINES);
     }
+}
+
+fn render_label(o: &mut String, l: &LabelReport) {
+    let rate = l.steps_per_s.map_or(String::new(), |v| format!(", {v:.1} steps/s"));
+    let head = format!(
+        "{}: {} steps, {} completed, {} skipped, {} measured{rate}",
+        l.label, l.steps, l.completed, l.skipped, l.measured
+    );
+    let _ = writeln!(o, "{}", fit(&head, WIDTH));
+    let mut rows = vec![["", "p50", "p90", "p99", "max", "mean"].map(str::to_owned).to_vec()];
+    for (name, p, decimals) in [
+        ("step time (ms)", &l.step_time_ms, 3),
+        ("inter-step (ms)", &l.inter_step_ms, 3),
+        ("launches/step", &l.launches_per_step, 0),
+    ] {
+        let cell = |f: fn(&Percentiles) -> f64, decimals| num(p.as_ref().map(f), decimals);
+        rows.push(vec![
+            name.to_owned(),
+            cell(|p| p.p50, decimals),
+            cell(|p| p.p90, decimals),
+            cell(|p| p.p99, decimals),
+            cell(|p| p.max, decimals),
+            cell(|p| p.mean, decimals.max(1)),
+        ]);
+    }
+    let figure = Col(Some(12), RIGHT, 0);
+    block(o, &[Col(Some(18), LEFT, 0), figure, figure, figure, figure, figure], rows, 1);
+    let sync = l
+        .sync_wait_share
+        .map_or_else(|| format!("{ABSENT:>12}  (not recorded)"), |v| format!("{:>11.1}%  of step time", 100.0 * v));
+    let _ = writeln!(o, "  {:<18}{sync}", "sync wait");
+    render_energy(o, l);
+}
+
+fn render_energy(o: &mut String, l: &LabelReport) {
+    let row = |name: &str, e: Option<&EnergyStat>| {
+        vec![
+            fit(name, 31),
+            num(e.and_then(|e| e.energy_per_step_j), 3),
+            num(e.and_then(|e| e.energy_error_per_step_j), 3),
+            num(e.and_then(|e| e.avg_power_w), 1),
+            e.map_or_else(|| ABSENT.to_string(), |e| e.steps.to_string()),
+        ]
+    };
+    let mut rows = vec![["energy per step", "J/step", "± J/step", "avg W", "steps"].map(str::to_owned).to_vec()];
+    match &l.gpus {
+        Some(gpus) if !gpus.is_empty() => rows.extend(gpus.iter().map(|g| {
+            let name = g.name.as_ref().map_or_else(|| format!("GPU {}", g.gpu), |n| format!("GPU {} {n}", g.gpu));
+            row(&name, Some(&g.energy))
+        })),
+        _ => rows.push(row("GPU", None)),
+    }
+    rows.push(row("CPU package", l.cpu.as_ref()));
+    rows.push(row("DRAM", l.dram.as_ref()));
+    let (j, w) = (Col(Some(12), RIGHT, 0), Col(Some(10), RIGHT, 0));
+    block(o, &[Col(Some(32), LEFT, 0), j, j, w, Col(Some(6), RIGHT, 0)], rows, 1);
+    let parts =
+        if l.energy_components.is_empty() { String::new() } else { format!("  ({})", l.energy_components.join(" + ")) };
+    let _ = writeln!(o, "{}", fit(&format!("  {:<32}{:>12}{parts}", "total", num(l.energy_per_step_j, 3)), WIDTH));
+    let below = l
+        .gpus
+        .iter()
+        .flatten()
+        .map(|g| &g.energy)
+        .chain(l.cpu.as_ref())
+        .chain(l.dram.as_ref())
+        .filter_map(|e| e.below_resolution)
+        .max()
+        .unwrap_or(0);
+    if below > 0 {
+        let _ = writeln!(
+            o,
+            "  {below} of {} steps are shorter than an energy counter's update period:\n  \
+             their energy is an interpolated share (see ± J/step)",
+            l.measured
+        );
+    }
+}
+
+fn render_kernels(o: &mut String, kernels: Option<&[KernelRow]>) {
+    let Some(kernels) = kernels else {
+        let _ = writeln!(o, "top kernels: {ABSENT} (launch rows not kept: --launches count)");
+        return;
+    };
+    if kernels.is_empty() {
+        let _ = writeln!(o, "top kernels: no launches recorded");
+        return;
+    }
+    let _ = writeln!(o, "top kernels (whole session)");
+    let mut rows = vec![["launches", "share", "kernel"].map(str::to_owned).to_vec()];
+    for k in kernels {
+        let name = kernel_display(k.name.as_deref(), k.demangled_name.as_deref(), k.api.as_deref(), k.function);
+        rows.push(vec![k.launches.to_string(), format!("{:.1}%", 100.0 * k.share), fit(&name, WIDTH - 22)]);
+    }
+    block(o, &[Col(Some(10), RIGHT, 0), Col(Some(6), RIGHT, 2), Col(None, LEFT, 2)], rows, 1);
 }
 
 /// `--format csv`: one figure per row, `section,label,metric,value,unit`;
@@ -1167,6 +1150,121 @@ fn write_csv(r: &Report, out: &mut impl Write) -> anyhow::Result<()> {
 mod tests {
     use super::*;
 
+    /// A report with every section filled: an unclean session, capabilities
+    /// with long reasons, two labels, named GPUs, wide glyphs in names.
+    fn sample_report() -> Report {
+        let stat = |j: f64| EnergyStat {
+            steps: 47,
+            energy_per_step_j: Some(j),
+            energy_error_per_step_j: Some(j / 100.0),
+            avg_power_w: Some(j * 10.0),
+            below_resolution: Some(3),
+        };
+        let p = |v: f64| Percentiles { p50: v, p90: v * 1.5, p99: v * 2.0, max: v * 3.0, mean: v * 1.1 };
+        let label = |name: &str, gpus: Option<Vec<GpuEnergy>>| LabelReport {
+            label: name.into(),
+            steps: 50,
+            completed: 50,
+            skipped: 3,
+            measured: 47,
+            steps_per_s: Some(9.87),
+            step_time_ms: Some(p(101.2345)),
+            inter_step_ms: None,
+            launches_per_step: Some(p(20.0)),
+            sync_wait_share: Some(0.25),
+            gpus,
+            cpu: Some(stat(8.0)),
+            dram: None,
+            energy_per_step_j: Some(69.6),
+            energy_components: vec!["GPU 0".into(), "GPU 1".into(), "CPU".into()],
+        };
+        let gpu = |gpu: i64, name: &str| GpuEnergy { gpu, name: Some(name.into()), energy: stat(61.5) };
+        let cap = |source: &str, metric: &str, reason: Option<&str>| CapabilityRow {
+            source: source.into(),
+            metric: metric.into(),
+            available: reason.is_none(),
+            reason: reason.map(str::to_owned),
+        };
+        let kernel = |name: Option<&str>, launches: i64| KernelRow {
+            function: 0x100000 + launches,
+            name: name.map(str::to_owned),
+            demangled_name: None,
+            api: Some("cuLaunchKernel".into()),
+            launches,
+            share: launches as f64 / 1000.0,
+        };
+        Report {
+            report_version: REPORT_VERSION,
+            database: "/tmp/a/rather/long/path/to/the/profile/written/by/the/profiler/run/profile.db".into(),
+            skip: 3,
+            label_filter: None,
+            session: SessionInfo {
+                id: 2,
+                pid: 4242,
+                command: "python train.py --epochs 10 --batch-size 256 --learning-rate 0.001 --data /data/imagenet"
+                    .into(),
+                exe: None,
+                mode: "attach".into(),
+                launch_mode: "all".into(),
+                step_symbol: Some("python:train.py:train_step".into()),
+                started_utc: Some("2025-06-01 12:00:03".into()),
+                started_unix_s: 0.0,
+                duration_s: None,
+                state: SessionState::Unclean,
+                end_reason: None,
+                lost_events: Some(0),
+                total_launches: Some(1000),
+                stored_launches: Some(1000),
+                unmatched_returns: Some(0),
+                hostname: None,
+                kernel_release: None,
+                profiler_version: "0.1.0".into(),
+            },
+            capabilities: vec![
+                cap("nvml", "GPU_0/power", None),
+                cap("nvml", "GPU_0/fan.speed", Some("Not Supported: this GPU has no fan (passively cooled board)")),
+                cap(
+                    "rapl",
+                    "package",
+                    Some(
+                        "no powercap tree at /sys/class/powercap and no perf power PMU: this machine (a VM?) does not expose RAPL to the guest",
+                    ),
+                ),
+                cap(
+                    "rapl",
+                    "dram",
+                    Some(
+                        "no powercap tree at /sys/class/powercap and no perf power PMU: this machine (a VM?) does not expose RAPL to the guest",
+                    ),
+                ),
+            ],
+            labels: vec![
+                label("train", Some(vec![gpu(0, "NVIDIA H200"), gpu(1, "显卡 H200 with a very long marketing name")])),
+                label("validate", None),
+            ],
+            top_kernels: Some(vec![
+                kernel(
+                    Some(
+                        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, at::detail::Array<char*, 1> >(int, at::native::FillFunctor<float>, at::detail::Array<char*, 1>)",
+                    ),
+                    500,
+                ),
+                kernel(Some("核函数_核函数_核函数_核函数_核函数_核函数_核函数_核函数_核函数"), 300),
+                kernel(None, 200),
+            ]),
+        }
+    }
+
+    /// The table fits 80 terminal columns, wide glyphs counted as two.
+    #[test]
+    fn table_fits_80_columns() {
+        let table = render_table(&sample_report());
+        println!("{table}");
+        for line in table.lines() {
+            assert!(line.width() <= WIDTH, "wider than {WIDTH}: {line:?}");
+        }
+    }
+
     #[test]
     fn nearest_rank_percentiles() {
         let p = Percentiles::of((1..=100).map(f64::from).rev().collect()).expect("values");
@@ -1188,10 +1286,20 @@ mod tests {
     }
 
     #[test]
-    fn wrap_is_greedy_and_keeps_long_words() {
-        assert_eq!(wrap("a bb ccc dddd", 6), vec!["a bb", "ccc", "dddd"]);
-        assert_eq!(wrap("/a/very/long/path x", 5), vec!["/a/very/long/path", "x"]);
-        assert!(wrap("", 5).is_empty());
+    fn fit_counts_terminal_columns() {
+        assert_eq!(fit("显卡显卡", 8), "显卡显卡");
+        assert_eq!(fit("显卡显卡", 7), "显卡显…");
+        assert_eq!(fit("显卡显卡", 6), "显卡…");
+    }
+
+    /// A block wraps a cell at spaces within its column and keeps at most
+    /// `max_lines` lines of a row, the last one cut with an ellipsis.
+    #[test]
+    fn blocks_wrap_and_cut_rows() {
+        let mut o = String::new();
+        let cols = [Col(Some(3), LEFT, 0), Col(Some(6), LEFT, 0)];
+        block(&mut o, &cols, vec![vec!["k".into(), "a bb ccc dddd eeee".into()], vec![String::new(), "x".into()]], 2);
+        assert_eq!(o, "  k  a bb\n     ccc…\n     x\n");
     }
 
     #[test]
@@ -1208,33 +1316,31 @@ mod tests {
     }
 
     /// A profile written by the first schema (no labels, no GPU tables) reads
-    /// with every later figure absent.
+    /// with every later figure absent, and the file is left as it was.
     #[test]
     fn old_profile_reports_absent_figures() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("old.db");
         let conn = Connection::open(&path).expect("create");
+        conn.execute_batch(crate::store::history::CORE_489E641).expect("schema");
         conn.execute_batch(
-            "CREATE TABLE sessions (id INTEGER PRIMARY KEY, pid INTEGER, command TEXT, exe TEXT, mode TEXT,
-                 launch_mode TEXT, step_symbol TEXT, started_ns INTEGER, ended_ns INTEGER, end_reason TEXT,
-                 lost_events INTEGER, total_launches INTEGER, stored_launches INTEGER, unmatched_returns INTEGER,
-                 unix_offset_ns INTEGER, hostname TEXT, kernel_release TEXT, profiler_version TEXT);
-             CREATE TABLE steps (session_id INTEGER, step INTEGER, tid INTEGER, start_ns INTEGER, end_ns INTEGER,
-                 duration_ns INTEGER, inter_step_ns INTEGER, launches INTEGER);
-             CREATE TABLE launches (session_id INTEGER, ts_ns INTEGER, tid INTEGER, api INTEGER, function INTEGER);
-             CREATE TABLE apis (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, layer TEXT NOT NULL);
-             INSERT INTO apis VALUES (1, 'cuLaunchKernel', 'driver');
+            "INSERT INTO apis VALUES (1, 'cuLaunchKernel', 'driver');
              INSERT INTO sessions VALUES (1, 9, 'x', NULL, 'run', 'all', 's', 0, 4000000000, 'target-exited',
                  0, 3, 3, 0, 0, NULL, NULL, '0.1.0');
              INSERT INTO steps VALUES (1, 0, 9, 0, 1000000000, 1000000000, NULL, 1),
                                       (1, 1, 9, 2000000000, 4000000000, 2000000000, 1000000000, 2),
                                       (1, 2, 9, 4000000000, NULL, NULL, NULL, NULL);
-             INSERT INTO launches VALUES (1, 1, 9, 1, 16), (1, 2, 9, 1, 16), (1, 3, 9, 1, 17);",
+             INSERT INTO launches VALUES (1, 1, 9, 1, 16, 1, 1, 1, 1, 1, 1, 0, 0, 0),
+                                         (1, 2, 9, 1, 16, 1, 1, 1, 1, 1, 1, 0, 0, 1),
+                                         (1, 3, 9, 1, 17, 1, 1, 1, 1, 1, 1, 0, 0, 1);
+             PRAGMA user_version = 1;",
         )
-        .expect("schema");
+        .expect("rows");
         drop(conn);
+        let bytes = std::fs::read(&path).expect("read");
         let db = ProfileDb::open(&path).expect("a profile");
         let r = build(&db, 1, None, 1).expect("report");
+        assert_eq!(r.session.step_symbol.as_deref(), Some("s"));
         assert_eq!(r.labels.len(), 1);
         let l = &r.labels[0];
         assert_eq!((l.label.as_str(), l.steps, l.completed, l.skipped, l.measured), ("train", 3, 2, 1, 1));
@@ -1246,7 +1352,9 @@ mod tests {
         assert_eq!((k[0].function, k[0].launches, k[0].api.as_deref()), (16, 2, Some("cuLaunchKernel")));
         let json = serde_json::to_value(&r).expect("serialises");
         assert!(json["labels"][0]["gpus"].is_null());
-        assert!(render_table(&r).lines().all(|line| line.chars().count() <= WIDTH));
+        assert!(render_table(&r).lines().all(|line| line.width() <= WIDTH));
+        drop(db);
+        assert_eq!(std::fs::read(&path).expect("read"), bytes, "reading wrote to the profile");
     }
 
     /// The columns are read once at open; a view that no longer compiles
@@ -1255,20 +1363,19 @@ mod tests {
     fn schema_is_read_at_open_despite_a_broken_view() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("p.db");
+        drop(crate::store::Store::open(&path).expect("a profile"));
         Connection::open(&path)
-            .expect("create")
+            .expect("open")
             .execute_batch(
-                "CREATE TABLE sessions (id INTEGER PRIMARY KEY);
-                 CREATE TABLE steps (session_id INTEGER, step INTEGER, label TEXT);
-                 CREATE VIEW broken AS SELECT gone FROM steps;",
+                "CREATE TABLE gone (x INTEGER);
+                 CREATE VIEW broken AS SELECT x FROM gone;
+                 DROP TABLE gone;",
             )
             .expect("schema");
         let db = ProfileDb::open(&path).expect("a profile");
-        assert_eq!(db.columns("steps"), ["session_id", "step", "label"]);
-        assert!(db.has_column("sessions", "id") && !db.has_column("steps", "sync_wait_ns"));
+        assert_eq!(&db.columns("steps")[..3], ["session_id", "label", "step"]);
         assert!(db.has_table("broken") && db.columns("broken").is_empty());
         assert!(db.columns("missing").is_empty() && !db.has_table("missing"));
-        assert_eq!(db.label_expr("steps"), "label");
     }
 
     #[test]

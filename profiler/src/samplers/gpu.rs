@@ -1,6 +1,7 @@
 //! GPU telemetry through NVML: a sampler per session that reads every
-//! selected GPU on each tick, and the per-step figures (exact energy split at
-//! step boundaries, GPUStatsMonitor's values at step start and end).
+//! selected GPU on each tick into `gpu_samples`; at the end, the store derives
+//! the per-step figures (exact energy split at step boundaries,
+//! GPUStatsMonitor's values at step start and end) from them.
 //!
 //! One NVML handle per session. A reading a GPU does not have is stored as
 //! NULL with the reason recorded once in `capabilities`. The running-process
@@ -19,86 +20,9 @@ use nvml_wrapper::{
     struct_wrappers::device::FieldValueSample,
     structs::device::FieldId,
 };
-use rusqlite::{Connection, params, types::Value};
 
-use super::{CapabilityLog, Sampler, load_columns, step_spans};
-use crate::{
-    correlate::{CounterSeries, GaugeSeries, interval_energy},
-    store::{FinishHook, Insert, RowSender, StoreMsg},
-};
-
-/// Tables this sampler owns (a migration; see `store::MIGRATIONS`).
-pub const SCHEMA: &str = r#"
-CREATE TABLE gpus (
-    session_id              INTEGER NOT NULL REFERENCES sessions(id),
-    gpu                     INTEGER NOT NULL,
-    nvml_index              INTEGER NOT NULL,
-    uuid                    TEXT    NOT NULL,
-    name                    TEXT,
-    memory_total_mib        REAL,
-    power_limit_w           REAL,
-    driver_version          TEXT,
-    power_source            TEXT,
-    energy_update_period_ms REAL,
-    used_by_target          INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (session_id, gpu)
-);
-CREATE TABLE gpu_samples (
-    session_id             INTEGER NOT NULL,
-    gpu                    INTEGER NOT NULL,
-    ts_ns                  INTEGER NOT NULL,
-    utilization_gpu_pct    REAL,
-    utilization_memory_pct REAL,
-    memory_used_mib        REAL,
-    memory_free_mib        REAL,
-    memory_total_mib       REAL,
-    power_w                REAL,
-    memory_power_w         REAL,
-    energy_j               REAL,
-    temperature_gpu_c      REAL,
-    temperature_memory_c   REAL,
-    fan_speed_pct          REAL,
-    sm_clock_mhz           REAL,
-    memory_clock_mhz       REAL,
-    clock_throttle_reasons INTEGER
-);
-CREATE TABLE step_gpu (
-    session_id                   INTEGER NOT NULL,
-    label                        TEXT    NOT NULL,
-    step                         INTEGER NOT NULL,
-    gpu                          INTEGER NOT NULL,
-    energy_j                     REAL,
-    energy_error_j               REAL,
-    avg_power_w                  REAL,
-    below_resolution             INTEGER,
-    utilization_gpu_start_pct    REAL,
-    utilization_gpu_end_pct      REAL,
-    memory_used_start_mib        REAL,
-    memory_used_end_mib          REAL,
-    memory_free_start_mib        REAL,
-    memory_free_end_mib          REAL,
-    utilization_memory_start_pct REAL,
-    utilization_memory_end_pct   REAL,
-    fan_speed_end_pct            REAL,
-    temperature_gpu_end_c        REAL,
-    temperature_memory_end_c     REAL,
-    PRIMARY KEY (session_id, label, step, gpu)
-);
-CREATE VIEW gpu_stats_monitor AS
-    SELECT session_id, label, step, 'GPU_' || gpu || '/utilization.gpu - percent' AS metric, utilization_gpu_start_pct AS value, 'batch_start' AS phase FROM step_gpu
-    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/memory.used - MB', memory_used_start_mib, 'batch_start' FROM step_gpu
-    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/memory.free - MB', memory_free_start_mib, 'batch_start' FROM step_gpu
-    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/utilization.memory - percent', utilization_memory_start_pct, 'batch_start' FROM step_gpu
-    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/utilization.gpu - percent', utilization_gpu_end_pct, 'batch_end' FROM step_gpu
-    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/memory.used - MB', memory_used_end_mib, 'batch_end' FROM step_gpu
-    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/memory.free - MB', memory_free_end_mib, 'batch_end' FROM step_gpu
-    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/utilization.memory - percent', utilization_memory_end_pct, 'batch_end' FROM step_gpu
-    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/fan.speed - percent', fan_speed_end_pct, 'batch_end' FROM step_gpu
-    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/temperature.gpu - °C', temperature_gpu_end_c, 'batch_end' FROM step_gpu
-    UNION ALL SELECT session_id, label, step, 'GPU_' || gpu || '/temperature.memory - °C', temperature_memory_end_c, 'batch_end' FROM step_gpu
-    UNION ALL SELECT session_id, label, step, 'batch_time/intra_step (ms)', duration_ns / 1e6, 'batch_end' FROM steps WHERE end_ns IS NOT NULL
-    UNION ALL SELECT session_id, label, step, 'batch_time/inter_step (ms)', inter_step_ns / 1e6, 'batch_start' FROM steps WHERE inter_step_ns IS NOT NULL;
-"#;
+use super::{CapabilityLog, Sampler};
+use crate::store::{AtFinish, GpuRow, GpuSampleRow, RowSender, StoreMsg};
 
 /// NVML field ids (nvml.h).
 const FI_DEV_MEMORY_TEMP: u32 = 82;
@@ -408,20 +332,20 @@ pub struct GpuSampler {
     gpus: Vec<GpuState>,
     /// Set by [`GpuSampler::start`]; rows go nowhere before.
     out: Option<(RowSender, CapabilityLog)>,
-    info_rows: Vec<Vec<Value>>,
+    info_rows: Vec<GpuRow>,
     power_sources: Vec<(u32, bool)>,
     /// How the GPUs were chosen and numbered ([`GpuSelection::notes`]).
     selection_notes: Vec<(String, bool, String)>,
     pid: u32,
     interval: Duration,
     ticks: u64,
-    rows: Vec<Vec<Value>>,
+    rows: Vec<GpuSampleRow>,
 }
 
-fn opt_f64(r: Result<f64, String>, caps: &mut CapabilityLog, metric: &str) -> Value {
+fn opt_f64(r: Result<f64, String>, caps: &mut CapabilityLog, metric: &str) -> Option<f64> {
     let r = r.map_err(|e| format!("NVML: {e}"));
     caps.note(metric, &r);
-    r.map_or(Value::Null, Value::Real)
+    r.ok()
 }
 
 fn field_u32(sample: Option<&Result<FieldValueSample, NvmlError>>) -> Result<f64, String> {
@@ -524,16 +448,16 @@ impl GpuSampler {
                 field_u32(dev.field_values_for(&[FieldId(FI_DEV_POWER_INSTANT)]).ok().as_ref().and_then(|v| v.first()))
                     .is_ok();
             power_sources.push((sel.logical, instant));
-            info_rows.push(vec![
-                Value::Integer(sel.logical.into()),
-                Value::Integer(sel.nvml_index.into()),
-                Value::Text(facts[sel.nvml_index as usize].uuid.clone()),
-                dev.name().map(Value::Text).unwrap_or(Value::Null),
-                dev.memory_info().map(|m| Value::Real(m.total as f64 / 1048576.0)).unwrap_or(Value::Null),
-                dev.power_management_limit().map(|mw| Value::Real(f64::from(mw) / 1000.0)).unwrap_or(Value::Null),
-                driver.clone().map(Value::Text).unwrap_or(Value::Null),
-                Value::Text(if instant { "instant" } else { "average" }.into()),
-            ]);
+            info_rows.push(GpuRow {
+                gpu: sel.logical,
+                nvml_index: sel.nvml_index,
+                uuid: facts[sel.nvml_index as usize].uuid.clone(),
+                name: dev.name().ok(),
+                memory_total_mib: dev.memory_info().ok().map(|m| m.total as f64 / 1048576.0),
+                power_limit_w: dev.power_management_limit().ok().map(|mw| f64::from(mw) / 1000.0),
+                driver_version: driver.clone(),
+                power_source: if instant { "instant" } else { "average" },
+            });
             gpus.push(GpuState { sel, first_energy_mj: None, instant_power: instant });
         }
         Ok(Self {
@@ -561,11 +485,7 @@ impl GpuSampler {
             let how = if instant { "instant power (field 186)" } else { "power usage (1 s average)" };
             caps.record(&format!("GPU_{logical}/power_source"), true, Some(how.into()));
         }
-        sender.send(StoreMsg::Insert(Insert {
-            sql: "INSERT INTO gpus(session_id, gpu, nvml_index, uuid, name, memory_total_mib, power_limit_w,
-                                   driver_version, power_source) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-            rows: std::mem::take(&mut self.info_rows),
-        }));
+        sender.send(StoreMsg::Gpus(std::mem::take(&mut self.info_rows)));
         self.out = Some((sender, caps));
     }
 
@@ -579,7 +499,7 @@ impl GpuSampler {
         self.gpus.iter().map(|g| g.sel.logical).collect()
     }
 
-    fn sample(dev: &Device<'_>, g: &mut GpuState, caps: &mut CapabilityLog, now_ns: u64) -> Vec<Value> {
+    fn sample(dev: &Device<'_>, g: &mut GpuState, caps: &mut CapabilityLog, now_ns: u64) -> GpuSampleRow {
         let l = g.sel.logical;
         let m = |name: &str| format!("GPU_{l}/{name}");
         let util = dev.utilization_rates();
@@ -601,55 +521,56 @@ impl GpuSampler {
             Ok(0) => Err("the GPU has no fan".to_string()),
             _ => dev.fan_speed(0).map(f64::from).map_err(|e| e.to_string()),
         };
-        let row = vec![
-            Value::Integer(l.into()),
-            Value::Integer(now_ns as i64),
-            opt_f64(util.as_ref().map(|u| f64::from(u.gpu)).map_err(|e| e.to_string()), caps, &m("utilization.gpu")),
-            opt_f64(
-                util.as_ref().map(|u| f64::from(u.memory)).map_err(|e| e.to_string()),
-                caps,
-                &m("utilization.memory"),
-            ),
-            opt_f64(
-                mem.as_ref().map(|v| v.used as f64 / 1048576.0).map_err(|e| e.to_string()),
-                caps,
-                &m("memory.used"),
-            ),
-            opt_f64(
-                mem.as_ref().map(|v| v.free as f64 / 1048576.0).map_err(|e| e.to_string()),
-                caps,
-                &m("memory.free"),
-            ),
-            opt_f64(
-                mem.as_ref().map(|v| v.total as f64 / 1048576.0).map_err(|e| e.to_string()),
-                caps,
-                &m("memory.total"),
-            ),
-            opt_f64(power, caps, &m("power")),
-            {
+        let mem_mib = |f: fn(&nvml_wrapper::struct_wrappers::device::MemoryInfo) -> u64| {
+            mem.as_ref().map(|v| f(v) as f64 / 1048576.0).map_err(|e| e.to_string())
+        };
+        let rate = |f: fn(&nvml_wrapper::struct_wrappers::device::Utilization) -> u32| {
+            util.as_ref().map(|u| f64::from(f(u))).map_err(|e| e.to_string())
+        };
+        GpuSampleRow {
+            gpu: l,
+            ts_ns: now_ns,
+            utilization_gpu_pct: opt_f64(rate(|u| u.gpu), caps, &m("utilization.gpu")),
+            utilization_memory_pct: opt_f64(rate(|u| u.memory), caps, &m("utilization.memory")),
+            memory_used_mib: opt_f64(mem_mib(|v| v.used), caps, &m("memory.used")),
+            memory_free_mib: opt_f64(mem_mib(|v| v.free), caps, &m("memory.free")),
+            memory_total_mib: opt_f64(mem_mib(|v| v.total), caps, &m("memory.total")),
+            power_w: opt_f64(power, caps, &m("power")),
+            memory_power_w: {
                 // NVML has no memory-subsystem power reading for discrete GPUs.
                 caps.record(&m("memory_power"), false, Some("NVML reports no memory power for this GPU".into()));
-                Value::Null
+                None
             },
-            opt_f64(energy, caps, &m("energy")),
-            opt_f64(
+            energy_j: opt_f64(energy, caps, &m("energy")),
+            temperature_gpu_c: opt_f64(
                 dev.temperature(TemperatureSensor::Gpu).map(f64::from).map_err(|e| e.to_string()),
                 caps,
                 &m("temperature.gpu"),
             ),
-            opt_f64(field_u32(fields.as_ref().and_then(|f| f.get(1))), caps, &m("temperature.memory")),
-            opt_f64(fan, caps, &m("fan.speed")),
-            opt_f64(dev.clock_info(Clock::SM).map(f64::from).map_err(|e| e.to_string()), caps, &m("clocks.sm")),
-            opt_f64(dev.clock_info(Clock::Memory).map(f64::from).map_err(|e| e.to_string()), caps, &m("clocks.memory")),
-            match dev.current_throttle_reasons() {
-                Ok(r) => Value::Integer(r.bits() as i64),
+            temperature_memory_c: opt_f64(
+                field_u32(fields.as_ref().and_then(|f| f.get(1))),
+                caps,
+                &m("temperature.memory"),
+            ),
+            fan_speed_pct: opt_f64(fan, caps, &m("fan.speed")),
+            sm_clock_mhz: opt_f64(
+                dev.clock_info(Clock::SM).map(f64::from).map_err(|e| e.to_string()),
+                caps,
+                &m("clocks.sm"),
+            ),
+            memory_clock_mhz: opt_f64(
+                dev.clock_info(Clock::Memory).map(f64::from).map_err(|e| e.to_string()),
+                caps,
+                &m("clocks.memory"),
+            ),
+            clock_throttle_reasons: match dev.current_throttle_reasons() {
+                Ok(r) => Some(r.bits() as i64),
                 Err(e) => {
                     caps.record(&m("clocks_throttle_reasons"), false, Some(format!("NVML: {e}")));
-                    Value::Null
+                    None
                 }
             },
-        ];
-        row
+        }
     }
 
     fn scan_processes(&mut self) {
@@ -659,22 +580,14 @@ impl GpuSampler {
             if let Ok(procs) = dev.running_compute_processes()
                 && procs.iter().any(|p| p.pid == self.pid)
             {
-                used.push(vec![Value::Integer(g.sel.logical.into())]);
+                used.push(g.sel.logical);
             }
         }
         if let (false, Some((sender, _))) = (used.is_empty(), &self.out) {
-            sender.send(StoreMsg::Insert(Insert {
-                sql: "UPDATE gpus SET used_by_target = 1 WHERE session_id = ?1 AND gpu = ?2",
-                rows: used,
-            }));
+            sender.send(StoreMsg::GpusUsedByTarget(used));
         }
     }
 }
-
-const SAMPLE_SQL: &str = "INSERT INTO gpu_samples(session_id, gpu, ts_ns, utilization_gpu_pct, utilization_memory_pct,
-    memory_used_mib, memory_free_mib, memory_total_mib, power_w, memory_power_w, energy_j, temperature_gpu_c,
-    temperature_memory_c, fan_speed_pct, sm_clock_mhz, memory_clock_mhz, clock_throttle_reasons)
-    VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)";
 
 impl Sampler for GpuSampler {
     fn tick(&mut self, now_ns: u64) {
@@ -684,8 +597,7 @@ impl Sampler for GpuSampler {
             match self.nvml.device_by_index(g.sel.nvml_index) {
                 Ok(dev) => {
                     let row = Self::sample(&dev, g, caps, now_ns);
-                    let real = |v: &Value| if let Value::Real(x) = v { Some(*x) } else { None };
-                    live.push((g.sel.logical, real(&row[2]), real(&row[7])));
+                    live.push((g.sel.logical, row.utilization_gpu_pct, row.power_w));
                     self.rows.push(row);
                 }
                 Err(e) => caps.record(&format!("GPU_{}/device", g.sel.logical), false, Some(format!("NVML: {e}"))),
@@ -705,84 +617,28 @@ impl Sampler for GpuSampler {
         }
     }
 
-    fn finish(&mut self) -> Option<FinishHook> {
+    fn finish(&mut self) -> Option<AtFinish> {
         self.flush();
-        let gpus = self.logical_gpus();
-        let max_gap_ns = 2 * self.interval.as_nanos() as u64 + 1;
-        Some(Box::new(move |conn: &Connection, session: i64| step_gpu(conn, session, &gpus, max_gap_ns)))
+        Some(AtFinish::StepGpu {
+            gpus: self.logical_gpus(),
+            max_gap_ns: 2 * self.interval.as_nanos() as u64 + 1,
+            energy_resolution_j: ENERGY_RESOLUTION_J,
+        })
     }
 }
 
 impl GpuSampler {
     fn flush(&mut self) {
         if let (false, Some((sender, _))) = (self.rows.is_empty(), &self.out) {
-            sender.send(StoreMsg::Insert(Insert { sql: SAMPLE_SQL, rows: std::mem::take(&mut self.rows) }));
+            sender.send(StoreMsg::GpuSamples(std::mem::take(&mut self.rows)));
         }
     }
-}
-
-/// Per-step, per-GPU figures from `gpu_samples` and `steps` (the finish
-/// hook). A step that never ended gets its start-side values; its energy and
-/// end-side values are NULL.
-fn step_gpu(conn: &Connection, session: i64, gpus: &[u32], max_gap_ns: u64) -> rusqlite::Result<()> {
-    let steps = step_spans(conn, session)?;
-    let mut insert = conn.prepare(
-        "INSERT INTO step_gpu(session_id, label, step, gpu, energy_j, energy_error_j, avg_power_w, below_resolution,
-             utilization_gpu_start_pct, utilization_gpu_end_pct, memory_used_start_mib, memory_used_end_mib,
-             memory_free_start_mib, memory_free_end_mib, utilization_memory_start_pct, utilization_memory_end_pct,
-             fan_speed_end_pct, temperature_gpu_end_c, temperature_memory_end_c)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)",
-    )?;
-    let mut samples = conn.prepare(
-        "SELECT ts_ns, energy_j, utilization_gpu_pct, memory_used_mib, memory_free_mib, utilization_memory_pct,
-                fan_speed_pct, temperature_gpu_c, temperature_memory_c
-         FROM gpu_samples WHERE session_id = ?1 AND gpu = ?2 ORDER BY ts_ns",
-    )?;
-    for &gpu in gpus {
-        let columns = load_columns(&mut samples, params![session, gpu])?.columns;
-        let [energy, util, used, free, umem, fan, temp, tmem]: [Vec<(u64, f64)>; 8] =
-            columns.try_into().expect("the query selects eight value columns");
-        let energy = CounterSeries::from_samples(&energy, ENERGY_RESOLUTION_J);
-        let [util, used, free, umem, fan, temp, tmem] =
-            [util, used, free, umem, fan, temp, tmem].map(|points| GaugeSeries { points });
-        for s in &steps {
-            let start = s.start_ns;
-            let e = s.end_ns.and_then(|end| interval_energy(&energy, start, end));
-            let at_end = |g: &GaugeSeries| s.end_ns.and_then(|end| g.at(end, max_gap_ns));
-            insert.execute(params![
-                session,
-                s.label,
-                s.step,
-                gpu,
-                e.map(|e| e.energy),
-                e.map(|e| e.error),
-                e.map(|e| e.avg_power),
-                e.map(|e| e.below_resolution),
-                util.at(start, max_gap_ns),
-                at_end(&util),
-                used.at(start, max_gap_ns),
-                at_end(&used),
-                free.at(start, max_gap_ns),
-                at_end(&free),
-                umem.at(start, max_gap_ns),
-                at_end(&umem),
-                at_end(&fan),
-                at_end(&temp),
-                at_end(&tmem),
-            ])?;
-        }
-        if !energy.is_empty() {
-            conn.execute(
-                "UPDATE gpus SET energy_update_period_ms = ?3 WHERE session_id = ?1 AND gpu = ?2",
-                params![session, gpu, energy.update_period_ns as f64 / 1e6],
-            )?;
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
+    use rusqlite::Connection;
+
     use super::*;
     use crate::samplers::testing::{end, open_store, step_row};
 
@@ -1011,34 +867,32 @@ mod tests {
         let writer = store.spawn_writer(id);
         // GPU 0 every 10 ms for 100 ms: 50 W, utilization 10 k %, memory 1000 + k MiB used,
         // fan 30 %, GPU 60 °C, no memory temperature.
-        let rows: Vec<Vec<Value>> = (0..=10i64)
-            .map(|k| {
-                let r = |v: f64| Value::Real(v);
-                vec![
-                    Value::Integer(0),
-                    Value::Integer(k * 10 * MS as i64),
-                    r(10.0 * k as f64),
-                    r(5.0),
-                    r(1000.0 + k as f64),
-                    r(3000.0 - k as f64),
-                    r(4000.0),
-                    r(50.0),
-                    Value::Null,
-                    r(0.5 * k as f64),
-                    r(60.0),
-                    Value::Null,
-                    r(30.0),
-                    r(1500.0),
-                    r(5000.0),
-                    Value::Integer(0),
-                ]
+        let rows: Vec<GpuSampleRow> = (0..=10u64)
+            .map(|k| GpuSampleRow {
+                gpu: 0,
+                ts_ns: k * 10 * MS,
+                utilization_gpu_pct: Some(10.0 * k as f64),
+                utilization_memory_pct: Some(5.0),
+                memory_used_mib: Some(1000.0 + k as f64),
+                memory_free_mib: Some(3000.0 - k as f64),
+                memory_total_mib: Some(4000.0),
+                power_w: Some(50.0),
+                memory_power_w: None,
+                energy_j: Some(0.5 * k as f64),
+                temperature_gpu_c: Some(60.0),
+                temperature_memory_c: None,
+                fan_speed_pct: Some(30.0),
+                sm_clock_mhz: Some(1500.0),
+                memory_clock_mhz: Some(5000.0),
+                clock_throttle_reasons: Some(0),
             })
             .collect();
-        writer.send(StoreMsg::Insert(Insert { sql: SAMPLE_SQL, rows }));
+        writer.send(StoreMsg::GpuSamples(rows));
         let step = |n: u64, start: u64, end: Option<u64>| step_row(n, start * MS, end.map(|e| e * MS));
         writer.send(StoreMsg::Steps(vec![step(0, 20, Some(60)), step(1, 70, None)]));
-        let hook: FinishHook = Box::new(|conn, session| step_gpu(conn, session, &[0], 20 * MS + 1));
-        let stats = writer.finish(end(), vec![hook]).expect("finish");
+        let work =
+            AtFinish::StepGpu { gpus: vec![0], max_gap_ns: 20 * MS + 1, energy_resolution_j: ENERGY_RESOLUTION_J };
+        let stats = writer.finish(end(), vec![work]).expect("finish");
         assert_eq!((stats.failed_rows, stats.first_error), (0, None));
 
         let conn = Connection::open(&path).expect("reopen");

@@ -15,9 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use rusqlite::{Connection, Params, Statement};
-
-use crate::store::{Capability, FinishHook, RowSender, StoreMsg};
+use crate::store::{AtFinish, Capability, RowSender, StoreMsg};
 
 /// A sampler's periodic work on its own thread. `tick` runs once at start,
 /// then every `interval` (on an absolute schedule; missed ticks are skipped,
@@ -25,12 +23,12 @@ use crate::store::{Capability, FinishHook, RowSender, StoreMsg};
 /// whole session.
 pub struct SamplerThread {
     stop: Arc<AtomicBool>,
-    join: JoinHandle<Option<FinishHook>>,
+    join: JoinHandle<Option<AtFinish>>,
 }
 
 impl SamplerThread {
     /// `tick(now_ns)` samples; `finish()` runs on the sampler thread after the
-    /// last tick and may return the hook that computes per-step figures.
+    /// last tick and may say which per-step figures the store derives at the end.
     pub fn spawn<S: Sampler + Send + 'static>(name: &str, interval: Duration, mut sampler: S) -> std::io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
@@ -63,10 +61,10 @@ impl SamplerThread {
         Ok(Self { stop, join })
     }
 
-    /// Stops after one last sample; returns the sampler's finish hook, or,
+    /// Stops after one last sample; returns what the sampler's [`Sampler::finish`] asks for, or,
     /// when the sampler panicked, one line that says so (its series ends at
     /// the panic; the rest of the session is unaffected).
-    pub fn stop(self) -> Result<Option<FinishHook>, String> {
+    pub fn stop(self) -> Result<Option<AtFinish>, String> {
         self.stop.store(true, Ordering::Release);
         self.join.thread().unpark();
         // The thread is named `sampler-NAME` (see `spawn`).
@@ -78,8 +76,9 @@ impl SamplerThread {
 /// What a sampler does on its thread.
 pub trait Sampler {
     fn tick(&mut self, now_ns: u64);
-    /// Called once after the last tick.
-    fn finish(&mut self) -> Option<FinishHook> {
+    /// Called once after the last tick: the per-step figures the store is to
+    /// derive from this sampler's series, with what only the sampler knows.
+    fn finish(&mut self) -> Option<AtFinish> {
         None
     }
 }
@@ -123,58 +122,6 @@ impl CapabilityLog {
     }
 }
 
-/// One row of `steps`: the interval a sampler's per-step figures describe.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct StepSpan {
-    pub label: String,
-    pub step: i64,
-    pub start_ns: u64,
-    /// None: the step never ended.
-    pub end_ns: Option<u64>,
-}
-
-/// Every step of the session, ended or not, ordered by (label, step). Each
-/// finish hook writes one row per step; a step that never ended gets its
-/// start-side values and NULL for whatever needs the end.
-pub(crate) fn step_spans(conn: &Connection, session_id: i64) -> rusqlite::Result<Vec<StepSpan>> {
-    conn.prepare("SELECT label, step, start_ns, end_ns FROM steps WHERE session_id = ?1 ORDER BY label, step")?
-        .query_map([session_id], |r| {
-            Ok(StepSpan {
-                label: r.get(0)?,
-                step: r.get(1)?,
-                start_ns: r.get::<_, i64>(2)? as u64,
-                end_ns: r.get::<_, Option<i64>>(3)?.map(|e| e as u64),
-            })
-        })?
-        .collect()
-}
-
-/// Sample columns as time series: what [`load_columns`] returns.
-pub(crate) struct SampleSeries {
-    /// Every row's timestamp, in query order.
-    pub ts: Vec<u64>,
-    /// One series per value column, (ts_ns, value), its NULLs left out.
-    pub columns: Vec<Vec<(u64, f64)>>,
-}
-
-/// Runs `stmt` (first column ts_ns, then value columns) and splits the rows
-/// into one series per value column.
-pub(crate) fn load_columns(stmt: &mut Statement<'_>, params: impl Params) -> rusqlite::Result<SampleSeries> {
-    let n = stmt.column_count().saturating_sub(1);
-    let mut out = SampleSeries { ts: Vec::new(), columns: vec![Vec::new(); n] };
-    let mut rows = stmt.query(params)?;
-    while let Some(r) = rows.next()? {
-        let ts = r.get::<_, i64>(0)? as u64;
-        out.ts.push(ts);
-        for (k, series) in out.columns.iter_mut().enumerate() {
-            if let Some(v) = r.get::<_, Option<f64>>(k + 1)? {
-                series.push((ts, v));
-            }
-        }
-    }
-    Ok(out)
-}
-
 #[cfg(test)]
 pub(crate) mod testing {
     //! Fixtures shared by the samplers' tests.
@@ -196,7 +143,7 @@ pub(crate) mod testing {
                 exe: None,
                 mode: "attach",
                 launch_mode: "all",
-                step_symbol: None,
+                step_source: None,
                 started_ns: 0,
                 unix_offset_ns: 0,
                 hostname: None,
@@ -262,9 +209,9 @@ mod thread_tests {
     #[test]
     fn a_sampler_panic_is_reported_not_swallowed() {
         let t = SamplerThread::spawn("gpu", Duration::from_millis(1), Panicking).expect("spawn");
-        let err = t.stop().err().expect("the panic must surface");
+        let err = t.stop().expect_err("the panic must surface");
         assert_eq!(err, "the gpu sampler panicked: no such device");
         let t = SamplerThread::spawn("system", Duration::from_millis(1), Quiet).expect("spawn");
-        assert!(t.stop().is_ok_and(|hook| hook.is_none()));
+        assert!(t.stop().is_ok_and(|work| work.is_none()));
     }
 }

@@ -1,7 +1,7 @@
 //! CPU package and DRAM energy from RAPL: choosing the source (the perf `power`
 //! PMU, else powercap sysfs) and the domains that never overlap, reading them
-//! as wrap-corrected joules summed over sockets (`rapl_samples`), and
-//! assigning them to steps (`step_energy`).
+//! as wrap-corrected joules summed over sockets (`rapl_samples`), and the
+//! resolutions the store needs to assign them to steps (`step_energy`).
 //!
 //! RAPL domains nest: psys (the whole platform) ⊇ package ⊇ core, uncore;
 //! dram is beside the package. Each kind is its own series, summed over
@@ -19,49 +19,8 @@ use std::{
     time::Duration,
 };
 
-use rusqlite::{Connection, params, types::Value};
-
-use super::{CapabilityLog, Sampler, StepSpan, load_columns, step_spans};
-use crate::{
-    correlate::{CounterSeries, interval_energy},
-    store::{FinishHook, Insert, RowSender, StoreMsg},
-};
-
-/// Tables this sampler owns (a migration; see `store::MIGRATIONS`).
-pub const SCHEMA: &str = r#"
--- One row per RAPL domain kind per sample. energy_j: joules since the
--- session's first sample, wrap-corrected and summed over sockets. domain is
--- 'package', 'dram', 'psys', 'core' or 'uncore'; kinds overlap (psys ⊇
--- package ⊇ core, uncore), so never add rows of different domains.
-CREATE TABLE rapl_samples (
-    session_id INTEGER NOT NULL REFERENCES sessions(id),
-    ts_ns      INTEGER NOT NULL,
-    domain     TEXT    NOT NULL,
-    energy_j   REAL    NOT NULL
-);
--- Per step (label, step as in steps), RAPL counters interpolated at the step's start and end (steps
--- that share boundaries sum exactly to the counter's delta). cpu = package
--- domain, dram = DRAM domain. Energies and error bounds in J, powers in W
--- (energy / step duration). below_resolution = 1: the step is shorter than
--- the interval at which the counter was seen to change, so its figure is an
--- interpolated share. NULL where not measurable; note says why when the
--- reason is the step's own (never ended, outside the sampled range); a
--- missing domain or missing RAPL is recorded in capabilities (source 'rapl').
-CREATE TABLE step_energy (
-    session_id          INTEGER NOT NULL REFERENCES sessions(id),
-    label               TEXT    NOT NULL,
-    step                INTEGER NOT NULL,
-    cpu_energy_j        REAL,
-    dram_energy_j       REAL,
-    cpu_power_w         REAL,
-    dram_power_w        REAL,
-    cpu_energy_error_j  REAL,
-    dram_energy_error_j REAL,
-    below_resolution    INTEGER,
-    note                TEXT,
-    PRIMARY KEY (session_id, label, step)
-);
-"#;
+use super::{CapabilityLog, Sampler};
+use crate::store::{AtFinish, RaplSampleRow, RowSender, StoreMsg};
 
 /// How often the RAPL sampler should tick. The counters update about every
 /// millisecond and are read exactly, so the interval sets the error bound
@@ -762,9 +721,7 @@ const METRICS: &[(&str, Domain)] = &[
     ("ram_power", Domain::Dram),
 ];
 
-const INSERT_SAMPLE: &str = "INSERT INTO rapl_samples(session_id, ts_ns, domain, energy_j) VALUES (?1, ?2, ?3, ?4)";
-
-/// Samples RAPL into `rapl_samples` and, at the end, fills `step_energy`.
+/// Samples RAPL into `rapl_samples`; at the end, asks the store for `step_energy`.
 pub struct RaplSampler {
     reader: Option<RaplReader>,
     sender: RowSender,
@@ -808,97 +765,29 @@ impl RaplSampler {
 impl Sampler for RaplSampler {
     fn tick(&mut self, now_ns: u64) {
         let Some(reader) = &mut self.reader else { return };
-        let rows: Vec<Vec<Value>> = reader
+        let rows: Vec<RaplSampleRow> = reader
             .read()
             .into_iter()
-            .filter_map(|(d, j)| {
-                Some(vec![Value::Integer(now_ns as i64), Value::Text(d.as_str().into()), Value::Real(j?)])
-            })
+            .filter_map(|(d, j)| Some(RaplSampleRow { ts_ns: now_ns, domain: d.as_str(), energy_j: j? }))
             .collect();
         if !rows.is_empty() {
-            self.sender.send(StoreMsg::Insert(Insert { sql: INSERT_SAMPLE, rows }));
+            self.sender.send(StoreMsg::RaplSamples(rows));
         }
     }
 
-    fn finish(&mut self) -> Option<FinishHook> {
-        let resolutions = std::mem::take(&mut self.resolutions);
-        Some(Box::new(move |conn, session_id| write_step_energy(conn, session_id, &resolutions)))
+    fn finish(&mut self) -> Option<AtFinish> {
+        let resolution = |d: Domain| self.resolutions.iter().find(|(x, _)| *x == d).map(|&(_, r)| r);
+        Some(AtFinish::StepEnergy {
+            package_resolution_j: resolution(Domain::Package),
+            dram_resolution_j: resolution(Domain::Dram),
+        })
     }
-}
-
-/// A domain's samples of this session as a counter series; None with fewer than two.
-fn domain_series(
-    conn: &Connection,
-    session_id: i64,
-    domain: Domain,
-    resolution: f64,
-) -> rusqlite::Result<Option<CounterSeries>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT ts_ns, energy_j FROM rapl_samples WHERE session_id = ?1 AND domain = ?2 ORDER BY ts_ns",
-    )?;
-    let raw = load_columns(&mut stmt, params![session_id, domain.as_str()])?.columns.pop().unwrap_or_default();
-    let series = CounterSeries::from_samples(&raw, resolution);
-    Ok((!series.is_empty()).then_some(series))
-}
-
-/// Per step: package and DRAM energy interpolated at the step's boundaries,
-/// with their average power and error bound.
-fn write_step_energy(conn: &Connection, session_id: i64, resolutions: &[(Domain, f64)]) -> rusqlite::Result<()> {
-    // Built once at the end, as the store does for launches: an index
-    // maintained during capture would slow every insert.
-    conn.execute_batch("CREATE INDEX IF NOT EXISTS rapl_samples_by_domain ON rapl_samples(session_id, domain, ts_ns)")?;
-    let series = |d: Domain| -> rusqlite::Result<(bool, Option<CounterSeries>)> {
-        match resolutions.iter().find(|(x, _)| *x == d) {
-            Some(&(_, res)) => Ok((true, domain_series(conn, session_id, d, res)?)),
-            None => Ok((false, None)),
-        }
-    };
-    let (cpu_read, cpu) = series(Domain::Package)?;
-    let (dram_read, dram) = series(Domain::Dram)?;
-
-    let mut insert = conn.prepare(
-        "INSERT INTO step_energy(session_id, label, step, cpu_energy_j, dram_energy_j, cpu_power_w, dram_power_w,
-                                 cpu_energy_error_j, dram_energy_error_j, below_resolution, note)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
-    )?;
-    for StepSpan { label, step, start_ns: start, end_ns } in step_spans(conn, session_id)? {
-        let (c, d, note) = match end_ns {
-            None => (None, None, Some("step never ended")),
-            Some(end) => {
-                let c = cpu.as_ref().and_then(|s| interval_energy(s, start, end));
-                let d = dram.as_ref().and_then(|s| interval_energy(s, start, end));
-                // Only reasons that belong to this step; a domain that is not
-                // there at all is in capabilities.
-                let note = if (cpu_read && cpu.is_none()) || (dram_read && dram.is_none()) {
-                    Some("fewer than two RAPL samples in the session")
-                } else if (cpu_read && c.is_none()) || (dram_read && d.is_none()) {
-                    Some("step not inside the sampled range")
-                } else {
-                    None
-                };
-                (c, d, note)
-            }
-        };
-        let below = (c.is_some() || d.is_some()).then(|| [c, d].iter().flatten().any(|e| e.below_resolution));
-        insert.execute(params![
-            session_id,
-            label,
-            step,
-            c.map(|e| e.energy),
-            d.map(|e| e.energy),
-            c.map(|e| e.avg_power),
-            d.map(|e| e.avg_power),
-            c.map(|e| e.error),
-            d.map(|e| e.error),
-            below,
-            note
-        ])?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
+    use rusqlite::Connection;
+
     use super::*;
     use crate::{
         samplers::testing::{capabilities, end, open_store, step_row},
@@ -1246,8 +1135,8 @@ mod tests {
         rows.push(step_row(n, t0 + 1950 * MS, None));
         rows.push(step_row(n + 1, t0 / 2, Some(t0 + 50 * MS)));
         writer.send(StoreMsg::Steps(rows));
-        let hook = sampler.finish().expect("hook");
-        let stats = writer.finish(end(), vec![hook]).expect("finish");
+        let work = sampler.finish().expect("per-step energy");
+        let stats = writer.finish(end(), vec![work]).expect("finish");
         assert_eq!((stats.failed_rows, stats.first_error), (0, None));
 
         let conn = Connection::open(db.path().join("p.db")).expect("reopen");
@@ -1347,8 +1236,8 @@ mod tests {
         sampler.tick(100 * MS);
         sampler.tick(200 * MS);
         writer.send(StoreMsg::Steps(vec![step_row(0, 100 * MS, Some(200 * MS))]));
-        let hook = sampler.finish().expect("hook");
-        writer.finish(end(), vec![hook]).expect("finish");
+        let work = sampler.finish().expect("per-step energy");
+        writer.finish(end(), vec![work]).expect("finish");
         let conn = Connection::open(db.path().join("p.db")).expect("reopen");
         let (cpu, dram, note): (Option<f64>, Option<f64>, Option<String>) = conn
             .query_row("SELECT cpu_energy_j, dram_energy_j, note FROM step_energy WHERE step = 0", [], |r| {

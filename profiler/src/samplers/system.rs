@@ -1,6 +1,6 @@
 //! System and target-process usage (CPU, RAM, disk) sampled from /proc and
-//! statvfs into `system_samples`, read at each step's end into `step_system`,
-//! and the `system_metrics` view that gives prov4ml's per-step names.
+//! statvfs into `system_samples` (the store reads them at each step's end into
+//! `step_system`, and its `system_metrics` view gives prov4ml's per-step names).
 //!
 //! /proc is parsed by procfs; what is here is the arithmetic on its numbers
 //! (deltas of tick counters, bytes to GB), kept in pure functions so the
@@ -8,99 +8,10 @@
 use std::path::PathBuf;
 
 use procfs::{CpuTime, Current, CurrentSI, KernelStats, Meminfo, process::Process};
-use rusqlite::{Connection, params, types::Value};
 
-use super::{CapabilityLog, SampleSeries, Sampler, load_columns, step_spans};
-use crate::{
-    correlate::GaugeSeries,
-    store::{FinishHook, Insert, RowSender, StoreMsg},
-};
-
-/// Tables and the view this sampler owns (a migration; see
-/// `store::MIGRATIONS`). The view reads `step_energy`, so this migration goes
-/// after `rapl::SCHEMA`.
-pub const SCHEMA: &str = r#"
--- One row per system sample. GB are 10^9 bytes. cpu_usage_pct: all CPUs
--- busy, 0-100, over the interval since the previous sample (/proc/stat).
--- process_cpu_pct: the target's CPU time, all its threads, over the same
--- wall interval (/proc/PID/stat utime+stime), so 250 = 2.5 CPUs busy. RAM:
--- MemTotal - MemAvailable (/proc/meminfo). process_rss_gb: the target's
--- resident set. disk: the filesystem holding the target's working directory
--- (or --disk PATH): used = blocks - free; % as df computes it, used /
--- (used + available to unprivileged users). NULL where unreadable (the
--- first sample has no interval for the rates); reasons in capabilities
--- (source 'system').
-CREATE TABLE system_samples (
-    session_id      INTEGER NOT NULL REFERENCES sessions(id),
-    ts_ns           INTEGER NOT NULL,
-    cpu_usage_pct   REAL,
-    process_cpu_pct REAL,
-    ram_used_gb     REAL,
-    ram_usage_pct   REAL,
-    process_rss_gb  REAL,
-    disk_used_gb    REAL,
-    disk_usage_pct  REAL
-);
--- The system values at each step's end: for the two rates, the sample whose
--- interval contains the end; for the levels, the latest sample at or before
--- it (or the first after it when there is none). A sample counts only within
--- two sampling intervals of the end; otherwise NULL. ts_ns: the level sample used.
-CREATE TABLE step_system (
-    session_id      INTEGER NOT NULL REFERENCES sessions(id),
-    label           TEXT    NOT NULL,
-    step            INTEGER NOT NULL,
-    ts_ns           INTEGER,
-    cpu_usage_pct   REAL,
-    process_cpu_pct REAL,
-    ram_used_gb     REAL,
-    ram_usage_pct   REAL,
-    process_rss_gb  REAL,
-    disk_used_gb    REAL,
-    disk_usage_pct  REAL,
-    PRIMARY KEY (session_id, label, step)
-);
--- prov4ml's system metrics per step, one row per (label, step, metric), NULL where
--- unavailable. Units: *_pct %, *_gb GB (10^9 bytes), *_power W (average over
--- the step), *_energy J (over the step). cpu_* power/energy are the RAPL
--- package domain, ram_* the RAPL DRAM domain.
-CREATE VIEW system_metrics AS
-    WITH sys AS (SELECT s.session_id, s.label, s.step, y.cpu_usage_pct, y.ram_usage_pct, y.ram_used_gb,
-                        y.disk_used_gb, y.disk_usage_pct
-                 FROM steps s LEFT JOIN step_system y
-                     ON y.session_id = s.session_id AND y.label = s.label AND y.step = s.step),
-         nrg AS (SELECT s.session_id, s.label, s.step, e.cpu_power_w, e.cpu_energy_j, e.dram_power_w, e.dram_energy_j
-                 FROM steps s LEFT JOIN step_energy e
-                     ON e.session_id = s.session_id AND e.label = s.label AND e.step = s.step),
-         -- All sampled GPUs together: usage averaged, power/energy/memory summed, hottest temperature.
-         gpu AS (SELECT s.session_id, s.label, s.step,
-                        avg(g.utilization_gpu_end_pct) AS usage_pct,
-                        sum(g.avg_power_w) AS power_w,
-                        sum(g.energy_j) AS energy_j,
-                        sum(g.memory_used_end_mib) * 1048576 / 1e9 AS memory_gb,
-                        100.0 * sum(g.memory_used_end_mib) / sum(d.memory_total_mib) AS memory_pct,
-                        max(g.temperature_gpu_end_c) AS temperature_c
-                 FROM steps s LEFT JOIN step_gpu g
-                     ON g.session_id = s.session_id AND g.label = s.label AND g.step = s.step
-                 LEFT JOIN gpus d ON d.session_id = g.session_id AND d.gpu = g.gpu
-                 GROUP BY s.session_id, s.label, s.step)
-              SELECT session_id, label, step, 'cpu_usage_pct' AS metric, cpu_usage_pct AS value FROM sys
-    UNION ALL SELECT session_id, label, step, 'cpu_power',      cpu_power_w    FROM nrg
-    UNION ALL SELECT session_id, label, step, 'cpu_energy',     cpu_energy_j   FROM nrg
-    UNION ALL SELECT session_id, label, step, 'ram_usage_pct',  ram_usage_pct  FROM sys
-    UNION ALL SELECT session_id, label, step, 'ram_usage_gb',   ram_used_gb    FROM sys
-    UNION ALL SELECT session_id, label, step, 'ram_power',      dram_power_w   FROM nrg
-    UNION ALL SELECT session_id, label, step, 'ram_energy',     dram_energy_j  FROM nrg
-    UNION ALL SELECT session_id, label, step, 'disk_usage_gb',  disk_used_gb   FROM sys
-    UNION ALL SELECT session_id, label, step, 'disk_usage_pct', disk_usage_pct FROM sys
-    UNION ALL SELECT session_id, label, step, 'gpu_usage_pct', usage_pct FROM gpu
-    UNION ALL SELECT session_id, label, step, 'gpu_power', power_w FROM gpu
-    UNION ALL SELECT session_id, label, step, 'gpu_energy', energy_j FROM gpu
-    UNION ALL SELECT session_id, label, step, 'gpu_memory_usage_gb', memory_gb FROM gpu
-    UNION ALL SELECT session_id, label, step, 'gpu_memory_usage_pct', memory_pct FROM gpu
-    -- NVML has no memory-subsystem power: NULL (see capabilities).
-    UNION ALL SELECT session_id, label, step, 'gpu_memory_power', NULL FROM gpu
-    UNION ALL SELECT session_id, label, step, 'gpu_temperature_c', temperature_c FROM gpu;
-"#;
+use super::{CapabilityLog, Sampler};
+pub use crate::store::SystemSampleRow as SystemSample;
+use crate::store::{AtFinish, RowSender, StoreMsg};
 
 const GB: f64 = 1e9;
 
@@ -148,40 +59,7 @@ pub fn disk_usage(blocks: u64, free: u64, available: u64, fragment_size: u64) ->
     (usable > 0).then(|| (used as f64 * fragment_size as f64 / GB, 100.0 * used as f64 / usable as f64))
 }
 
-/// One row of `system_samples`.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct SystemSample {
-    pub ts_ns: u64,
-    pub cpu_usage_pct: Option<f64>,
-    pub process_cpu_pct: Option<f64>,
-    pub ram_used_gb: Option<f64>,
-    pub ram_usage_pct: Option<f64>,
-    pub process_rss_gb: Option<f64>,
-    pub disk_used_gb: Option<f64>,
-    pub disk_usage_pct: Option<f64>,
-}
-
-impl SystemSample {
-    fn row(&self) -> Vec<Value> {
-        let r = |v: Option<f64>| v.map_or(Value::Null, Value::Real);
-        vec![
-            Value::Integer(self.ts_ns as i64),
-            r(self.cpu_usage_pct),
-            r(self.process_cpu_pct),
-            r(self.ram_used_gb),
-            r(self.ram_usage_pct),
-            r(self.process_rss_gb),
-            r(self.disk_used_gb),
-            r(self.disk_usage_pct),
-        ]
-    }
-}
-
-const INSERT_SAMPLE: &str = "INSERT INTO system_samples(session_id, ts_ns, cpu_usage_pct, process_cpu_pct, ram_used_gb,
-                                                    ram_usage_pct, process_rss_gb, disk_used_gb, disk_usage_pct)
-                             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)";
-
-/// Samples /proc and statvfs into `system_samples`; at the end, fills `step_system`.
+/// Samples /proc and statvfs into `system_samples`; at the end, asks the store for `step_system`.
 pub struct SystemSampler {
     pid: i32,
     /// Opened once: a handle on /proc/PID keeps reading this process, not a
@@ -288,68 +166,21 @@ impl SystemSampler {
 
 impl Sampler for SystemSampler {
     fn tick(&mut self, now_ns: u64) {
-        let row = self.sample(now_ns).row();
-        self.sender.send(StoreMsg::Insert(Insert { sql: INSERT_SAMPLE, rows: vec![row] }));
+        let row = self.sample(now_ns);
+        self.sender.send(StoreMsg::SystemSamples(vec![row]));
     }
 
-    fn finish(&mut self) -> Option<FinishHook> {
-        Some(Box::new(write_step_system))
+    fn finish(&mut self) -> Option<AtFinish> {
+        Some(AtFinish::StepSystem)
     }
-}
-
-/// The sample whose interval (previous sample, this sample] contains `t`,
-/// if it is within `max_gap_ns` after `t`. For rates, which describe the
-/// interval that ends at their timestamp.
-fn covering(points: &[(u64, f64)], t: u64, max_gap_ns: u64) -> Option<f64> {
-    let i = points.partition_point(|&(pt, _)| pt < t);
-    points.get(i).filter(|&&(pt, _)| pt - t <= max_gap_ns).map(|&(_, v)| v)
-}
-
-/// Per step: the system values at the step's end (see `step_system` in SCHEMA).
-pub(crate) fn write_step_system(conn: &Connection, session_id: i64) -> rusqlite::Result<()> {
-    let mut stmt = conn.prepare(
-        "SELECT ts_ns, cpu_usage_pct, process_cpu_pct, ram_used_gb, ram_usage_pct, process_rss_gb, disk_used_gb,
-                disk_usage_pct
-         FROM system_samples WHERE session_id = ?1 ORDER BY ts_ns",
-    )?;
-    let SampleSeries { ts, columns } = load_columns(&mut stmt, [session_id])?;
-    // Two sampling intervals: a value further from the step's end than that
-    // describes another moment, and is left NULL.
-    let max_gap = crate::correlate::median(ts.windows(2).map(|w| w[1] - w[0]).collect()) * 2;
-    let columns: Vec<GaugeSeries> = columns.into_iter().map(|points| GaugeSeries { points }).collect();
-    // Which sample a level is read from, by the levels' rule: its index
-    // (exact as f64) stands in for the value, so ts_ns stays an integer.
-    let samples = GaugeSeries { points: ts.iter().enumerate().map(|(i, &t)| (t, i as f64)).collect() };
-
-    let mut insert = conn.prepare(
-        "INSERT INTO step_system(session_id, label, step, ts_ns, cpu_usage_pct, process_cpu_pct,
-                                 ram_used_gb, ram_usage_pct, process_rss_gb, disk_used_gb, disk_usage_pct)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
-    )?;
-    for s in step_spans(conn, session_id)? {
-        // A step that never ended has no end to read the values at: all NULL.
-        // Columns 0, 1 are rates, the rest levels.
-        let v: Vec<Option<f64>> = columns
-            .iter()
-            .enumerate()
-            .map(|(k, g)| {
-                let end = s.end_ns?;
-                if k < 2 { covering(&g.points, end, max_gap) } else { g.at(end, max_gap) }
-            })
-            .collect();
-        let ts_ns = s.end_ns.and_then(|end| samples.at(end, max_gap)).map(|i| ts[i as usize] as i64);
-        insert.execute(params![session_id, s.label, s.step, ts_ns, v[0], v[1], v[2], v[3], v[4], v[5], v[6]])?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
+    use rusqlite::Connection;
+
     use super::*;
-    use crate::{
-        samplers::testing::{capabilities, end, open_store, step_row},
-        store::StoreMsg,
-    };
+    use crate::samplers::testing::{capabilities, end, open_store, step_row};
     use procfs::{ExplicitSystemInfo, FromRead, FromReadSI, process::Stat};
 
     const MS: u64 = 1_000_000;
@@ -558,8 +389,7 @@ mod tests {
             disk_used_gb: if k == 3 { None } else { Some(100.0) },
             disk_usage_pct: Some(40.0),
         };
-        let rows: Vec<Vec<Value>> = (0..=6).map(|k| sample(k).row()).collect();
-        writer.send(StoreMsg::Insert(Insert { sql: INSERT_SAMPLE, rows }));
+        writer.send(StoreMsg::SystemSamples((0..=6).map(sample).collect()));
         let step = |n: u64, start: u64, end: Option<u64>| step_row(n, start * MS, end.map(|e| e * MS));
         // Ends: 250 ms (between samples 2 and 3), 300 ms (on sample 3), never, and 2 s (past the last sample).
         writer.send(StoreMsg::Steps(vec![
@@ -568,8 +398,7 @@ mod tests {
             step(2, 300, None),
             step(3, 300, Some(2_000)),
         ]));
-        let rapl_hook: FinishHook = Box::new(|_, _| Ok(()));
-        let stats = writer.finish(end(), vec![rapl_hook, Box::new(write_step_system)]).expect("finish");
+        let stats = writer.finish(end(), vec![AtFinish::StepSystem]).expect("finish");
         assert_eq!((stats.failed_rows, stats.first_error), (0, None));
 
         let conn = Connection::open(&path).expect("reopen");
@@ -643,10 +472,10 @@ mod tests {
         let writer = store.spawn_writer(id);
         // An odd nanosecond count above 2^53, which an f64 cannot hold.
         let base = (1u64 << 53) + 1;
-        let rows = (0..3).map(|k| SystemSample { ts_ns: base + k * 100 * MS, ..Default::default() }.row()).collect();
-        writer.send(StoreMsg::Insert(Insert { sql: INSERT_SAMPLE, rows }));
+        let rows = (0..3).map(|k| SystemSample { ts_ns: base + k * 100 * MS, ..Default::default() }).collect();
+        writer.send(StoreMsg::SystemSamples(rows));
         writer.send(StoreMsg::Steps(vec![step_row(0, base, Some(base + 150 * MS))]));
-        let stats = writer.finish(end(), vec![Box::new(write_step_system)]).expect("finish");
+        let stats = writer.finish(end(), vec![AtFinish::StepSystem]).expect("finish");
         assert_eq!((stats.failed_rows, stats.first_error), (0, None));
         let conn = Connection::open(&path).expect("reopen");
         let ts: i64 = conn

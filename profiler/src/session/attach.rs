@@ -12,11 +12,11 @@ use crate::{
         python_any::{PythonMechanism, PythonStepProbes},
         usdt::{self, python::PythonProbes},
     },
-    store::LibraryRow,
+    store::ProbedFileRow,
 };
 
 /// Probes the CUDA libraries the target maps or will load, then the step
-/// functions, native and Python. Returns the `libraries` rows and the Python
+/// functions, native and Python. Returns the `probed_files` rows and the Python
 /// probes' handle (dropped before the rest detach).
 pub(super) fn attach_all(
     cfg: &SessionConfig,
@@ -24,8 +24,8 @@ pub(super) fn attach_all(
     probes: &mut Probes,
     watcher: &mut LibraryWatcher,
     steps: &StepFunctions,
-) -> anyhow::Result<(Vec<LibraryRow>, Option<PythonStepProbes>)> {
-    let mut libraries: Vec<LibraryRow> = Vec::new();
+) -> anyhow::Result<(Vec<ProbedFileRow>, Option<PythonStepProbes>)> {
+    let mut libraries: Vec<ProbedFileRow> = Vec::new();
     if target.mode == "attach" {
         watcher.scan_into(probes, &mut libraries, cfg.quiet, "maps");
     }
@@ -55,7 +55,7 @@ fn attach_loader(
     target: &TargetProcess,
     probes: &mut Probes,
     watcher: &mut LibraryWatcher,
-    libraries: &mut Vec<LibraryRow>,
+    libraries: &mut Vec<ProbedFileRow>,
 ) {
     let (pid, exe) = (target.pid, &target.exe);
     match probes::loader_of(pid, exe) {
@@ -86,7 +86,7 @@ fn attach_predicted_driver(
     target: &TargetProcess,
     probes: &mut Probes,
     watcher: &mut LibraryWatcher,
-    libraries: &mut Vec<LibraryRow>,
+    libraries: &mut Vec<ProbedFileRow>,
 ) {
     for cand in maps::driver_candidates(target.var("LD_LIBRARY_PATH").as_deref(), &ldconfig_cache()) {
         let visible = probes::in_target_root(target.pid, &cand);
@@ -119,7 +119,7 @@ fn attach_step_symbols(
     pid: u32,
     probes: &mut Probes,
     steps: &StepFunctions,
-    libraries: &mut Vec<LibraryRow>,
+    libraries: &mut Vec<ProbedFileRow>,
 ) -> anyhow::Result<()> {
     for (probe_id, step) in steps.symbols.iter().enumerate() {
         let visible = if step.path.is_relative() { step.path.clone() } else { probes::in_target_root(pid, &step.path) };
@@ -139,7 +139,7 @@ fn attach_python(
     probes: &mut Probes,
     py: &PythonMechanism,
     first_label: usize,
-    libraries: &mut Vec<LibraryRow>,
+    libraries: &mut Vec<ProbedFileRow>,
 ) -> anyhow::Result<PythonStepProbes> {
     let targets: Vec<usdt::python::PythonTarget> = cfg
         .python_steps
@@ -171,7 +171,7 @@ fn attach_usdt_python(
     probes: &mut Probes,
     py: &PythonProbes,
     targets: &[usdt::python::PythonTarget],
-    libraries: &mut Vec<LibraryRow>,
+    libraries: &mut Vec<ProbedFileRow>,
 ) -> anyhow::Result<PythonStepProbes> {
     let handle = probes.attach_python(py, targets)?;
     let mut how = match py.version {

@@ -9,7 +9,7 @@ use crate::{
     events::{self, Event, OrderedEvent},
     probes,
     steps::{DepthChange, OpenStep, StepTracker},
-    store::{LaunchRow, LibraryRow, StepRow, StoreMsg, StoreWriter, SyncRow},
+    store::{LaunchRow, ProbedFileRow, StepRow, StoreMsg, StoreWriter, SyncRow},
 };
 
 /// A synchronisation call in progress: (SyncApi id, start ns, the step its thread was in).
@@ -45,7 +45,7 @@ pub(super) struct Consumer {
     /// Launch-ring events read and not yet taken; step events handed on.
     chunk: Vec<Result<Event, events::DecodeError>>,
     released: Vec<Event>,
-    /// (label, step) of the steps stored as incomplete (see `steps::LOSS_SCHEMA`).
+    /// (label, step) of the steps stored as incomplete (`steps.incomplete`).
     incomplete_steps: Vec<(&'static str, u64)>,
 }
 
@@ -266,9 +266,9 @@ impl Consumer {
     }
 
     /// Hands `libraries` rows to the store.
-    pub fn store_libraries(&self, rows: Vec<LibraryRow>) {
+    pub fn store_libraries(&self, rows: Vec<ProbedFileRow>) {
         for r in rows {
-            self.writer.send(StoreMsg::Library(r));
+            self.writer.send(StoreMsg::ProbedFile(r));
         }
     }
 

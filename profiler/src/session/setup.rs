@@ -206,7 +206,7 @@ pub(super) fn begin_session(
         exe: Some(target.exe.display().to_string()),
         mode: target.mode,
         launch_mode: cfg.launch_mode.as_str(),
-        step_symbol: step_specs(cfg),
+        step_source: step_specs(cfg),
         started_ns,
         unix_offset_ns: clock::unix_offset_ns(),
         hostname: read_trimmed("/proc/sys/kernel/hostname"),

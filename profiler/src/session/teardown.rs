@@ -14,7 +14,7 @@ use crate::{
     probes::{self, KernelCounters, Probes, python_any::PythonStepProbes},
     samplers::SamplerThread,
     stop_signals,
-    store::{FinishHook, SessionEnd},
+    store::{AtFinish, Losses, SessionEnd},
 };
 
 /// What the user is told at the end.
@@ -81,7 +81,7 @@ pub(super) async fn finish(
     let kc = traced.probes.counters();
     let consumer = detach_and_drain(traced.probes, traced.rings, traced.python, traced.consumer, ended_ns);
     // A sampler that panicked loses its series, not the session; it fails the run.
-    let (mut problems, hooks) = stop_samplers(traced.samplers);
+    let (mut problems, at_finish) = stop_samplers(traced.samplers);
     let (marked_steps, steps_without_start) = consumer.loss_counts();
     let end = SessionEnd {
         ended_ns,
@@ -90,7 +90,7 @@ pub(super) async fn finish(
         total_launches: kc.launches,
         unmatched_returns: 0,
     };
-    let (report, written) = finish_store(consumer, kc, end, hooks)?;
+    let (report, written) = finish_store(consumer, kc, end, at_finish)?;
     let secs = (ended_ns - session.started_ns) as f64 / 1e9;
     let (id, output) = (session.id, &session.output);
     say!(cfg.quiet, "session {id} ended ({end_reason}) after {secs:.1} s: {} → {}", report, output.display());
@@ -137,18 +137,18 @@ fn detach_and_drain(
     consumer
 }
 
-/// Stops the samplers: the problems of those that panicked, and the finish
-/// hooks of the others.
-fn stop_samplers(samplers: Vec<SamplerThread>) -> (Vec<String>, Vec<FinishHook>) {
+/// Stops the samplers: the problems of those that panicked, and what the
+/// others hand the store's last transaction (series to derive per-step figures from).
+fn stop_samplers(samplers: Vec<SamplerThread>) -> (Vec<String>, Vec<AtFinish>) {
     let mut problems = Vec::new();
-    let mut hooks = Vec::new();
+    let mut at_finish = Vec::new();
     for sampler in samplers {
         match sampler.stop() {
-            Ok(hook) => hooks.extend(hook),
+            Ok(what) => at_finish.extend(what),
             Err(e) => problems.push(e),
         }
     }
-    (problems, hooks)
+    (problems, at_finish)
 }
 
 /// Finishes the session in the store, with what was lost (the step ring's
@@ -159,13 +159,17 @@ fn finish_store(
     mut consumer: Consumer,
     kc: KernelCounters,
     mut end: SessionEnd,
-    mut hooks: Vec<FinishHook>,
+    mut at_finish: Vec<AtFinish>,
 ) -> anyhow::Result<(String, Vec<String>)> {
     let incomplete = consumer.take_incomplete_steps();
-    hooks.push(Box::new(move |conn, session| crate::steps::store_losses(conn, session, &kc, &incomplete)));
+    at_finish.push(AtFinish::Losses(Losses {
+        lost_step_records: kc.lost_step_records,
+        map_failures: kc.map_failures,
+        incomplete,
+    }));
     let (writer, totals) = consumer.close();
     end.unmatched_returns = totals.unmatched_returns;
-    let stats = writer.finish(end.clone(), hooks)?;
+    let stats = writer.finish(end.clone(), at_finish)?;
     let problems: Vec<String> = stats
         .first_error
         .iter()

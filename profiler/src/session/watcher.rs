@@ -13,7 +13,7 @@ use crate::{
         self, Probes,
         maps::{self, LibraryKind},
     },
-    store::LibraryRow,
+    store::ProbedFileRow,
 };
 
 /// How long a library whose probes failed waits before it is tried again.
@@ -49,7 +49,7 @@ impl LibraryWatcher {
     pub fn scan_into(
         &mut self,
         probes: &mut Probes,
-        rows: &mut Vec<LibraryRow>,
+        rows: &mut Vec<ProbedFileRow>,
         quiet: bool,
         how: &str,
     ) -> Option<procfs::process::MemoryMaps> {
@@ -102,7 +102,7 @@ impl LibraryWatcher {
         kind: LibraryKind,
         how: &str,
         e: &probes::ProbeError,
-    ) -> Option<LibraryRow> {
+    ) -> Option<ProbedFileRow> {
         if self.failed.insert(path.to_owned(), Instant::now()).is_some() {
             return None;
         }
@@ -122,16 +122,21 @@ impl LibraryWatcher {
 }
 
 /// A `libraries` row for a CUDA library's launch probes (with their `probes` rows).
-pub(super) fn library_row(path: &Path, kind: LibraryKind, placed: Vec<probes::PlacedProbe>, how: &str) -> LibraryRow {
-    LibraryRow {
+pub(super) fn library_row(
+    path: &Path,
+    kind: LibraryKind,
+    placed: Vec<probes::PlacedProbe>,
+    how: &str,
+) -> ProbedFileRow {
+    ProbedFileRow {
         placed: placed.iter().map(|p| (p.symbol.to_string(), p.offset, p.reason.clone())).collect(),
         ..probe_row(path, kind.as_str(), placed.len() as u32, how.into())
     }
 }
 
 /// A `libraries` row for probes that are not launch probes (no `probes` rows).
-pub(super) fn probe_row(path: &Path, kind: &str, probes: u32, how: String) -> LibraryRow {
-    LibraryRow {
+pub(super) fn probe_row(path: &Path, kind: &str, probes: u32, how: String) -> ProbedFileRow {
+    ProbedFileRow {
         path: path.display().to_string(),
         kind: kind.into(),
         attached_ns: clock::monotonic_ns(),

@@ -4,6 +4,9 @@
 //! step's start and end.
 //!
 //! Pure arithmetic on in-memory series: no I/O, unit-tested without root.
+//! The store reads the series at a session's end and writes what
+//! [`per_step`] derives from them.
+pub mod per_step;
 
 /// A cumulative counter (energy in J, wrap-corrected, non-decreasing) as the
 /// sampler saw it.

@@ -1,0 +1,193 @@
+//! The rows the store writes, as the rest of the profiler hands them over:
+//! one struct per table (or per kind of update), no SQL.
+use profiler_common::LaunchApi;
+
+/// What the session row holds at the start.
+pub struct SessionStart {
+    pub pid: u32,
+    pub command: String,
+    pub exe: Option<String>,
+    pub mode: &'static str,
+    pub launch_mode: &'static str,
+    /// Every step source (`--step-symbol`, `--step-python`), space-separated.
+    pub step_source: Option<String>,
+    pub started_ns: u64,
+    pub unix_offset_ns: i64,
+    pub hostname: Option<String>,
+    pub kernel_release: Option<String>,
+}
+
+/// What the session row gets at the end.
+#[derive(Clone, Debug)]
+pub struct SessionEnd {
+    pub ended_ns: u64,
+    pub end_reason: String,
+    pub lost_events: u64,
+    pub total_launches: u64,
+    pub unmatched_returns: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct LaunchRow {
+    pub ts_ns: u64,
+    pub tid: u32,
+    pub api: LaunchApi,
+    pub function: u64,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_mem_bytes: u32,
+    pub stream: u64,
+    /// The step the launching thread was in: (label, step).
+    pub step: Option<(&'static str, u64)>,
+}
+
+/// A launch handle (or runtime host stub) and its kernel's name.
+#[derive(Clone, Debug)]
+pub struct KernelRow {
+    pub function: u64,
+    /// When the handle got this name (0: for the whole session).
+    pub named_ns: u64,
+    pub name: String,
+    pub demangled_name: Option<String>,
+    /// `cuModuleGetFunction`, `cuLibraryGetKernel`, `cuKernelGetFunction`, or `symbol` (runtime host stub).
+    pub source: &'static str,
+}
+
+/// One host synchronisation call.
+#[derive(Clone, Debug)]
+pub struct SyncRow {
+    pub tid: u32,
+    pub api: &'static str,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    /// The step the thread was in when the call began.
+    pub step: Option<(&'static str, u64)>,
+}
+
+#[derive(Clone, Debug)]
+pub struct StepRow {
+    pub sync_wait_ns: Option<u64>,
+    pub label: String,
+    pub step: u64,
+    pub tid: u32,
+    pub start_ns: u64,
+    pub end_ns: Option<u64>,
+    pub inter_step_ns: Option<u64>,
+    pub launches: Option<u64>,
+}
+
+/// A file the profiler probed (a CUDA library, a step function's object,
+/// the dynamic loader) and the probes it placed there.
+#[derive(Clone, Debug)]
+pub struct ProbedFileRow {
+    pub path: String,
+    /// (symbol, offset from its start, why there) of each probe.
+    pub placed: Vec<(String, u64, String)>,
+    pub kind: String,
+    pub attached_ns: u64,
+    pub probes: u32,
+    pub how: String,
+}
+
+/// A metric's availability, recorded once per session.
+#[derive(Clone, Debug)]
+pub struct Capability {
+    pub source: String,
+    pub metric: String,
+    pub available: bool,
+    pub reason: Option<String>,
+}
+
+/// One GPU chosen for sampling (a `gpus` row).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GpuRow {
+    /// The GPU's number as the target's CUDA sees it.
+    pub gpu: u32,
+    pub nvml_index: u32,
+    pub uuid: String,
+    pub name: Option<String>,
+    pub memory_total_mib: Option<f64>,
+    pub power_limit_w: Option<f64>,
+    pub driver_version: Option<String>,
+    /// `instant` (field 186) or `average` (1 s power usage).
+    pub power_source: &'static str,
+}
+
+/// One reading of one GPU (a `gpu_samples` row); None where NVML could not say.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GpuSampleRow {
+    pub gpu: u32,
+    pub ts_ns: u64,
+    pub utilization_gpu_pct: Option<f64>,
+    pub utilization_memory_pct: Option<f64>,
+    pub memory_used_mib: Option<f64>,
+    pub memory_free_mib: Option<f64>,
+    pub memory_total_mib: Option<f64>,
+    pub power_w: Option<f64>,
+    pub memory_power_w: Option<f64>,
+    /// Joules since the session's first reading of this GPU.
+    pub energy_j: Option<f64>,
+    pub temperature_gpu_c: Option<f64>,
+    pub temperature_memory_c: Option<f64>,
+    pub fan_speed_pct: Option<f64>,
+    pub sm_clock_mhz: Option<f64>,
+    pub memory_clock_mhz: Option<f64>,
+    pub clock_throttle_reasons: Option<i64>,
+}
+
+/// One RAPL domain's cumulative energy at one instant (a `rapl_samples` row).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RaplSampleRow {
+    pub ts_ns: u64,
+    /// `package`, `dram`, `psys`, `core` or `uncore`.
+    pub domain: &'static str,
+    pub energy_j: f64,
+}
+
+/// One row of `system_samples`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SystemSampleRow {
+    pub ts_ns: u64,
+    pub cpu_usage_pct: Option<f64>,
+    pub process_cpu_pct: Option<f64>,
+    pub ram_used_gb: Option<f64>,
+    pub ram_usage_pct: Option<f64>,
+    pub process_rss_gb: Option<f64>,
+    pub disk_used_gb: Option<f64>,
+    pub disk_usage_pct: Option<f64>,
+}
+
+/// What the session lost, stored at its end: the step ring's share of the
+/// lost records, failed map updates, and the steps marked incomplete (every
+/// other step of the session is marked complete).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Losses {
+    pub lost_step_records: u64,
+    pub map_failures: u64,
+    /// (label, step) of each incomplete step.
+    pub incomplete: Vec<(&'static str, u64)>,
+}
+
+/// Work the store does in the session's last transaction, once every row is
+/// in: per-step figures derived (by `correlate`) from the samples and steps it
+/// holds, with what only the sampler knew. Each kind is written or, on an
+/// error, rolled back on its own.
+#[derive(Clone, Debug, PartialEq)]
+pub enum AtFinish {
+    /// `step_gpu` for each step and GPU, and `gpus.energy_update_period_ms`.
+    StepGpu {
+        /// Logical numbers of the sampled GPUs.
+        gpus: Vec<u32>,
+        /// A gauge reading counts for a moment at most this far from it.
+        max_gap_ns: u64,
+        /// The energy counter's resolution, J.
+        energy_resolution_j: f64,
+    },
+    /// `step_energy` for each step: RAPL package and DRAM energy. Each is the
+    /// domain's counter resolution in J when the domain was read, None when not.
+    StepEnergy { package_resolution_j: Option<f64>, dram_resolution_j: Option<f64> },
+    /// `step_system` for each step: the system values at its end.
+    StepSystem,
+    /// `sessions.lost_step_records`, `sessions.map_failures`, `steps.incomplete`.
+    Losses(Losses),
+}

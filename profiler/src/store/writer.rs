@@ -1,0 +1,393 @@
+//! The writer thread: takes typed rows over a bounded channel and writes them
+//! in batched transactions; at the end, the session's last transaction (see
+//! [`super::finish`]).
+//!
+//! Bounded: when SQLite falls behind, the event path blocks on `send`, the
+//! ring buffer fills, and the kernel counts what it cannot reserve — loss is
+//! pushed to the one place where it is counted, never dropped silently here.
+use std::{
+    sync::mpsc::{Receiver, SyncSender},
+    thread::JoinHandle,
+};
+
+use rusqlite::{Connection, Transaction, params};
+
+use super::{
+    StoreError,
+    rows::{
+        AtFinish, Capability, GpuRow, GpuSampleRow, KernelRow, LaunchRow, ProbedFileRow, RaplSampleRow, SessionEnd,
+        StepRow, SyncRow, SystemSampleRow,
+    },
+};
+
+/// What the writer is sent.
+pub enum StoreMsg {
+    Capability(Capability),
+    Launches(Vec<LaunchRow>),
+    Steps(Vec<StepRow>),
+    Syncs(Vec<SyncRow>),
+    Kernels(Vec<KernelRow>),
+    ProbedFile(ProbedFileRow),
+    /// The sampled GPUs, once at the start.
+    Gpus(Vec<GpuRow>),
+    /// GPUs (logical numbers) the target was seen using.
+    GpusUsedByTarget(Vec<u32>),
+    GpuSamples(Vec<GpuSampleRow>),
+    RaplSamples(Vec<RaplSampleRow>),
+    SystemSamples(Vec<SystemSampleRow>),
+    /// The last message: the session's end and what to derive then.
+    Finish(SessionEnd, Vec<AtFinish>),
+}
+
+/// What the writer did, for the end-of-session summary.
+#[derive(Clone, Debug, Default)]
+pub struct WriterStats {
+    pub launches: u64,
+    pub steps: u64,
+    pub transactions: u64,
+    /// Rows that could not be written, and the first error.
+    pub failed_rows: u64,
+    pub first_error: Option<String>,
+}
+
+/// Handle to the writer thread.
+pub struct StoreWriter {
+    pub(super) tx: SyncSender<StoreMsg>,
+    pub(super) join: JoinHandle<Result<WriterStats, StoreError>>,
+}
+
+impl StoreWriter {
+    /// Sends rows; blocks while the writer is behind (see module docs).
+    pub fn send(&self, msg: StoreMsg) {
+        // The writer only goes away after Finish; a send after that is a bug
+        // worth a log line, not a panic that would lose the session.
+        if self.tx.send(msg).is_err() {
+            log::error!("store writer is gone; rows not written");
+        }
+    }
+
+    /// A sender for sampler threads.
+    pub fn sender(&self) -> RowSender {
+        RowSender(self.tx.clone())
+    }
+
+    /// Finishes the session: derives `at_finish` in the last transaction,
+    /// records the end, and waits for everything to be on disk.
+    pub fn finish(self, end: SessionEnd, at_finish: Vec<AtFinish>) -> Result<WriterStats, StoreError> {
+        self.send(StoreMsg::Finish(end, at_finish));
+        drop(self.tx);
+        self.join.join().unwrap_or_else(|payload| {
+            let message = crate::panic_message(&*payload);
+            Ok(WriterStats {
+                first_error: Some(format!("the database writer panicked: {message}")),
+                ..Default::default()
+            })
+        })
+    }
+}
+
+/// A clonable handle for threads that produce rows (samplers).
+#[derive(Clone)]
+pub struct RowSender(SyncSender<StoreMsg>);
+
+impl RowSender {
+    pub fn send(&self, msg: StoreMsg) {
+        if self.0.send(msg).is_err() {
+            log::error!("store writer is gone; rows not written");
+        }
+    }
+}
+
+pub(super) fn i(v: u64) -> i64 {
+    // Handles and addresses are below 2^63 on every ABI we probe; wrapping
+    // keeps the bits if one ever is not.
+    v as i64
+}
+
+fn write_batch(
+    conn: &mut Connection,
+    session_id: i64,
+    msgs: &[StoreMsg],
+    stats: &mut WriterStats,
+) -> rusqlite::Result<()> {
+    let tx = conn.transaction()?;
+    for msg in msgs {
+        write_msg(&tx, session_id, msg)?;
+    }
+    tx.commit()?;
+    // Counted once the transaction commits: a batch rolled back stored nothing.
+    stats.transactions += 1;
+    for msg in msgs {
+        match msg {
+            StoreMsg::Launches(rows) => stats.launches += rows.len() as u64,
+            StoreMsg::Steps(rows) => stats.steps += rows.len() as u64,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn write_msg(tx: &Transaction<'_>, session_id: i64, msg: &StoreMsg) -> rusqlite::Result<()> {
+    match msg {
+        StoreMsg::Kernels(rows) => write_kernels(tx, session_id, rows),
+        StoreMsg::Syncs(rows) => write_syncs(tx, session_id, rows),
+        StoreMsg::Capability(c) => tx
+            .execute(
+                "INSERT OR IGNORE INTO capabilities(session_id, source, metric, available, reason)
+                 VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![session_id, c.source, c.metric, c.available, c.reason],
+            )
+            .map(drop),
+        StoreMsg::Launches(rows) => write_launches(tx, session_id, rows),
+        StoreMsg::Steps(rows) => write_steps(tx, session_id, rows),
+        StoreMsg::ProbedFile(f) => write_probed_file(tx, session_id, f),
+        StoreMsg::Gpus(rows) => write_gpus(tx, session_id, rows),
+        StoreMsg::GpusUsedByTarget(gpus) => {
+            let mut stmt =
+                tx.prepare_cached("UPDATE gpus SET used_by_target = 1 WHERE session_id = ?1 AND gpu = ?2")?;
+            gpus.iter().try_for_each(|g| stmt.execute(params![session_id, g]).map(drop))
+        }
+        StoreMsg::GpuSamples(rows) => write_gpu_samples(tx, session_id, rows),
+        StoreMsg::RaplSamples(rows) => {
+            let mut stmt = tx.prepare_cached(
+                "INSERT INTO rapl_samples(session_id, ts_ns, domain, energy_j) VALUES (?1, ?2, ?3, ?4)",
+            )?;
+            rows.iter().try_for_each(|r| stmt.execute(params![session_id, i(r.ts_ns), r.domain, r.energy_j]).map(drop))
+        }
+        StoreMsg::SystemSamples(rows) => write_system_samples(tx, session_id, rows),
+        StoreMsg::Finish(..) => Ok(()),
+    }
+}
+
+fn write_kernels(tx: &Transaction<'_>, session_id: i64, rows: &[KernelRow]) -> rusqlite::Result<()> {
+    // A handle's first name, else a rename (see migration 6, `kernel_renames`):
+    // the consumer sends a handle's name again only when it changed.
+    let mut first = tx.prepare_cached(
+        "INSERT OR IGNORE INTO kernels(session_id, function, name, demangled_name, source)
+         VALUES (?1, ?2, ?3, ?4, ?5)",
+    )?;
+    let mut rename = tx.prepare_cached(
+        "INSERT OR IGNORE INTO kernel_renames(session_id, function, named_ns, name, demangled_name, source)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+    )?;
+    for r in rows {
+        let params = params![session_id, i(r.function), r.name, r.demangled_name, r.source];
+        if first.execute(params)? == 0 {
+            rename.execute(params![session_id, i(r.function), i(r.named_ns), r.name, r.demangled_name, r.source])?;
+        }
+    }
+    Ok(())
+}
+
+fn write_syncs(tx: &Transaction<'_>, session_id: i64, rows: &[SyncRow]) -> rusqlite::Result<()> {
+    let mut stmt = tx.prepare_cached(
+        "INSERT INTO syncs(session_id, tid, api, start_ns, end_ns, label, step) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+    )?;
+    for r in rows {
+        let (label, step) = (r.step.map(|s| s.0), r.step.map(|s| i(s.1)));
+        stmt.execute(params![session_id, r.tid, r.api, i(r.start_ns), i(r.end_ns), label, step])?;
+    }
+    Ok(())
+}
+
+fn write_launches(tx: &Transaction<'_>, session_id: i64, rows: &[LaunchRow]) -> rusqlite::Result<()> {
+    let mut launch = tx.prepare_cached(
+        "INSERT INTO launches(session_id, ts_ns, tid, api, function, grid_x, grid_y, grid_z,
+                              block_x, block_y, block_z, shared_mem_bytes, stream, label, step)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+    )?;
+    for r in rows {
+        launch.execute(params![
+            session_id,
+            i(r.ts_ns),
+            r.tid,
+            r.api as u32,
+            i(r.function),
+            r.grid[0],
+            r.grid[1],
+            r.grid[2],
+            r.block[0],
+            r.block[1],
+            r.block[2],
+            r.shared_mem_bytes,
+            i(r.stream),
+            r.step.map(|s| s.0),
+            r.step.map(|s| i(s.1))
+        ])?;
+    }
+    Ok(())
+}
+
+fn write_steps(tx: &Transaction<'_>, session_id: i64, rows: &[StepRow]) -> rusqlite::Result<()> {
+    let mut step = tx.prepare_cached(
+        "INSERT OR REPLACE INTO steps(session_id, label, step, tid, start_ns, end_ns, duration_ns, inter_step_ns, launches,
+                                      sync_wait_ns)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+    )?;
+    for r in rows {
+        step.execute(params![
+            session_id,
+            r.label,
+            i(r.step),
+            r.tid,
+            i(r.start_ns),
+            r.end_ns.map(i),
+            r.end_ns.map(|e| i(e.saturating_sub(r.start_ns))),
+            r.inter_step_ns.map(i),
+            r.launches.map(i),
+            r.sync_wait_ns.map(i)
+        ])?;
+    }
+    Ok(())
+}
+
+fn write_probed_file(tx: &Transaction<'_>, session_id: i64, f: &ProbedFileRow) -> rusqlite::Result<()> {
+    tx.execute(
+        "INSERT INTO probed_files(session_id, path, kind, attached_ns, probes, how) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        params![session_id, f.path, f.kind, i(f.attached_ns), f.probes, f.how],
+    )?;
+    for (symbol, offset, reason) in &f.placed {
+        tx.execute(
+            "INSERT INTO probes(session_id, library, symbol, offset, reason) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![session_id, f.path, symbol, i(*offset), reason],
+        )?;
+    }
+    Ok(())
+}
+
+fn write_gpus(tx: &Transaction<'_>, session_id: i64, rows: &[GpuRow]) -> rusqlite::Result<()> {
+    let mut stmt = tx.prepare_cached(
+        "INSERT INTO gpus(session_id, gpu, nvml_index, uuid, name, memory_total_mib, power_limit_w,
+                          driver_version, power_source) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+    )?;
+    for g in rows {
+        stmt.execute(params![
+            session_id,
+            g.gpu,
+            g.nvml_index,
+            g.uuid,
+            g.name,
+            g.memory_total_mib,
+            g.power_limit_w,
+            g.driver_version,
+            g.power_source
+        ])?;
+    }
+    Ok(())
+}
+
+fn write_gpu_samples(tx: &Transaction<'_>, session_id: i64, rows: &[GpuSampleRow]) -> rusqlite::Result<()> {
+    let mut stmt = tx.prepare_cached(
+        "INSERT INTO gpu_samples(session_id, gpu, ts_ns, utilization_gpu_pct, utilization_memory_pct,
+             memory_used_mib, memory_free_mib, memory_total_mib, power_w, memory_power_w, energy_j, temperature_gpu_c,
+             temperature_memory_c, fan_speed_pct, sm_clock_mhz, memory_clock_mhz, clock_throttle_reasons)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
+    )?;
+    for r in rows {
+        stmt.execute(params![
+            session_id,
+            r.gpu,
+            i(r.ts_ns),
+            r.utilization_gpu_pct,
+            r.utilization_memory_pct,
+            r.memory_used_mib,
+            r.memory_free_mib,
+            r.memory_total_mib,
+            r.power_w,
+            r.memory_power_w,
+            r.energy_j,
+            r.temperature_gpu_c,
+            r.temperature_memory_c,
+            r.fan_speed_pct,
+            r.sm_clock_mhz,
+            r.memory_clock_mhz,
+            r.clock_throttle_reasons
+        ])?;
+    }
+    Ok(())
+}
+
+fn write_system_samples(tx: &Transaction<'_>, session_id: i64, rows: &[SystemSampleRow]) -> rusqlite::Result<()> {
+    let mut stmt = tx.prepare_cached(
+        "INSERT INTO system_samples(session_id, ts_ns, cpu_usage_pct, process_cpu_pct, ram_used_gb, ram_usage_pct,
+                                    process_rss_gb, disk_used_gb, disk_usage_pct)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+    )?;
+    for r in rows {
+        stmt.execute(params![
+            session_id,
+            i(r.ts_ns),
+            r.cpu_usage_pct,
+            r.process_cpu_pct,
+            r.ram_used_gb,
+            r.ram_usage_pct,
+            r.process_rss_gb,
+            r.disk_used_gb,
+            r.disk_usage_pct
+        ])?;
+    }
+    Ok(())
+}
+
+fn rows_in(msgs: &[StoreMsg]) -> u64 {
+    msgs.iter()
+        .map(|m| match m {
+            StoreMsg::Launches(r) => r.len() as u64,
+            StoreMsg::Steps(r) => r.len() as u64,
+            StoreMsg::Syncs(r) => r.len() as u64,
+            StoreMsg::Kernels(r) => r.len() as u64,
+            StoreMsg::Gpus(r) => r.len() as u64,
+            StoreMsg::GpusUsedByTarget(r) => r.len() as u64,
+            StoreMsg::GpuSamples(r) => r.len() as u64,
+            StoreMsg::RaplSamples(r) => r.len() as u64,
+            StoreMsg::SystemSamples(r) => r.len() as u64,
+            StoreMsg::ProbedFile(_) | StoreMsg::Capability(_) => 1,
+            StoreMsg::Finish(..) => 0,
+        })
+        .sum()
+}
+
+/// The writer thread's body: batches until Finish (or until every sender is
+/// gone), then the session's last transaction.
+pub(super) fn write_loop(
+    mut conn: Connection,
+    session_id: i64,
+    rx: Receiver<StoreMsg>,
+) -> Result<WriterStats, StoreError> {
+    let mut stats = WriterStats::default();
+    let mut end: Option<(SessionEnd, Vec<AtFinish>)> = None;
+    let mut batch: Vec<StoreMsg> = Vec::new();
+    while end.is_none() {
+        let Ok(first) = rx.recv() else { break };
+        batch.push(first);
+        // Everything already queued goes into the same transaction.
+        while batch.len() < 1024 {
+            match rx.try_recv() {
+                Ok(m) => batch.push(m),
+                Err(_) => break,
+            }
+        }
+        if let Some(pos) = batch.iter().position(|m| matches!(m, StoreMsg::Finish(..)))
+            && let StoreMsg::Finish(e, work) = batch.remove(pos)
+        {
+            end = Some((e, work));
+        }
+        if let Err(e) = write_batch(&mut conn, session_id, &batch, &mut stats) {
+            stats.failed_rows += rows_in(&batch);
+            stats.first_error.get_or_insert_with(|| e.to_string());
+        }
+        batch.clear();
+    }
+    let (end, work) = end.unwrap_or_else(|| {
+        let end = SessionEnd {
+            ended_ns: crate::clock::monotonic_ns(),
+            end_reason: "error: event path stopped without finishing the session".into(),
+            lost_events: 0,
+            total_launches: 0,
+            unmatched_returns: 0,
+        };
+        (end, Vec::new())
+    });
+    super::finish::finish_session(&mut conn, session_id, &end, &work, &mut stats)?;
+    Ok(stats)
+}
