@@ -5,6 +5,7 @@
 mod bench;
 mod bench_frame_hook;
 mod bench_python;
+mod debian_python;
 mod gpu;
 mod root;
 mod toolchain;
@@ -32,7 +33,7 @@ enum Task {
     BuildEbpf,
     /// Build everything: the eBPF object, then the profiler binary that embeds it.
     Build,
-    /// Build the C test fixtures and fetch the genuine NVIDIA driver library.
+    /// Build the C test fixtures; fetch the genuine NVIDIA driver library and Debian's python3.13/3.14.
     Fixtures,
     /// Run all tests: unit tests, then the root integration tests.
     Test {
@@ -146,7 +147,7 @@ fn fixtures() -> Result<()> {
     std::fs::create_dir_all(dir.join("hidden"))?;
     std::fs::copy(dir.join("libcuda.so.1"), dir.join("hidden/libcuda.so.1"))?;
     toolchain::fetch_genuine_nvidia(&dir.join("nvidia"))?;
-    Ok(())
+    debian_python::fetch(&dir)
 }
 
 fn test(args: &[String]) -> Result<()> {

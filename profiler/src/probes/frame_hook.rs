@@ -17,7 +17,7 @@ use std::{
     os::unix::fs::FileExt,
     path::{Path, PathBuf},
     sync::{
-        Arc,
+        Arc, OnceLock,
         atomic::{AtomicBool, AtomicU32, Ordering},
     },
     time::Duration,
@@ -51,19 +51,54 @@ pub struct HookSite {
     pub value: u64,
 }
 
-/// The load bias of `path` in `pid`: its first mapping (file offset 0) less
-/// the lowest segment's page.
-fn load_bias(pid: u32, path: &Path, data: &[u8]) -> Result<u64, HookError> {
-    let not_mapped = || HookError::NotMapped { path: path.to_owned(), pid };
-    let file = object::File::parse(data).map_err(|_| not_mapped())?;
-    let lowest = super::elf::load_segments(&file).iter().map(|s| s.address).min().ok_or_else(not_mapped)?;
-    let maps = procfs::process::Process::new(pid as i32).and_then(|p| p.maps()).map_err(|_| not_mapped())?;
-    let start = maps
-        .iter()
-        .find(|m| m.offset == 0 && matches!(&m.pathname, procfs::process::MMapPath::Path(p) if p == path))
-        .map(|m| m.address.0)
-        .ok_or_else(not_mapped)?;
-    Ok(start.wrapping_sub(lowest & !0xfff))
+/// What finds the field in a running target: the file's facts, read once.
+#[derive(Clone, Debug)]
+pub struct Locator {
+    pid: u32,
+    /// The CPython file as the target maps it.
+    path: PathBuf,
+    /// Page of its lowest loadable segment's link-time address.
+    lowest_page: u64,
+    runtime_head: u64,
+    eval_frame: u64,
+    eval_default_address: u64,
+}
+
+impl Locator {
+    /// `path` is the CPython file as the target maps it; `data` its bytes.
+    pub fn new(pid: u32, path: &Path, data: &[u8], build: &CPythonBuild) -> Result<Self, HookError> {
+        let not_mapped = || HookError::NotMapped { path: path.to_owned(), pid };
+        let file = object::File::parse(data).map_err(|_| not_mapped())?;
+        let lowest = super::elf::load_segments(&file).iter().map(|s| s.address).min().ok_or_else(not_mapped)?;
+        Ok(Self {
+            pid,
+            path: path.to_owned(),
+            lowest_page: lowest & !0xfff,
+            runtime_head: build.runtime_address + build.interpreters_head,
+            eval_frame: build.eval_frame,
+            eval_default_address: build.eval_default_address,
+        })
+    }
+
+    /// Finds the `eval_frame` field of the target's interpreter (the newest
+    /// one: `interpreters.head`, the main one unless subinterpreters were made).
+    pub fn locate(&self) -> Result<HookSite, HookError> {
+        let pid = self.pid;
+        let not_mapped = || HookError::NotMapped { path: self.path.clone(), pid };
+        let maps = procfs::process::Process::new(pid as i32).and_then(|p| p.maps()).map_err(|_| not_mapped())?;
+        let start = maps
+            .iter()
+            .find(|m| m.offset == 0 && matches!(&m.pathname, procfs::process::MMapPath::Path(p) if *p == self.path))
+            .map(|m| m.address.0)
+            .ok_or_else(not_mapped)?;
+        let bias = start.wrapping_sub(self.lowest_page);
+        let mem = open_mem(pid, false)?;
+        let interp = read_u64(&mem, pid, bias + self.runtime_head)?;
+        if interp == 0 {
+            return Err(HookError::NoInterpreter { pid });
+        }
+        Ok(HookSite { pid, field: interp + self.eval_frame, value: bias + self.eval_default_address })
+    }
 }
 
 fn read_u64(mem: &File, pid: u32, address: u64) -> Result<u64, HookError> {
@@ -78,19 +113,6 @@ fn open_mem(pid: u32, write: bool) -> Result<File, HookError> {
         .write(write)
         .open(format!("/proc/{pid}/mem"))
         .map_err(|source| HookError::Memory { pid, address: 0, source })
-}
-
-/// Finds the `eval_frame` field of `pid`'s interpreter (the newest one:
-/// `interpreters.head`, the main one unless subinterpreters were made).
-/// `path` is the CPython file as the target maps it; `data` its bytes.
-pub fn locate(pid: u32, path: &Path, data: &[u8], build: &CPythonBuild) -> Result<HookSite, HookError> {
-    let bias = load_bias(pid, path, data)?;
-    let mem = open_mem(pid, false)?;
-    let interp = read_u64(&mem, pid, bias + build.runtime_address + build.interpreters_head)?;
-    if interp == 0 {
-        return Err(HookError::NoInterpreter { pid });
-    }
-    Ok(HookSite { pid, field: interp + build.eval_frame, value: bias + build.eval_default_address })
 }
 
 /// What the field held when looked at.
@@ -172,18 +194,76 @@ fn seize_and_stop(pid: u32, tid: i32) -> Result<Option<i32>, HookError> {
     }
     // SAFETY: as above.
     unsafe { libc::ptrace(libc::PTRACE_INTERRUPT, tid, 0, 0) };
-    let mut status = 0;
-    // SAFETY: waits for that one thread; `status` is a valid out-pointer.
-    if unsafe { libc::waitpid(tid, &mut status, libc::__WALL) } != tid {
-        return Err(err(std::io::Error::last_os_error()));
+    let stopped = wait_stopped(pid, tid);
+    if !matches!(stopped, Ok(Some(_))) {
+        // SAFETY: lets go of a tracee of ours that is not held (no-op if it is gone).
+        unsafe { libc::ptrace(libc::PTRACE_DETACH, tid, 0, 0) };
     }
-    if !libc::WIFSTOPPED(status) {
-        return Ok(None); // it exited
+    stopped.map_err(err)
+}
+
+/// How long a thread may take to reach its ptrace stop.
+const STOP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Waits for `tid` (seized, interrupted) to be in its ptrace stop; None when
+/// it exited instead.
+///
+/// The stop is seen with `PTRACE_GETSIGINFO` (it succeeds only on a stopped
+/// tracee) rather than by waiting for it: in `run` mode the target is this
+/// process's child, so any thread here may collect its notifications (a
+/// reaper's `waitpid(pid, WNOHANG)` would take the stop and leave a blocking
+/// wait here hanging), and the leader's exit is the session's to collect. So
+/// stop notifications are consumed without blocking (`WSTOPPED` only), and an
+/// exit is collected only for a thread other than the leader of a process that
+/// is not this one's child (collecting it lets its parent see it go).
+fn wait_stopped(pid: u32, tid: i32) -> std::io::Result<Option<i32>> {
+    let started = std::time::Instant::now();
+    loop {
+        // SAFETY: `info` is a valid out-pointer for the tracee's siginfo.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::ptrace(libc::PTRACE_GETSIGINFO, tid, 0, &mut info as *mut libc::siginfo_t) } == 0 {
+            collect(tid, libc::WSTOPPED);
+            // An interrupt stop is a SIGTRAP with PTRACE_EVENT_STOP in si_code; anything else is a
+            // signal on its way in.
+            let event_stop = info.si_signo == libc::SIGTRAP && (info.si_code >> 8) == libc::PTRACE_EVENT_STOP;
+            return Ok(Some(if event_stop { 0 } else { info.si_signo }));
+        }
+        if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+            collect(tid, libc::WSTOPPED);
+            return Ok(Some(0)); // a group-stop (SIGSTOP): stopped, and nothing to deliver
+        }
+        if thread_exited(pid, tid) {
+            if tid != pid as i32 || parent_of(pid) != Some(std::process::id()) {
+                collect(tid, libc::WEXITED);
+            }
+            return Ok(None);
+        }
+        if started.elapsed() > STOP_TIMEOUT {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the thread did not stop"));
+        }
+        std::thread::sleep(Duration::from_micros(50));
     }
-    let signal = libc::WSTOPSIG(status);
-    // An interrupt stop reports SIGTRAP with PTRACE_EVENT_STOP; anything else is a signal on its way in.
-    let event_stop = (status >> 16) == libc::PTRACE_EVENT_STOP;
-    Ok(Some(if event_stop { 0 } else { signal }))
+}
+
+/// Collects a pending notification of `tid` of the kinds in `which`, if any, without blocking.
+fn collect(tid: i32, which: i32) {
+    // SAFETY: `info` is a valid out-pointer; WNOHANG never blocks.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::waitid(libc::P_PID, tid as libc::id_t, &mut info, which | libc::WNOHANG | libc::__WALL) };
+}
+
+/// Whether `tid` is gone or a zombie (`/proc/PID/task/TID/stat` state Z or X).
+fn thread_exited(pid: u32, tid: i32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")) else { return true };
+    // The state follows the command name's closing parenthesis.
+    let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+    matches!(state, None | Some('Z' | 'X' | 'x'))
+}
+
+fn parent_of(pid: u32) -> Option<u32> {
+    procfs::process::Process::new(pid as i32).and_then(|p| p.stat()).ok().map(|s| s.ppid as u32)
 }
 
 impl Drop for StoppedThreads {
@@ -199,62 +279,104 @@ impl Drop for StoppedThreads {
 /// restored on drop.
 #[derive(Debug)]
 pub struct FrameHookWrite {
-    site: HookSite,
-    stop: Arc<AtomicBool>,
-    reapplied: Arc<AtomicU32>,
+    shared: Arc<Watched>,
     watcher: Option<std::thread::JoinHandle<()>>,
-    /// Whether this session wrote the value (and so takes it back).
-    wrote: bool,
 }
 
-impl FrameHookWrite {
-    /// Writes the hook (if the field is NULL) and starts watching it.
-    pub fn apply(site: HookSite) -> Result<(Self, FieldState), HookError> {
-        let state = write_if_null(&site)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let reapplied = Arc::new(AtomicU32::new(0));
-        let (s, r) = (stop.clone(), reapplied.clone());
-        let watcher = std::thread::Builder::new()
-            .name("frame-hook".into())
-            .spawn(move || {
-                while !s.load(Ordering::Relaxed) {
-                    std::thread::sleep(RECHECK);
-                    if !s.load(Ordering::Relaxed) && matches!(write_if_null(&site), Ok(FieldState::Written)) {
-                        r.fetch_add(1, Ordering::Relaxed);
+/// What the session and the watcher thread share.
+#[derive(Debug, Default)]
+struct Watched {
+    /// Where the field is, once found.
+    site: OnceLock<HookSite>,
+    stop: AtomicBool,
+    /// Whether this session wrote the value (and so takes it back).
+    wrote: AtomicBool,
+    /// Writes after the first one.
+    reapplied: AtomicU32,
+}
+
+impl Watched {
+    /// Writes the hook if the field is NULL, counting the write.
+    fn write(&self, site: &HookSite) -> Result<FieldState, HookError> {
+        let state = write_if_null(site)?;
+        if state == FieldState::Written && self.wrote.swap(true, Ordering::Relaxed) {
+            self.reapplied.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(state)
+    }
+
+    /// Finds the field (`run` mode: once the command has become CPython and
+    /// made its interpreter, polled every millisecond so that the write
+    /// comes before the script's first lines), then keeps it written.
+    fn watch(&self, locator: &Locator) {
+        let started = std::time::Instant::now();
+        while !self.stop.load(Ordering::Relaxed) {
+            let site = match self.site.get() {
+                Some(site) => *site,
+                None => match locator.locate() {
+                    Ok(site) => *self.site.get_or_init(|| site),
+                    Err(_) => {
+                        let fast = started.elapsed() < FAST_LOCATE;
+                        std::thread::sleep(if fast { Duration::from_millis(1) } else { RECHECK });
+                        continue;
                     }
-                }
-            })
-            .ok();
-        let wrote = state == FieldState::Written;
-        Ok((Self { site, stop, reapplied, watcher, wrote }, state))
+                },
+            };
+            if !self.stop.load(Ordering::Relaxed) {
+                let _ = self.write(&site);
+            }
+            std::thread::sleep(RECHECK);
+        }
+    }
+}
+
+/// How long a target not yet running CPython is looked at every millisecond.
+const FAST_LOCATE: Duration = Duration::from_secs(10);
+
+impl FrameHookWrite {
+    /// Writes the hook (if the field is NULL) and starts watching it. A
+    /// target that is not CPython yet (`run` mode, before the exec) or has
+    /// no interpreter yet gets the write as soon as it has one: None then.
+    pub fn apply(locator: Locator) -> Result<(Self, Option<FieldState>), HookError> {
+        let shared = Arc::new(Watched::default());
+        let state = match locator.locate() {
+            Ok(site) => {
+                let _ = shared.site.set(site);
+                Some(shared.write(&site)?)
+            }
+            Err(HookError::NotMapped { .. } | HookError::NoInterpreter { .. }) => None,
+            Err(e) => return Err(e),
+        };
+        let s = shared.clone();
+        let watcher = std::thread::Builder::new().name("frame-hook".into()).spawn(move || s.watch(&locator)).ok();
+        Ok((Self { shared, watcher }, state))
     }
 
     /// How often the field was found NULL again and re-written.
     pub fn reapplied(&self) -> u32 {
-        self.reapplied.load(Ordering::Relaxed)
+        self.shared.reapplied.load(Ordering::Relaxed)
     }
 
     /// Stops watching and puts NULL back if the field still holds our value
-    /// (and this session wrote it, or re-wrote it).
+    /// (and this session wrote it).
     pub fn restore(mut self) -> Result<bool, HookError> {
         self.finish()
     }
 
     fn finish(&mut self) -> Result<bool, HookError> {
-        self.stop.store(true, Ordering::Relaxed);
+        self.shared.stop.store(true, Ordering::Relaxed);
         if let Some(w) = self.watcher.take() {
             let _ = w.join();
         }
-        if !self.wrote && self.reapplied() == 0 {
+        let Some(site) = self.shared.site.get() else { return Ok(false) };
+        if !self.shared.wrote.swap(false, Ordering::Relaxed) {
             return Ok(false);
         }
-        self.wrote = false;
-        self.reapplied.store(0, Ordering::Relaxed);
-        match swap_if(&self.site, self.site.value, 0) {
-            Ok(old) => Ok(old == self.site.value),
+        match swap_if(site, site.value, 0) {
+            Ok(old) => Ok(old == site.value),
             // The target is gone: nothing left to restore.
             Err(HookError::Memory { source, .. } | HookError::Ptrace { source, .. })
-                if !Path::new(&format!("/proc/{}", self.site.pid)).exists()
+                if !Path::new(&format!("/proc/{}", site.pid)).exists()
                     || source.raw_os_error() == Some(libc::ESRCH) =>
             {
                 Ok(false)

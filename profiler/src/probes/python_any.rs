@@ -72,6 +72,56 @@ pub fn resolve<B: AsRef<[u8]>>(
     Err(PythonResolveError::Neither { usdt: Box::new(usdt), hook: reasons.join("; ") })
 }
 
+/// The `libpython*` an executable needs (DT_NEEDED), found through its
+/// RUNPATH/RPATH (`$ORIGIN` expanded), `ld_library_path` and the usual
+/// directories: in `run` mode the command has not loaded it yet, and a
+/// `--enable-shared` build (pyenv's) keeps the interpreter there.
+pub fn needed_libpython(exe: &Path, ld_library_path: Option<&str>) -> Vec<PathBuf> {
+    let Ok(data) = std::fs::read(exe) else { return Vec::new() };
+    let Some((needed, search)) = dynamic_strings(&data) else { return Vec::new() };
+    let origin = exe.parent().map(|d| d.display().to_string()).unwrap_or_default();
+    let dirs: Vec<String> = search
+        .iter()
+        .flat_map(|s| s.split(':'))
+        .map(|d| d.replace("$ORIGIN", &origin).replace("${ORIGIN}", &origin))
+        .chain(ld_library_path.into_iter().flat_map(|p| p.split(':')).map(str::to_owned))
+        .chain(
+            ["/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/usr/local/lib", "/lib", "/usr/lib"]
+                .map(String::from),
+        )
+        .filter(|d| !d.is_empty())
+        .collect();
+    needed
+        .iter()
+        .filter(|n| n.starts_with("libpython"))
+        .filter_map(|n| dirs.iter().map(|d| Path::new(d).join(n)).find(|p| p.exists()))
+        .collect()
+}
+
+/// `(DT_NEEDED names, DT_RUNPATH and DT_RPATH values)` of an ELF file.
+fn dynamic_strings(data: &[u8]) -> Option<(Vec<String>, Vec<String>)> {
+    use object::{
+        elf,
+        read::elf::{Dyn, ElfFile64, FileHeader, SectionHeader},
+    };
+    let file = ElfFile64::<object::Endianness>::parse(data).ok()?;
+    let endian = file.endian();
+    let sections = file.elf_header().sections(endian, data).ok()?;
+    let (_, header) = sections.iter().enumerate().find(|(_, s)| s.sh_type(endian) == elf::SHT_DYNAMIC)?;
+    let (entries, link) = header.dynamic(endian, data).ok()??;
+    let strings = sections.strings(endian, data, link).ok()?;
+    let (mut needed, mut search) = (Vec::new(), Vec::new());
+    for d in entries {
+        let text = || d.string(endian, strings).ok().map(|b| String::from_utf8_lossy(b).into_owned());
+        match d.d_tag(endian) as i64 {
+            elf::DT_NEEDED => needed.extend(text()),
+            elf::DT_RUNPATH | elf::DT_RPATH => search.extend(text()),
+            _ => {}
+        }
+    }
+    Some((needed, search))
+}
+
 /// What `--step-python` would use for process `pid` and why, for `doctor`:
 /// None when no candidate is a CPython at all.
 pub fn mechanism_for(pid: u32, candidates: &[PathBuf]) -> Option<Result<String, String>> {
@@ -150,7 +200,8 @@ pub struct FrameHookSteps {
     // Field order is drop order: the write goes back first.
     write: Option<FrameHookWrite>,
     links: Vec<UProbeLink>,
-    /// What the field held when attached.
+    /// What the field held when attached (None: not yet CPython, or no
+    /// interpreter yet, in `run` mode; written as soon as there is one).
     pub found: Option<FieldState>,
 }
 
@@ -181,10 +232,10 @@ impl FrameHookSteps {
         if build.needs_write() {
             let data = super::map_file(&visible)
                 .map_err(|source| FrameHookAttachError::Read { path: visible.clone(), source })?;
-            let site = frame_hook::locate(pid.get(), path, &data, build)?;
-            let (write, state) = FrameHookWrite::apply(site)?;
+            let locator = frame_hook::Locator::new(pid.get(), path, &data, build)?;
+            let (write, state) = FrameHookWrite::apply(locator)?;
             steps.write = Some(write);
-            steps.found = Some(state);
+            steps.found = state;
         }
         Ok(steps)
     }

@@ -152,7 +152,11 @@ pub(super) fn resolve_steps(cfg: &SessionConfig, target: &TargetProcess) -> anyh
     let python = if cfg.python_steps.is_empty() {
         None
     } else {
-        let candidates = usdt::python::candidates(exe, &mapped);
+        let mut candidates = usdt::python::candidates(exe, &mapped);
+        // `run` mode: nothing is mapped yet; the libpython the command will load.
+        if mapped.is_empty() {
+            candidates.extend(python_any::needed_libpython(exe, target.var("LD_LIBRARY_PATH").as_deref()));
+        }
         Some(python_any::resolve(&candidates, open_in_target, cfg.target_writes)?)
     };
     // Labels live as long as the session's rows refer to them: one small leak per session.

@@ -225,12 +225,14 @@ pub enum PythonProbeError {
 }
 
 /// Where CPython's probes may be: the executable, then every mapped
-/// `libpython*` (a `--enable-shared` build keeps the interpreter there).
+/// `libpython*` (a `--enable-shared` build keeps the interpreter there) or
+/// `python*` (the program when the executable is the dynamic loader run by
+/// hand, `ld-linux-x86-64.so.2 --library-path DIR python3.13`).
 pub fn candidates(exe: &Path, mapped: &[MappedFile]) -> Vec<PathBuf> {
     let mut out = vec![exe.to_owned()];
     for m in mapped {
-        let is_libpython = m.path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libpython"));
-        if is_libpython && !out.contains(&m.path) {
+        let name = m.path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        if (name.starts_with("libpython") || name.starts_with("python")) && !out.contains(&m.path) {
             out.push(m.path.clone());
         }
     }
@@ -527,6 +529,17 @@ mod tests {
         assert_eq!(
             candidates(Path::new("/usr/bin/python3.11"), &mapped),
             vec![PathBuf::from("/usr/bin/python3.11"), PathBuf::from("/usr/lib/libpython3.11.so.1.0")]
+        );
+    }
+
+    #[test]
+    fn candidates_name_the_program_a_loader_run_by_hand_maps() {
+        let f = |p: &str| MappedFile { dev: (8, 1), inode: 1, path: p.into() };
+        let ld = "/opt/trixie/lib/ld-linux-x86-64.so.2";
+        let mapped = [f("/opt/trixie/usr/bin/python3.13"), f("/opt/trixie/lib/libc.so.6"), f(ld)];
+        assert_eq!(
+            candidates(Path::new(ld), &mapped),
+            vec![PathBuf::from(ld), PathBuf::from("/opt/trixie/usr/bin/python3.13")]
         );
     }
 
