@@ -65,7 +65,7 @@ pub fn frame_enter(ctx: ProbeContext) -> u32 {
     let Some(label_id) = frame_label(frame) else { return 0 };
     // SAFETY: `ctx.regs` is the probed task's saved registers.
     let sp = unsafe { (*ctx.regs).rsp };
-    if FRAME_STEPS.insert(&sp, &FrameStep { tid, label_id }, 0).is_ok() {
+    if FRAME_STEPS.insert(sp, FrameStep { tid, label_id }, 0).is_ok() {
         emit_ordered(tid, RecordKind::StepEnter, label_id);
     }
     0
@@ -79,11 +79,11 @@ pub fn frame_exit(ctx: RetProbeContext) -> u32 {
     // SAFETY: as above.
     let sp = unsafe { (*ctx.regs).rsp }.wrapping_sub(8);
     // SAFETY: a copy out of the map value, which only this thread's calls write.
-    let Some(step) = (unsafe { FRAME_STEPS.get(&sp) }).copied() else { return 0 };
+    let Some(step) = (unsafe { FRAME_STEPS.get(sp) }).copied() else { return 0 };
     if step.tid != tid {
         return 0;
     }
-    let _ = FRAME_STEPS.remove(&sp);
+    let _ = FRAME_STEPS.remove(sp);
     emit_ordered(tid, RecordKind::StepExit, step.label_id);
     0
 }

@@ -113,7 +113,7 @@ fn dynamic_strings(data: &[u8]) -> Option<(Vec<String>, Vec<String>)> {
     let (mut needed, mut search) = (Vec::new(), Vec::new());
     for d in entries {
         let text = || d.string(endian, strings).ok().map(|b| String::from_utf8_lossy(b).into_owned());
-        match d.d_tag(endian) as i64 {
+        match d.d_tag(endian) {
             elf::DT_NEEDED => needed.extend(text()),
             elf::DT_RUNPATH | elf::DT_RPATH => search.extend(text()),
             _ => {}
