@@ -44,6 +44,8 @@ enum Task {
     Lint,
     /// Print the overhead and throughput table.
     Bench,
+    /// Print only the PEP 523 frame hook's table (ns per Python call, step boundary error) of `bench`.
+    BenchFrameHook,
     /// Build everything and profile the bundled synthetic trainer into demo.db.
     Demo,
     /// Build target/gpu-bundle/: the profiler, the GPU check and its PyTorch loop, for a GPU machine.
@@ -307,6 +309,13 @@ fn main() -> Result<()> {
             build()?;
             fixtures()?;
             bench::main()
+        }
+        Task::BenchFrameHook => {
+            build()?;
+            fixtures()?;
+            let work = root().join("target/bench");
+            std::fs::create_dir_all(&work)?;
+            bench_frame_hook::frame_hook_table(&work)
         }
         Task::Demo => demo(),
         Task::GpuBundle => gpu::bundle().map(drop),

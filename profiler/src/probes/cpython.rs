@@ -32,12 +32,13 @@ const ENDBR64: [u8; 4] = [0xf3, 0x0f, 0x1e, 0xfa];
 pub struct CPythonBuild {
     /// `(major, minor)`.
     pub version: (u8, u8),
-    /// File offset of `_PyEval_EvalFrameDefault` (the return probe goes here).
+    /// File offset of `_PyEval_EvalFrameDefault`.
     pub eval_default_file_offset: u64,
     /// Its link-time address: the value written into `eval_frame`, once relocated.
     pub eval_default_address: u64,
-    /// Bytes from the function's start to the entry probe: 4 past an
-    /// `endbr64`, which the kernel would single-step (≈10 µs a hit instead of ≈1).
+    /// Bytes from the function's start to its entry and return probes: 4
+    /// past an `endbr64`, which the kernel would single-step (several µs a
+    /// hit instead of ≈1).
     pub entry_skip: u64,
     /// Link-time address of `_PyRuntime`.
     pub runtime_address: u64,

@@ -223,10 +223,13 @@ impl FrameHookSteps {
         fill_targets(ebpf, targets)?;
         set_layout(ebpf, build.layout)?;
         let visible = super::in_target_root(pid.get(), path);
-        let entry = build.eval_default_file_offset + build.entry_skip;
+        // Both past any `endbr64`: the return address is still at the stack pointer there, and one
+        // breakpoint serves both probes without a single-step (≈7 µs a call on Debian's 3.13/3.14 with
+        // the return probe on the `endbr64`, ≈2–3 µs without).
+        let at = build.eval_default_file_offset + build.entry_skip;
         let mut links = Vec::with_capacity(2);
-        for (name, offset) in [(programs::FRAME_EXIT, build.eval_default_file_offset), (programs::FRAME_ENTER, entry)] {
-            links.push(attach_one(ebpf, name, &visible, offset, pid)?);
+        for name in [programs::FRAME_EXIT, programs::FRAME_ENTER] {
+            links.push(attach_one(ebpf, name, &visible, at, pid)?);
         }
         let mut steps = Self { write: None, links, found: None };
         if build.needs_write() {
