@@ -185,7 +185,8 @@ const DEBUG_OFFSETS_LEN: u64 = 576;
 /// moves every struct after `runtime_state`: there only `interpreters_head`
 /// (in `runtime_state`, at the same place) is read, and the rest comes from
 /// 3.14's headers (`f_executable` a `_PyStackRef` tagged in its low bits; the
-/// code and str layouts as 3.13's). Not checked against a 3.14 binary here.
+/// code and str layouts as 3.13's). Checked on Debian's 3.14.10: exact step
+/// counts in the python_any tests.
 fn from_debug_offsets(b: &[u8], version: (u8, u8)) -> Result<(u64, FrameLayout), CPythonError> {
     if b.get(..8) != Some(DEBUG_COOKIE) {
         return Err(CPythonError::DebugOffsets);

@@ -304,3 +304,25 @@ impl super::Probes {
         FrameHookSteps::attach(&mut self.ebpf, self.pid, path, build, targets)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// pyenv builds `--enable-shared`: the executable names its libpython
+    /// (DT_NEEDED) and where it is (RUNPATH); a file without one names none.
+    #[test]
+    fn needed_libpython_follows_runpath() {
+        let exe = Path::new("/root/.pyenv/versions/3.12.1/bin/python3.12");
+        if !exe.exists() {
+            crate::skip_test("no pyenv 3.12.1");
+            return;
+        }
+        assert_eq!(
+            needed_libpython(exe, None),
+            vec![PathBuf::from("/root/.pyenv/versions/3.12.1/lib/libpython3.12.so.1.0")]
+        );
+        let me = std::env::current_exe().expect("exe");
+        assert!(needed_libpython(&me, Some("/nonexistent")).is_empty());
+    }
+}

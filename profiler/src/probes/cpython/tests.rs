@@ -67,3 +67,32 @@ fn not_cpython_says_what_is_missing() {
     assert_eq!(inspect(&exe), Err(CPythonError::Missing(EVAL_FRAME_DEFAULT)));
     assert_eq!(inspect(b"#!/bin/sh"), Err(CPythonError::NotElf));
 }
+
+/// `(file, version, interpreters.head, eval_frame, code mask)`.
+type DebianCase = (&'static str, (u8, u8), u64, u64, u64);
+
+/// Debian's 3.13.5 (trixie) and 3.14.10 (sid) as `cargo xtask fixtures`
+/// unpacks them: values the python_any integration tests saw work (exact step
+/// counts on both). `endbr64` builds: the probes go 4 bytes in.
+#[test]
+fn debian_builds_describe_themselves() {
+    let cases: [DebianCase; 2] = [
+        ("trixie/root/usr/bin/python3.13", (3, 13), 0x278, 0x2118, u64::MAX),
+        ("sid/root/usr/bin/python3.14", (3, 14), 0x328, 0x2148, !7),
+    ];
+    let mut seen = 0;
+    for (file, version, head, eval_frame, code_mask) in cases {
+        let path = format!("/var/cache/profiler/debian-python/{file}");
+        let Ok(bytes) = std::fs::read(&path) else { continue };
+        seen += 1;
+        let b = inspect(&bytes).unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert_eq!((b.version, b.interpreters_head, b.eval_frame), (version, head, eval_frame), "{path}");
+        assert_eq!((b.entry_skip, b.layout.code_mask, b.source), (4, code_mask, "_Py_DebugOffsets"), "{path}");
+        assert_eq!(&bytes[b.eval_default_file_offset as usize..][..4], &[0xf3, 0x0f, 0x1e, 0xfa], "{path}");
+        let l = b.layout;
+        assert_eq!([l.code, l.co_flags, l.co_name, l.co_filename, l.ascii_data], [0, 0x30, 0x78, 0x70, 40]);
+    }
+    if seen == 0 {
+        crate::skip_test("Debian's python3.13/3.14 not unpacked (cargo xtask fixtures)");
+    }
+}
