@@ -310,6 +310,7 @@ impl Watched {
     /// comes before the script's first lines), then keeps it written.
     fn watch(&self, locator: &Locator) {
         let started = std::time::Instant::now();
+        let mut last_reset = None;
         while !self.stop.load(Ordering::Relaxed) {
             let site = match self.site.get() {
                 Some(site) => *site,
@@ -322,13 +323,19 @@ impl Watched {
                     }
                 },
             };
-            if !self.stop.load(Ordering::Relaxed) {
-                let _ = self.write(&site);
+            if !self.stop.load(Ordering::Relaxed) && matches!(self.write(&site), Ok(FieldState::Written)) {
+                last_reset = Some(std::time::Instant::now());
             }
-            std::thread::sleep(RECHECK);
+            // Something that resets the field once (dynamo: after every compiled call) does it again:
+            // look every millisecond for a while, so that fewer calls are inlined unseen meanwhile.
+            let busy = last_reset.is_some_and(|t| t.elapsed() < FAST_AFTER_RESET);
+            std::thread::sleep(if busy { Duration::from_millis(1) } else { RECHECK });
         }
     }
 }
+
+/// How long the field is looked at every millisecond after it was found reset.
+const FAST_AFTER_RESET: Duration = Duration::from_secs(2);
 
 /// How long a target not yet running CPython is looked at every millisecond.
 const FAST_LOCATE: Duration = Duration::from_secs(10);
