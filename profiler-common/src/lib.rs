@@ -453,12 +453,50 @@ impl Default for PyTarget {
     }
 }
 
+/// Where the PEP 523 frame hook's programs find a Python call's name: the
+/// value of the `FRAME_LAYOUT` map, filled from the target's CPython version.
+/// `_PyEval_EvalFrameDefault(tstate, frame, throwflag)`: `frame` (%rsi) →
+/// code object (`frame + code`, masked with `code_mask`) → `co_name` /
+/// `co_filename` str objects, whose compact ASCII characters start
+/// `ascii_data` bytes in.
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FrameLayout {
+    /// `&frame->f_code` (3.10–3.12) or `&frame->f_executable` (3.13+).
+    pub code: u32,
+    /// `&code->co_flags` (an int).
+    pub co_flags: u32,
+    pub co_name: u32,
+    pub co_filename: u32,
+    /// `sizeof(PyASCIIObject)`: 48 up to 3.11, 40 from 3.12.
+    pub ascii_data: u32,
+    /// `co_flags` bits whose code is skipped: generators and coroutines,
+    /// whose every resume enters the function again.
+    pub skip_flags: u32,
+    /// Applied to the code pointer: 3.14 tags `f_executable` (a `_PyStackRef`) in its low bits.
+    pub code_mask: u64,
+}
+
+/// A step function's call open on a thread, keyed by the stack pointer at its
+/// entry (the `FRAME_STEPS` map): the return probe finds it at `sp - 8`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FrameStep {
+    pub tid: u32,
+    pub label_id: u32,
+}
+
+/// Entries of the `FRAME_STEPS` map: step calls open at once, all threads.
+pub const FRAME_STEPS_MAX: u32 = 4096;
+
 // The eBPF side reads these layouts; keep them in step with user space.
 const _: () = assert!(core::mem::size_of::<UsdtArgSpec>() == 32);
 const _: () = assert!(core::mem::size_of::<LaunchStage>() == 8 + 64 * STAGE_LEN);
 const _: () = assert!(STAGES.is_power_of_two());
 const _: () = assert!(core::mem::size_of::<UsdtProbeSpec>() == 32 * USDT_MAX_ARGS + 8);
 const _: () = assert!(core::mem::size_of::<PyTarget>() == 2 * PY_NAME_CAP + 16);
+const _: () = assert!(core::mem::size_of::<FrameLayout>() == 32);
+const _: () = assert!(core::mem::size_of::<FrameStep>() == 8);
 
 /// Names of the read-only globals the agent sets at load time.
 pub mod globals {
@@ -514,6 +552,10 @@ pub mod maps {
     pub const USDT_ARGS: &str = "USDT_ARGS";
     /// `Array<PyTarget>[PY_MAX_TARGETS]`: the Python step functions.
     pub const PY_TARGETS: &str = "PY_TARGETS";
+    /// `Array<FrameLayout>[1]`: where the frame hook's programs read a call's name.
+    pub const FRAME_LAYOUT: &str = "FRAME_LAYOUT";
+    /// `LruHashMap<u64, FrameStep>[FRAME_STEPS_MAX]`: open step calls by entry stack pointer.
+    pub const FRAME_STEPS: &str = "FRAME_STEPS";
 }
 
 /// Names of the programs that are not per launch layout.
@@ -541,6 +583,11 @@ pub mod programs {
     pub const PYTHON_ENTRY: &str = "python_entry";
     /// USDT `python:function__return` (cookie: the `USDT_ARGS` slot).
     pub const PYTHON_RETURN: &str = "python_return";
+    /// Entry of `_PyEval_EvalFrameDefault` under the PEP 523 frame hook
+    /// (uprobe; reads frame → code → name against `PY_TARGETS`).
+    pub const FRAME_ENTER: &str = "frame_enter";
+    /// Return of `_PyEval_EvalFrameDefault` (uretprobe; closes a step opened at the same stack depth).
+    pub const FRAME_EXIT: &str = "frame_exit";
     /// Raw tracepoint `sched_process_exit` (no tracefs needed): releases an
     /// exiting target thread's kernel-side state.
     pub const THREAD_EXIT: &str = "thread_exit";
@@ -560,6 +607,10 @@ mod user {
     unsafe impl aya::Pod for super::UsdtProbeSpec {}
     // SAFETY: as above (PY_TARGETS values; the trailing u32 makes the size a multiple of 8).
     unsafe impl aya::Pod for super::PyTarget {}
+    // SAFETY: as above (FRAME_LAYOUT's value: six u32 then a u64).
+    unsafe impl aya::Pod for super::FrameLayout {}
+    // SAFETY: as above (two u32).
+    unsafe impl aya::Pod for super::FrameStep {}
 }
 
 /// Bytes of a `record_function` name kept in a [`RegionRecord`]. PyTorch's own

@@ -191,12 +191,11 @@ fn file_matches(file: &FileName, len: usize, target: &PyTarget) -> bool {
     start == 0 || target.file_suffix[0] == b'/' || file.bytes[(start - 1) & (FILE_CAP - 1)] == b'/'
 }
 
-/// Reads the code object's file name into the per-CPU buffer; returns its
-/// length without the NUL. A name that fills the buffer was truncated and
-/// cannot be compared at its end.
+/// Reads the NUL-terminated file name at `ptr` into the per-CPU buffer;
+/// returns its length without the NUL. A name that fills the buffer was
+/// truncated and cannot be compared at its end.
 #[inline(always)]
-fn read_file_name(ctx: &ProbeContext, spec: &UsdtProbeSpec) -> Option<(&'static FileName, usize)> {
-    let ptr = usdt_arg(ctx, &spec.args[0])?;
+fn read_file_name(ptr: u64) -> Option<(&'static FileName, usize)> {
     let buf = PY_FILE_NAME.get_ptr_mut(0)?;
     // SAFETY: the helper writes at most FILE_CAP bytes into the per-CPU value.
     let n = unsafe { bpf_probe_read_user_str((*buf).bytes.as_mut_ptr().cast(), FILE_CAP as u32, ptr as *const _) };
@@ -207,12 +206,13 @@ fn read_file_name(ctx: &ProbeContext, spec: &UsdtProbeSpec) -> Option<(&'static 
     Some((unsafe { &*buf }, n as usize - 1))
 }
 
+/// The label of the first `PY_TARGETS` entry that the function named at
+/// `name_ptr` (a NUL-terminated UTF-8 string in the target) matches;
+/// `file_ptr` gives the file name's address, asked for only when a target
+/// that names a file matched by name. Shared by the USDT probes and the
+/// frame hook, which differ only in where they find the two strings.
 #[inline(always)]
-fn python_step(ctx: &ProbeContext, kind: RecordKind) {
-    let Some(tid) = target_tid() else { return };
-    let slot = cookie(ctx) as u32;
-    let Some(spec) = USDT_ARGS.get(slot) else { return };
-    let Some(name_ptr) = usdt_arg(ctx, &spec.args[1]) else { return };
+pub(crate) fn matching_label(name_ptr: u64, file_ptr: impl FnOnce() -> Option<u64>) -> Option<u32> {
     // Most calls are not steps: their first eight bytes already rule out
     // every target, for the cost of a fixed-size read. The read fails when
     // a short name ends just before an unmapped page; the full read decides then.
@@ -220,37 +220,47 @@ fn python_step(ctx: &ProbeContext, kind: RecordKind) {
     if let Ok(head) = unsafe { bpf_probe_read_user(name_ptr as *const u64) }
         && !any_target_starts_with(head)
     {
-        return;
+        return None;
     }
     let mut name = NameBuf { bytes: [0; NAME_BUF] };
     // SAFETY: the helper writes at most NAME_BUF bytes, NUL included; the
     // rest of the buffer stays zero, as the word compare needs.
     let n = unsafe { bpf_probe_read_user_str(name.bytes.as_mut_ptr().cast(), NAME_BUF as u32, name_ptr as *const _) };
     if n <= 1 {
-        return;
+        return None;
     }
     let name_len = (n - 1) as u32;
+    let mut file_ptr = Some(file_ptr);
     let mut file: Option<(&FileName, usize)> = None;
-    let mut file_read = false;
     let mut i = 0;
     while i < PY_MAX_TARGETS {
-        let Some(target) = PY_TARGETS.get(i) else { return };
+        let target = PY_TARGETS.get(i)?;
         i += 1;
         if target.name_len == 0 || target.name_len != name_len || !same_name(&name, &target.name) {
             continue;
         }
         if target.suffix_len != 0 {
-            if !file_read {
-                file = read_file_name(ctx, spec);
-                file_read = true;
+            if let Some(f) = file_ptr.take() {
+                file = f().and_then(read_file_name);
             }
             match file {
                 Some((f, len)) if file_matches(f, len, target) => {}
                 _ => continue,
             }
         }
-        emit_ordered(tid, kind, target.label_id);
-        return;
+        return Some(target.label_id);
+    }
+    None
+}
+
+#[inline(always)]
+fn python_step(ctx: &ProbeContext, kind: RecordKind) {
+    let Some(tid) = target_tid() else { return };
+    let slot = cookie(ctx) as u32;
+    let Some(spec) = USDT_ARGS.get(slot) else { return };
+    let Some(name_ptr) = usdt_arg(ctx, &spec.args[1]) else { return };
+    if let Some(label) = matching_label(name_ptr, || usdt_arg(ctx, &spec.args[0])) {
+        emit_ordered(tid, kind, label);
     }
 }
 

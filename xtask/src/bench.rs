@@ -305,7 +305,7 @@ fn median(mut runs: Vec<Measured>) -> Measured {
     Measured { quiet_ns_per_launch: quiet, ..runs[runs.len() / 2].clone() }
 }
 
-/// The tables; `only == Some("torch")`: the PyTorch one alone.
+/// The tables; `only`: `torch` or `frame-hook`, that one alone.
 pub fn main(only: Option<&str>) -> Result<()> {
     if !crate::root::is_root() {
         bail!(
@@ -316,7 +316,8 @@ pub fn main(only: Option<&str>) -> Result<()> {
     std::fs::create_dir_all(&work)?;
     match only {
         Some("torch") => return crate::bench_torch::torch_table(&work),
-        Some(other) => bail!("no bench part '{other}' (parts: torch)"),
+        Some("frame-hook") => return crate::bench_frame_hook::frame_hook_table(&work),
+        Some(other) => bail!("no bench part '{other}' (parts: torch, frame-hook)"),
         None => {}
     }
     println!();
@@ -336,6 +337,7 @@ pub fn main(only: Option<&str>) -> Result<()> {
     maps_table(&work)?;
     crate::bench_python::python_table(&work)?;
     crate::bench_torch::torch_table(&work)?;
+    crate::bench_frame_hook::frame_hook_table(&work)?;
     fuzz_long()
 }
 

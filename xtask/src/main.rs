@@ -3,8 +3,10 @@
 //! Installs what a fresh machine lacks (rust-src for nightly, Debian's
 //! llvm-22-dev, bpf-linker built against it) and says what it is doing.
 mod bench;
+mod bench_frame_hook;
 mod bench_python;
 mod bench_torch;
+mod debian_python;
 mod gpu;
 mod root;
 mod toolchain;
@@ -33,7 +35,7 @@ enum Task {
     BuildEbpf,
     /// Build everything: the eBPF object, then the profiler binary that embeds it.
     Build,
-    /// Build the C test fixtures and fetch the genuine NVIDIA driver library.
+    /// Build the C test fixtures; fetch the genuine NVIDIA driver library and Debian's python3.13/3.14.
     Fixtures,
     /// Run all tests: unit tests, then the root integration tests.
     Test {
@@ -42,9 +44,10 @@ enum Task {
     },
     /// rustfmt check, and clippy with warnings denied for the host crates and the eBPF crate.
     Lint,
-    /// Print the overhead and throughput table (`torch`: only the PyTorch steps table).
+    /// Print the overhead and throughput tables (`torch` or `frame-hook`: only that table).
     Bench {
-        /// `torch`: only the PyTorch table.
+        /// `torch`: only the PyTorch steps table; `frame-hook`: only the PEP 523 frame hook's
+        /// (ns per Python call, step boundary error).
         only: Option<String>,
     },
     /// Make the PyTorch environments the tests use (cached; downloads only what is missing).
@@ -152,7 +155,7 @@ fn fixtures() -> Result<()> {
     std::fs::create_dir_all(dir.join("hidden"))?;
     std::fs::copy(dir.join("libcuda.so.1"), dir.join("hidden/libcuda.so.1"))?;
     toolchain::fetch_genuine_nvidia(&dir.join("nvidia"))?;
-    Ok(())
+    debian_python::fetch(&dir)
 }
 
 fn test(args: &[String]) -> Result<()> {

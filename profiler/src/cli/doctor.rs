@@ -377,6 +377,15 @@ fn process_checks(pid: i32) -> (String, Vec<Check>) {
         checks.push(Check::pass("CUDA libraries", list.join(", ")));
     }
     checks.push(python_check(pid, exe.as_deref(), &maps));
+    // Which way `--step-python` would see this process's functions, and why.
+    if let Some(exe) = &exe {
+        let candidates = python::candidates(exe, &mapped_files(&maps));
+        match crate::probes::python_any::mechanism_for(pid as u32, &candidates) {
+            Some(Ok(line)) => checks.push(Check::info("--step-python", line)),
+            Some(Err(e)) => checks.push(Check::info("--step-python", format!("unavailable: {e}"))),
+            None => {}
+        }
+    }
     (header, checks)
 }
 

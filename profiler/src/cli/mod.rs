@@ -54,9 +54,10 @@ pub struct TraceArgs {
     /// optional LABEL= (default `train`). Repeatable.
     #[arg(long, value_name = "[LABEL=][FILE:]SYMBOL")]
     step_symbol: Vec<String>,
-    /// A Python step function by name (CPython's USDT probes), optionally in a
-    /// file ending in FILE_SUFFIX, with an optional LABEL= (default `train`).
-    /// Repeatable.
+    /// A Python step function by name, optionally in a file ending in
+    /// FILE_SUFFIX, with an optional LABEL= (default `train`). Repeatable.
+    /// CPython 3.10–3.14: its USDT probes where the build has them, else the
+    /// PEP 523 frame hook (one pointer written into the target, restored on detach).
     #[arg(long, value_name = "[LABEL=][FILE_SUFFIX:]NAME", value_parser = parse_python_step)]
     step_python: Vec<PythonStepSpec>,
     /// Where steps come from: `auto` (the named step sources if any, else
@@ -69,6 +70,10 @@ pub struct TraceArgs {
     /// `train`). Repeatable.
     #[arg(long, value_name = "[LABEL=]NAME_PREFIX", value_parser = crate::regions::RegionStepSpec::parse)]
     step_region: Vec<crate::regions::RegionStepSpec>,
+    /// Never write into the target: refuse the frame hook that --step-python
+    /// needs on a CPython without USDT probes.
+    #[arg(long)]
+    no_target_writes: bool,
     /// Keep a row per launch (`all`), or only per-step counts (`count`).
     #[arg(long, value_enum, default_value_t = LaunchMode::All)]
     launches: LaunchMode,
@@ -147,6 +152,7 @@ impl TraceArgs {
             output: self.output,
             steps: self.step_symbol.iter().map(|s| StepSymbolSpec::parse(s)).collect(),
             python_steps: self.step_python,
+            target_writes: !self.no_target_writes,
             launch_mode: self.launches,
             duration: self.duration,
             maps_interval: Duration::from_millis(self.maps_interval),

@@ -1,9 +1,12 @@
 //! Loading the eBPF object and attaching its programs to the target: CUDA
 //! libraries (found in the target's maps, or predicted before they load) and
 //! the step function.
+pub mod cpython;
 pub mod elf;
+pub mod frame_hook;
 pub mod maps;
 pub mod placement;
+pub mod python_any;
 pub mod step_symbol;
 pub mod torch;
 pub mod usdt;

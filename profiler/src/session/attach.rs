@@ -7,15 +7,16 @@ use super::{
 };
 use crate::{
     probes::{
-        self, Probes,
+        self, Probes, frame_hook,
         maps::{self, LibraryKind},
+        python_any::{PythonMechanism, PythonStepProbes},
         usdt::{self, python::PythonProbes},
     },
     store::ProbedFileRow,
 };
 
 /// Probes the CUDA libraries the target maps or will load, then the step
-/// functions, native and Python. Returns the `libraries` rows and the Python
+/// functions, native and Python. Returns the `probed_files` rows and the Python
 /// probes' handle (dropped before the rest detach).
 pub(super) fn attach_all(
     cfg: &SessionConfig,
@@ -23,7 +24,7 @@ pub(super) fn attach_all(
     probes: &mut Probes,
     watcher: &mut LibraryWatcher,
     steps: &StepFunctions,
-) -> anyhow::Result<(Vec<ProbedFileRow>, Option<usdt::python::PythonSteps>)> {
+) -> anyhow::Result<(Vec<ProbedFileRow>, Option<PythonStepProbes>)> {
     let mut libraries: Vec<ProbedFileRow> = Vec::new();
     if target.mode == "attach" {
         watcher.scan_into(probes, &mut libraries, cfg.quiet, "maps");
@@ -131,22 +132,48 @@ fn attach_step_symbols(
     Ok(())
 }
 
-/// CPython's USDT probes for the `--step-python`s, whose probe ids follow
-/// the `first_label` symbol ones.
+/// The `--step-python`s, whose probe ids follow the `first_label` symbol
+/// ones, through the mechanism `setup` chose.
 fn attach_python(
     cfg: &SessionConfig,
     probes: &mut Probes,
-    py: &PythonProbes,
+    py: &PythonMechanism,
     first_label: usize,
     libraries: &mut Vec<ProbedFileRow>,
-) -> anyhow::Result<usdt::python::PythonSteps> {
+) -> anyhow::Result<PythonStepProbes> {
     let targets: Vec<usdt::python::PythonTarget> = cfg
         .python_steps
         .iter()
         .enumerate()
         .map(|(i, spec)| usdt::python::PythonTarget { spec: spec.clone(), label_id: (first_label + i) as u32 })
         .collect();
-    let handle = probes.attach_python(py, &targets)?;
+    match py {
+        PythonMechanism::Usdt(usdt) => attach_usdt_python(cfg, probes, usdt, &targets, libraries),
+        PythonMechanism::FrameHook { path, build } => {
+            let handle = probes.attach_frame_hook(path, build, &targets)?;
+            say!(cfg.quiet, "--step-python: {}", py.describe());
+            if let Some(frame_hook::FieldState::Other(v)) = handle.found {
+                say!(
+                    cfg.quiet,
+                    "eval_frame already holds another PEP 523 hook ({v:#x}): left alone; calls it does not pass to \
+                     _PyEval_EvalFrameDefault are not seen until it is NULL again"
+                );
+            }
+            libraries.push(probe_row(path, "step", 2, build.to_string()));
+            Ok(PythonStepProbes::FrameHook(handle))
+        }
+    }
+}
+
+/// CPython's USDT probes for the `--step-python`s.
+fn attach_usdt_python(
+    cfg: &SessionConfig,
+    probes: &mut Probes,
+    py: &PythonProbes,
+    targets: &[usdt::python::PythonTarget],
+    libraries: &mut Vec<ProbedFileRow>,
+) -> anyhow::Result<PythonStepProbes> {
+    let handle = probes.attach_python(py, targets)?;
     let mut how = match py.version {
         Some((major, minor)) => format!("USDT python:function__entry/return (CPython {major}.{minor})"),
         None => "USDT python:function__entry/return".to_string(),
@@ -159,5 +186,5 @@ fn attach_python(
         );
     }
     libraries.push(probe_row(&py.path, "step", handle.sites() as u32, how));
-    Ok(handle)
+    Ok(PythonStepProbes::Usdt(handle))
 }

@@ -33,6 +33,8 @@ pub struct SessionConfig {
     pub steps: Vec<StepSymbolSpec>,
     /// `--step-python`s; their probe ids follow the symbols'.
     pub python_steps: Vec<PythonStepSpec>,
+    /// Whether the PEP 523 frame hook may write into the target (off with `--no-target-writes`).
+    pub target_writes: bool,
     pub launch_mode: LaunchMode,
     pub duration: Option<Duration>,
     pub maps_interval: Duration,

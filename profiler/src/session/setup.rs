@@ -17,8 +17,9 @@ use crate::{
     probes::{
         self,
         maps::{self, MappedFile},
+        python_any::{self, PythonMechanism},
         step_symbol::{self, ResolvedStep},
-        usdt::{self, python::PythonProbes},
+        usdt,
     },
     regions::RegionSteps,
     samplers::{
@@ -128,8 +129,8 @@ fn wait_for_exec(process: &procfs::process::Process, pid: u32) {
 pub(super) struct StepFunctions {
     /// The `--step-symbol`s, in probe-id order.
     pub symbols: Vec<ResolvedStep>,
-    /// CPython's USDT probes, when a `--step-python` is named.
-    pub python: Option<PythonProbes>,
+    /// How the `--step-python`s are seen (USDT or the frame hook), when one is named.
+    pub python: Option<PythonMechanism>,
     /// Every step's label, by probe id.
     pub labels: Vec<&'static str>,
     /// The step sources PyTorch's regions make (their probe ids follow the others').
@@ -150,11 +151,16 @@ pub(super) fn resolve_steps(cfg: &SessionConfig, target: &TargetProcess) -> anyh
             symbols.push(step_symbol::resolve(spec, &candidates, open_in_target)?);
         }
     }
-    // CPython's USDT probes: no probes is an error that says what to do.
+    // CPython's USDT probes, else the frame hook: neither is an error that says what to do.
     let python = if cfg.python_steps.is_empty() {
         None
     } else {
-        Some(usdt::python::resolve(&usdt::python::candidates(exe, &mapped), open_in_target)?)
+        let mut candidates = usdt::python::candidates(exe, &mapped);
+        // `run` mode: nothing is mapped yet; the libpython the command will load.
+        if mapped.is_empty() {
+            candidates.extend(python_any::needed_libpython(exe, target.var("LD_LIBRARY_PATH").as_deref()));
+        }
+        Some(python_any::resolve(&candidates, open_in_target, cfg.target_writes)?)
     };
     // Labels live as long as the session's rows refer to them: one small leak per session.
     let mut labels: Vec<&'static str> = cfg

@@ -11,7 +11,7 @@ use super::{
 };
 use crate::{
     clock,
-    probes::{self, KernelCounters, Probes, usdt::python::PythonSteps},
+    probes::{self, KernelCounters, Probes, python_any::PythonStepProbes},
     samplers::SamplerThread,
     stop_signals,
     store::{AtFinish, Losses, SessionEnd},
@@ -53,7 +53,7 @@ pub(super) struct Traced {
     pub probes: Probes,
     pub rings: probes::Rings,
     /// Python's probes, when they were attached.
-    pub python: Option<PythonSteps>,
+    pub python: Option<PythonStepProbes>,
     pub consumer: Consumer,
     pub samplers: Vec<SamplerThread>,
 }
@@ -116,7 +116,7 @@ pub(super) async fn finish(
 fn detach_and_drain(
     probes: Probes,
     mut rings: probes::Rings,
-    python: Option<PythonSteps>,
+    python: Option<PythonStepProbes>,
     mut consumer: Consumer,
     ended_ns: u64,
 ) -> Consumer {

@@ -225,12 +225,14 @@ pub enum PythonProbeError {
 }
 
 /// Where CPython's probes may be: the executable, then every mapped
-/// `libpython*` (a `--enable-shared` build keeps the interpreter there).
+/// `libpython*` (a `--enable-shared` build keeps the interpreter there) or
+/// `python*` (the program when the executable is the dynamic loader run by
+/// hand, `ld-linux-x86-64.so.2 --library-path DIR python3.13`).
 pub fn candidates(exe: &Path, mapped: &[MappedFile]) -> Vec<PathBuf> {
     let mut out = vec![exe.to_owned()];
     for m in mapped {
-        let is_libpython = m.path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libpython"));
-        if is_libpython && !out.contains(&m.path) {
+        let name = m.path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        if (name.starts_with("libpython") || name.starts_with("python")) && !out.contains(&m.path) {
             out.push(m.path.clone());
         }
     }
@@ -365,29 +367,7 @@ impl PythonSteps {
         probes: &PythonProbes,
         targets: &[PythonTarget],
     ) -> Result<Self, PythonAttachError> {
-        if targets.len() > PY_MAX_TARGETS as usize {
-            return Err(PythonAttachError::TooManyTargets { count: targets.len(), max: PY_MAX_TARGETS });
-        }
-        let mut ordered: Vec<&PythonTarget> = targets.iter().collect();
-        ordered.sort_by_key(|t| t.spec.file_suffix.is_none());
-        for (i, t) in ordered.iter().enumerate() {
-            let same =
-                |o: &&PythonTarget| o.spec.function == t.spec.function && o.spec.file_suffix == t.spec.file_suffix;
-            if ordered[..i].iter().any(same) {
-                return Err(PythonAttachError::Duplicate(t.spec.to_string()));
-            }
-        }
-        {
-            let map = ebpf.map_mut(map_names::PY_TARGETS).ok_or(PythonAttachError::Missing(map_names::PY_TARGETS))?;
-            let mut array: Array<_, PyTarget> = Array::try_from(map)
-                .map_err(|source| PythonAttachError::Map { name: map_names::PY_TARGETS, source })?;
-            for i in 0..PY_MAX_TARGETS {
-                let value = ordered.get(i as usize).map_or_else(PyTarget::default, |t| t.spec.target(t.label_id));
-                array
-                    .set(i, value, 0)
-                    .map_err(|source| PythonAttachError::Map { name: map_names::PY_TARGETS, source })?;
-            }
-        }
+        fill_targets(ebpf, targets)?;
         // One USDT_ARGS slot per probe site, entries then returns; the slot
         // travels as the cookie.
         {
@@ -446,6 +426,32 @@ impl PythonSteps {
         drop(tracing_switch);
         drop(links);
     }
+}
+
+/// Fills `PY_TARGETS` of `ebpf`, shared by the USDT probes and the frame hook.
+///
+/// Targets that name a file go first in the kernel's list, which stops at
+/// the first match: `helper.py:train_step` wins over a bare `train_step`.
+pub(crate) fn fill_targets(ebpf: &mut Ebpf, targets: &[PythonTarget]) -> Result<(), PythonAttachError> {
+    if targets.len() > PY_MAX_TARGETS as usize {
+        return Err(PythonAttachError::TooManyTargets { count: targets.len(), max: PY_MAX_TARGETS });
+    }
+    let mut ordered: Vec<&PythonTarget> = targets.iter().collect();
+    ordered.sort_by_key(|t| t.spec.file_suffix.is_none());
+    for (i, t) in ordered.iter().enumerate() {
+        let same = |o: &&PythonTarget| o.spec.function == t.spec.function && o.spec.file_suffix == t.spec.file_suffix;
+        if ordered[..i].iter().any(same) {
+            return Err(PythonAttachError::Duplicate(t.spec.to_string()));
+        }
+    }
+    let map = ebpf.map_mut(map_names::PY_TARGETS).ok_or(PythonAttachError::Missing(map_names::PY_TARGETS))?;
+    let mut array: Array<_, PyTarget> =
+        Array::try_from(map).map_err(|source| PythonAttachError::Map { name: map_names::PY_TARGETS, source })?;
+    for i in 0..PY_MAX_TARGETS {
+        let value = ordered.get(i as usize).map_or_else(PyTarget::default, |t| t.spec.target(t.label_id));
+        array.set(i, value, 0).map_err(|source| PythonAttachError::Map { name: map_names::PY_TARGETS, source })?;
+    }
+    Ok(())
 }
 
 /// The descriptor of `ebpf`'s loaded uprobe program `name`.
@@ -523,6 +529,17 @@ mod tests {
         assert_eq!(
             candidates(Path::new("/usr/bin/python3.11"), &mapped),
             vec![PathBuf::from("/usr/bin/python3.11"), PathBuf::from("/usr/lib/libpython3.11.so.1.0")]
+        );
+    }
+
+    #[test]
+    fn candidates_name_the_program_a_loader_run_by_hand_maps() {
+        let f = |p: &str| MappedFile { dev: (8, 1), inode: 1, path: p.into() };
+        let ld = "/opt/trixie/lib/ld-linux-x86-64.so.2";
+        let mapped = [f("/opt/trixie/usr/bin/python3.13"), f("/opt/trixie/lib/libc.so.6"), f(ld)];
+        assert_eq!(
+            candidates(Path::new(ld), &mapped),
+            vec![PathBuf::from(ld), PathBuf::from("/opt/trixie/usr/bin/python3.13")]
         );
     }
 

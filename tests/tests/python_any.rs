@@ -1,0 +1,350 @@
+//! `--step-python` on every CPython 3.10–3.14 on this host, USDT probes or
+//! not: pyenv's builds (no USDT: the PEP 523 frame hook) and Debian's
+//! python3.11 (USDT) run the stdlib-only trainer (a method, a plain
+//! function, two threads, recursion, exceptions, two labels), which writes
+//! its own ground truth.
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use integration_tests::*;
+
+/// The issue's bound on step boundaries (probe vs the trainer's own stamps), at p99.
+const BOUNDARY_P99_NS: i64 = 50_000;
+
+fn py_trainer() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/py_trainer.py")
+}
+
+/// One CPython on this host: how to start it, and what the `how` text of
+/// its step probes must name.
+struct Interp {
+    /// The interpreter file (what the profiler probes).
+    python: PathBuf,
+    /// Run through another glibc's loader: `(loader, --library-path)`.
+    loader: Option<(PathBuf, String)>,
+    how: &'static [&'static str],
+}
+
+impl Interp {
+    fn command(&self) -> Command {
+        match &self.loader {
+            None => Command::new(&self.python),
+            Some((ld, path)) => {
+                let mut c = Command::new(ld);
+                c.arg("--library-path").arg(path).arg(&self.python);
+                c
+            }
+        }
+    }
+
+    fn writes(&self) -> bool {
+        self.how.contains(&"eval_frame written")
+    }
+}
+
+/// Those this host has: pyenv's (no USDT), Debian bookworm's python3.11
+/// (USDT), and Debian trixie's 3.13 / sid's 3.14 as `cargo xtask fixtures`
+/// unpacks them (no function probes; `endbr64`, so the entry probe sits 4
+/// bytes in), run through their own glibc's loader.
+fn interpreters() -> Vec<Interp> {
+    let mut out = Vec::new();
+    for v in ["3.10.13", "3.11.7", "3.12.1", "3.13.0"] {
+        let python = PathBuf::from(format!("/root/.pyenv/versions/{v}/bin/python3"));
+        let how: &'static [&'static str] =
+            if v.starts_with("3.10") { &["no write (3.10"] } else { &["eval_frame written", "(+0)"] };
+        if python.exists() {
+            out.push(Interp { python, loader: None, how });
+        } else {
+            skip(format!("{} not installed", python.display()));
+        }
+    }
+    if Path::new("/usr/bin/python3.11").exists() {
+        out.push(Interp { python: "/usr/bin/python3.11".into(), loader: None, how: &["USDT"] });
+    }
+    let debian: [(&str, &str, &'static [&'static str]); 2] = [
+        ("trixie", "3.13", &["CPython 3.13", "eval_frame written", "(+4)", "_Py_DebugOffsets"]),
+        ("sid", "3.14", &["CPython 3.14", "eval_frame written", "(+4)", "_Py_DebugOffsets"]),
+    ];
+    for (suite, v, how) in debian {
+        let root = fixtures().join("debian-python").join(suite).join("root");
+        let python = root.join(format!("usr/bin/python{v}"));
+        let lib = root.join("usr/lib/x86_64-linux-gnu");
+        if !python.exists() {
+            skip(format!("Debian {suite}'s python{v} not unpacked (cargo xtask fixtures could not fetch it)"));
+            continue;
+        }
+        // The loader's --library-path replaces LD_LIBRARY_PATH: the fixtures' stand-in CUDA goes there too.
+        let path =
+            format!("{}:{}:/lib/x86_64-linux-gnu:/usr/lib/x86_64-linux-gnu", lib.display(), fixtures().display());
+        out.push(Interp { python, loader: Some((lib.join("ld-linux-x86-64.so.2"), path)), how });
+    }
+    out
+}
+
+fn trainer(python: &Interp, dir: &Path, steps: &str) -> (std::process::Child, PathBuf, PathBuf) {
+    let (truth, go) = (dir.join("truth.txt"), dir.join("go"));
+    let _ = std::fs::remove_file(&go);
+    let child = python
+        .command()
+        .arg(py_trainer())
+        .args(trainer_args(steps))
+        .arg("--truth")
+        .arg(&truth)
+        .arg("--wait-file")
+        .arg(&go)
+        .env("LD_LIBRARY_PATH", fixtures())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python trainer");
+    (child, truth, go)
+}
+
+fn trainer_args(steps: &str) -> [&str; 18] {
+    [
+        "--steps",
+        steps,
+        "--launches",
+        "4",
+        "--val-every",
+        "4",
+        "--val-launches",
+        "2",
+        "--threads",
+        "2",
+        "--nest",
+        "2",
+        "--raise-every",
+        "5",
+        "--step-sleep-us",
+        "500",
+        "--gap-us",
+        "200",
+    ]
+}
+
+/// Counts exact and boundaries within [`BOUNDARY_P99_NS`] for both labels.
+fn check_steps(db: &Path, truth: &Path, python: &Interp) {
+    let s = last_session(db);
+    let row: String = open(db)
+        .query_row("SELECT how FROM probed_files WHERE session_id = ?1 AND kind = 'step'", [s.id], |r| r.get(0))
+        .expect("the step probes' row");
+    let name = python.python.display();
+    for how in python.how {
+        assert!(row.contains(how), "{name}: '{how}' not in {row}");
+    }
+    let truth = Truth::read(truth);
+    let all = steps(db, s.id);
+    for label in ["train", "validate"] {
+        let t: Vec<TruthStep> = truth.steps.iter().filter(|x| x.label == label).cloned().collect();
+        let d: Vec<DbStep> = all.iter().filter(|x| x.label == label).cloned().collect();
+        assert!(!t.is_empty(), "the trainer ran {label} steps");
+        let e = assert_steps_match(&t, &d, STEP_TOLERANCE_NS);
+        let (p50, p99) = (
+            median(&e.start.iter().chain(&e.end).copied().collect::<Vec<_>>()),
+            BoundaryErrors::p99(&[e.start.clone(), e.end.clone()].concat()),
+        );
+        println!("{name} {label}: {} steps, boundary error p50 {p50} ns, p99 {p99} ns ({row})", t.len());
+        assert!(p99 < BOUNDARY_P99_NS, "{name}: boundary p99 {p99} ns");
+    }
+    assert_eq!(s.total_launches, Some(truth.total as i64));
+}
+
+#[test]
+fn any_cpython_steps_match_truth_with_or_without_usdt() {
+    for python in interpreters() {
+        let name = python.python.display().to_string().replace('/', "_");
+        let dir = workdir(&format!("python-any{name}"));
+        let db = dir.join("p.db");
+        let (child, truth, go) = trainer(&python, &dir, "100");
+        let agent = Agent::attach(
+            child.id(),
+            &db,
+            &["--no-gpu", "--step-python", "train_step", "--step-python", "validate=validate"],
+        );
+        std::fs::write(&go, b"").expect("go");
+        let out = child.wait_with_output().expect("wait");
+        assert!(out.status.success(), "{}: the target failed under the profiler", python.python.display());
+        let (status, stderr) = agent.finish();
+        assert!(status.success(), "{stderr}");
+        check_steps(&db, &truth, &python);
+    }
+}
+
+fn median(v: &[i64]) -> i64 {
+    let mut s = v.to_vec();
+    s.sort_unstable();
+    s.get(s.len() / 2).copied().unwrap_or(0)
+}
+
+/// The target's output is the same with and without the profiler, and a
+/// profiler killed with SIGKILL mid-run leaves it running to a clean exit.
+#[test]
+fn any_cpython_frame_hook_leaves_the_target_unharmed() {
+    let Some(python) = interpreters().into_iter().find(Interp::writes) else {
+        skip("no CPython 3.11+ without USDT probes on this host");
+        return;
+    };
+    let dir = workdir("python-any-kill");
+    let db = dir.join("p.db");
+    let (child, _, go) = trainer(&python, &dir, "60");
+    let agent = Agent::attach(child.id(), &db, &["--no-gpu", "--step-python", "train_step"]);
+    std::fs::write(&go, b"").expect("go");
+    std::thread::sleep(Duration::from_millis(100));
+    agent.signal(libc::SIGKILL);
+    let out = child.wait_with_output().expect("wait");
+    let (_, _) = agent.finish();
+    assert!(out.status.success(), "the target failed after the profiler was killed");
+    let (alone, _, go) = trainer(&python, &dir, "60");
+    std::fs::write(&go, b"").expect("go");
+    let plain = alone.wait_with_output().expect("wait");
+    assert!(plain.status.success());
+    assert_eq!(out.stdout, plain.stdout, "the target's output with and without the profiler");
+}
+
+/// `--no-target-writes` refuses the hook with one line that says what to do.
+#[test]
+fn any_cpython_no_target_writes_refuses_the_frame_hook() {
+    let Some(python) = interpreters().into_iter().find(Interp::writes) else {
+        skip("no CPython 3.11+ without USDT probes on this host");
+        return;
+    };
+    let mut child = python.command().args(["-c", "import time; time.sleep(30)"]).spawn().expect("python");
+    let dir = workdir("python-any-nowrites");
+    let db = dir.join("p.db");
+    let pid = child.id().to_string();
+    let args =
+        ["attach", &pid, "-o", db.to_str().expect("utf-8"), "--no-gpu", "--no-target-writes", "--step-python", "f"];
+    let (code, stderr) = profiler_output(&args);
+    let _ = child.kill();
+    let _ = child.wait();
+    one_error_line(code, &stderr, "--no-target-writes");
+}
+
+/// `profiler run -- python …`: the command becomes CPython only after the
+/// profiler has attached, so the hook is written once its interpreter exists,
+/// before the script's first step (no wait file here); the profiler, which is
+/// the target's parent and (while writing) its tracer, still collects its
+/// exit status.
+#[test]
+fn any_cpython_run_mode_writes_the_hook_before_the_first_step() {
+    let pythons: Vec<Interp> = interpreters().into_iter().filter(|p| p.writes() && p.loader.is_none()).collect();
+    if pythons.is_empty() {
+        skip("no CPython 3.11+ without USDT probes on this host");
+    }
+    for python in pythons {
+        let dir = workdir(&format!("python-any-run{}", python.python.display().to_string().replace('/', "_")));
+        let (db, truth) = (dir.join("p.db"), dir.join("truth.txt"));
+        let out = Command::new(profiler_bin())
+            .args(["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--step-python", "train_step"])
+            .args(["--step-python", "validate=validate", "--"])
+            .arg(&python.python)
+            .arg(py_trainer())
+            .args(trainer_args("60"))
+            .arg("--truth")
+            .arg(&truth)
+            .env("LD_LIBRARY_PATH", fixtures())
+            .output()
+            .expect("profiler run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{}: {stderr}", python.python.display());
+        assert_eq!(last_session(&db).end_reason.as_deref(), Some("target-exited"));
+        check_steps(&db, &truth, &python);
+    }
+}
+
+/// The target reads its own interpreter's address and
+/// `&_PyEval_EvalFrameDefault`, then times calls of a no-op function in
+/// windows of 20 000 (ns per call, one line each, to argv[1]).
+const CALL_TIMER: &str = r#"
+import ctypes, sys, time
+api = ctypes.pythonapi
+api.PyInterpreterState_Get.restype = ctypes.c_void_p
+default = ctypes.cast(api._PyEval_EvalFrameDefault, ctypes.c_void_p).value
+print(api.PyInterpreterState_Get(), default, flush=True)
+def f():
+    pass
+out = open(sys.argv[1], "w", buffering=1)
+while True:
+    t = time.perf_counter_ns()
+    for _ in range(20000):
+        f()
+    out.write(f"{(time.perf_counter_ns() - t) / 20000}\n")
+"#;
+
+/// `size` bytes of process `pid`'s memory at `address`, as 8-byte words.
+fn words(pid: u32, address: u64, size: usize) -> Vec<u64> {
+    use std::os::unix::fs::FileExt;
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).expect("/proc/PID/mem");
+    let mut b = vec![0u8; size];
+    mem.read_exact_at(&mut b, address).expect("read the target's interpreter");
+    b.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
+}
+
+/// The median of the call-cost windows written after line `from`.
+fn cost_after(file: &Path, from: usize) -> (f64, usize) {
+    let text = std::fs::read_to_string(file).unwrap_or_default();
+    let mut v: Vec<f64> = text.lines().skip(from).filter_map(|l| l.parse().ok()).collect();
+    v.sort_by(f64::total_cmp);
+    (v.get(v.len() / 2).copied().unwrap_or(f64::NAN), from + v.len())
+}
+
+/// After a normal detach (Ctrl-C) the interpreter's `eval_frame` is NULL
+/// again (read from the target's memory: the one word that held
+/// `&_PyEval_EvalFrameDefault` while attached, at the offset the session
+/// recorded) and a Python call costs what it did before the profiler came.
+#[test]
+fn any_cpython_detach_restores_eval_frame_and_call_cost() {
+    for python in interpreters().into_iter().filter(Interp::writes) {
+        let name = python.python.display().to_string().replace('/', "_");
+        let dir = workdir(&format!("python-any-restore{name}"));
+        let (db, costs) = (dir.join("p.db"), dir.join("costs.txt"));
+        let mut child = python
+            .command()
+            .args(["-c", CALL_TIMER])
+            .arg(&costs)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("python");
+        let mut first = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().expect("stdout")), &mut first)
+            .expect("the target's addresses");
+        let [interp, default]: [u64; 2] = first
+            .split_whitespace()
+            .map(|w| w.parse().expect("an address"))
+            .collect::<Vec<_>>()
+            .try_into()
+            .expect("two addresses");
+        std::thread::sleep(Duration::from_millis(1500));
+        let (before, seen) = cost_after(&costs, 1);
+        const SPAN: usize = 0x4000;
+        let untouched = words(child.id(), interp, SPAN);
+        let agent = Agent::attach(child.id(), &db, &["--no-gpu", "--step-python", "f"]);
+        let (_, seen) = cost_after(&costs, seen); // windows from before the probes were there
+        std::thread::sleep(Duration::from_millis(1000));
+        let attached = words(child.id(), interp, SPAN);
+        let (during, seen) = cost_after(&costs, seen);
+        agent.signal(libc::SIGINT);
+        let (status, stderr) = agent.finish();
+        assert!(status.success(), "{stderr}");
+        let restored = words(child.id(), interp, SPAN);
+        let (_, seen) = cost_after(&costs, seen); // windows from before the probes were gone
+        std::thread::sleep(Duration::from_millis(1500));
+        let (after, _) = cost_after(&costs, seen);
+        let _ = child.kill();
+        let _ = child.wait();
+        let written: Vec<usize> =
+            (0..untouched.len()).filter(|&i| untouched[i] == 0 && attached[i] == default).collect();
+        assert_eq!(written.len(), 1, "{name}: one word of the interpreter held the hook while attached: {written:?}");
+        let offset = written[0] as u64 * 8;
+        let row: String = open(&db)
+            .query_row("SELECT how FROM probed_files WHERE kind = 'step' ORDER BY rowid DESC", [], |r| r.get(0))
+            .expect("the step probes' row");
+        assert!(row.contains(&format!("interp+{offset:#x} eval_frame")), "{name}: eval_frame at +{offset:#x}: {row}");
+        assert_eq!(restored[written[0]], 0, "{name}: eval_frame is NULL again after detach");
+        println!("{name}: ns per call: {before:.0} before, {during:.0} attached, {after:.0} after detach");
+        assert!(after < before * 1.5, "{name}: a call costs {after:.0} ns after detach, {before:.0} ns before");
+    }
+}
