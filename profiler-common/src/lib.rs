@@ -651,6 +651,12 @@ pub mod torch_programs {
     pub const ENTER: &str = "torch_region_enter";
     /// Uretprobe on the same function: reads the key it returned, writes the `RegionEnter`.
     pub const ENTER_RETURN: &str = "torch_region_enter_return";
-    /// Uprobe on `record_function_exit_new`: writes the `RegionExit`.
+    /// Uprobe on `record_function_exit_new`: writes the `RegionExit`. Its
+    /// attach cookie says where the key is: 0 at the function's entry (the
+    /// first word `rdi` points at); [`EXIT_KEY_IN_RDI`] with a displacement
+    /// `d` in the low 32 bits at a point after the function has loaded that
+    /// word into `rdi` and added `d` to it (key = `rdi` − `d`).
     pub const EXIT: &str = "torch_region_exit";
+    /// The exit cookie's flag: the key is `rdi` minus the cookie's low 32 bits.
+    pub const EXIT_KEY_IN_RDI: u64 = 1 << 32;
 }

@@ -108,7 +108,7 @@ impl TorchWatch {
         };
         let visible = probes::in_target_root(pid, path);
         match probes.attach_torch(&visible, &syms) {
-            Ok(n) => {
+            Ok(placed) => {
                 let exit = match syms.exit {
                     Some(o) => format!("record_function_exit_new at {o:#x}"),
                     None => {
@@ -124,7 +124,8 @@ impl TorchWatch {
                     say!(quiet, "steps from PyTorch's optimizer markers in {} (label train)", path.display());
                 }
                 log::info!("resolved and probed {} in {:?}", path.display(), t0.elapsed());
-                Some(row(n, format!("record_function_enter_new at {:#x}, {exit} ({how})", syms.enter)))
+                let text = format!("record_function_enter_new at {:#x}, {exit} ({how})", syms.enter);
+                Some(ProbedFileRow { placed: placed.clone(), ..row(placed.len() as u32, text) })
             }
             Err(e) => {
                 eprintln!("profiler: warning: could not probe {}: {e}", path.display());
