@@ -659,4 +659,10 @@ pub mod torch_programs {
     pub const EXIT: &str = "torch_region_exit";
     /// The exit cookie's flag: the key is `rdi` minus the cookie's low 32 bits.
     pub const EXIT_KEY_IN_RDI: u64 = 1 << 32;
+    /// The enter cookie for a build with the pre-C++11 libstdc++ ABI (PyPI's
+    /// wheels before 2.7): `std::string` is one pointer to the characters,
+    /// with the length 24 bytes before them (its copy-on-write header:
+    /// length, capacity, reference count). Cookie 0: the C++11 `std::string`
+    /// (characters pointer at +0, length at +8).
+    pub const ENTER_COW_STRING: u64 = 1;
 }

@@ -9,7 +9,8 @@
 //! `intrusive_ptr<PythonRecordFunction>` through a hidden pointer in `rdi`,
 //! so the name's `std::string const&` is in `rsi` (characters pointer at +0,
 //! length at +8; the short-string case points into the string itself, so
-//! one read serves both). The `PythonRecordFunction*` it stores through the
+//! one read serves both; builds with the pre-C++11 ABI — PyPI's before 2.7 —
+//! keep the length 24 bytes before the characters, said by the cookie). The `PythonRecordFunction*` it stores through the
 //! hidden pointer is only there on return: the entry keeps the name and the
 //! hidden pointer per thread (`TORCH_PENDING`), the return reads the pointer
 //! and writes the record. The exit's `rdi` points at the `intrusive_ptr`,
@@ -58,12 +59,12 @@ pub fn torch_region_enter(ctx: ProbeContext) -> u32 {
     rec.key = ret_slot;
     rec.name = [0; REGION_NAME_CAP];
     // SAFETY: bpf_probe_read_user tolerates any address.
-    let (data, len) = unsafe {
-        (
-            bpf_probe_read_user(name as *const u64).unwrap_or(0),
-            bpf_probe_read_user((name + 8) as *const u64).unwrap_or(0),
-        )
-    };
+    let data = unsafe { bpf_probe_read_user(name as *const u64) }.unwrap_or(0);
+    // The length: next to the pointer (C++11 ABI), or in the copy-on-write
+    // header just before the characters (the old ABI; see ENTER_COW_STRING).
+    let len_at = if cookie(&ctx) == torch_programs::ENTER_COW_STRING { data.wrapping_sub(24) } else { name + 8 };
+    // SAFETY: as above.
+    let len = unsafe { bpf_probe_read_user(len_at as *const u64) }.unwrap_or(0);
     rec.name_len = len.min(u64::from(u32::MAX)) as u32;
     let n = (len as usize).min(REGION_NAME_CAP);
     if let Some(dst) = rec.name.get_mut(..n)

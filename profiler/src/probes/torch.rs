@@ -31,6 +31,10 @@ pub struct TorchSymbols {
     pub exit: Option<u64>,
     /// Where in the exit its probe can go more cheaply (see [`exit_jump`]).
     pub exit_jump: Option<ExitJump>,
+    /// The build uses the pre-C++11 libstdc++ ABI (`std::string` mangled
+    /// `Ss`: PyPI's wheels before 2.7), whose strings the enter reads
+    /// differently (see `torch_programs::ENTER_COW_STRING`).
+    pub cow_string: bool,
 }
 
 /// The exit's `jmp` and what the function added to the key before it.
@@ -70,7 +74,7 @@ pub fn exit_jump(code: &[u8]) -> Option<ExitJump> {
 pub fn resolve(data: &[u8]) -> Result<TorchSymbols, String> {
     let file = object::File::parse(data).map_err(|e| format!("not a readable ELF file: {e}"))?;
     let segments = elf::load_segments(&file);
-    let (mut enter, mut exit) = (None, None);
+    let (mut enter, mut exit, mut cow_string) = (None, None, false);
     for sym in file.dynamic_symbols().chain(file.symbols()) {
         if sym.kind() != SymbolKind::Text || sym.is_undefined() || sym.address() == 0 {
             continue;
@@ -81,17 +85,20 @@ pub fn resolve(data: &[u8]) -> Result<TorchSymbols, String> {
         }
         let Some(offset) = segments.iter().find_map(|s| s.file_offset(sym.address())) else { continue };
         let base = elf::demangled(name);
-        // The `std::string` overload: older builds also had one taking a tensor.
-        let takes_string = name.contains("basic_string");
+        // The `std::string` overload (older builds also had one taking a
+        // tensor), in either libstdc++ ABI: `…basic_string…` or `Ss`.
+        let cow = name.contains("ERKSs");
+        let takes_string = name.contains("basic_string") || cow;
         if base == ENTER && takes_string && enter.is_none() {
             enter = Some(offset);
+            cow_string = cow;
         } else if base == EXIT && name.contains("PythonRecordFunction") && exit.is_none() {
             exit = Some(offset);
         }
     }
     let enter = enter.ok_or_else(|| format!("no {ENTER}(std::string const&, …) symbol"))?;
     let exit_jump = exit.and_then(|o| data.get(o as usize..)).and_then(exit_jump);
-    Ok(TorchSymbols { enter, exit, exit_jump })
+    Ok(TorchSymbols { enter, exit, exit_jump, cow_string })
 }
 
 /// One region probe: its program, (symbol, offset from its start, why there)
@@ -112,7 +119,12 @@ impl Probes {
         let enter = |why: &str| (ENTER.to_string(), 0, why.to_string());
         points.extend([
             (torch_programs::ENTER_RETURN, enter("return: reads the key"), syms.enter, 0),
-            (torch_programs::ENTER, enter("entry: reads the name"), syms.enter, 0),
+            if syms.cow_string {
+                let why = "entry: reads the name (pre-C++11 ABI std::string: length before the characters)";
+                (torch_programs::ENTER, enter(why), syms.enter, torch_programs::ENTER_COW_STRING)
+            } else {
+                (torch_programs::ENTER, enter("entry: reads the name"), syms.enter, 0)
+            },
         ]);
         let mut placed = Vec::new();
         for (program, row, file_offset, cookie) in points {
@@ -178,6 +190,9 @@ mod tests {
         let exit = "_ZN5torch8autograd8profilerL24record_function_exit_newERKN3c1013intrusive_ptrINS1_20PythonRecordFunctionENS2_6detail34intrusive_target_default_null_typeIS4_EEEE";
         assert_eq!(elf::demangled(enter), ENTER);
         assert_eq!(elf::demangled(exit), EXIT);
+        // 2.4.0 and 2.6.0 (manylinux1 wheels, pre-C++11 ABI: `std::string` is `Ss`).
+        let old = "_ZN5torch8autograd8profiler25record_function_enter_newERKSsRKSt8optionalISsE";
+        assert_eq!(elf::demangled(old), ENTER);
     }
 
     #[test]
