@@ -9,17 +9,16 @@ use std::{
 use aya::{
     Ebpf,
     maps::Array,
-    programs::{
-        UProbe,
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeScope},
-    },
+    programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLink, UProbeScope},
 };
 use profiler_common::{FrameLayout, maps as map_names, programs};
 
 use super::{
     cpython::{self, CPythonBuild},
     frame_hook::{self, FieldState, FrameHookWrite, HookError},
-    usdt::python::{PythonAttachError, PythonProbeError, PythonProbes, PythonSteps, PythonTarget, fill_targets},
+    usdt::python::{
+        PythonAttachError, PythonProbeError, PythonProbes, PythonSteps, PythonTarget, fill_targets, loaded_uprobe,
+    },
 };
 
 /// How the step functions of one target are seen.
@@ -278,14 +277,7 @@ fn attach_one(
     offset: u64,
     pid: NonZeroU32,
 ) -> Result<UProbeLink, PythonAttachError> {
-    let prog: &mut UProbe = ebpf
-        .program_mut(name)
-        .ok_or(PythonAttachError::Missing(name))?
-        .try_into()
-        .map_err(|source| PythonAttachError::Program { name, source })?;
-    if prog.fd().is_err() {
-        prog.load().map_err(|source| PythonAttachError::Program { name, source })?;
-    }
+    let prog = loaded_uprobe(ebpf, name)?;
     let point = UProbeAttachPoint { location: UProbeAttachLocation::AbsoluteOffset(offset), cookie: None };
     let id = prog
         .attach(point, path, UProbeScope::OneProcess(pid))

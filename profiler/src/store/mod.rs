@@ -205,7 +205,22 @@ pub(crate) mod testing {
     //! Fixtures shared by the store's tests.
     use std::path::PathBuf;
 
-    use super::{LaunchRow, SessionStart};
+    use super::{LaunchRow, SessionStart, StepRow};
+
+    /// Step 0 of `train` on thread 7, 100–250 ns, one launch.
+    pub(crate) fn step() -> StepRow {
+        StepRow {
+            sync_wait_ns: None,
+            label: "train".into(),
+            step: 0,
+            tid: 7,
+            start_ns: 100,
+            end_ns: Some(250),
+            inter_step_ns: None,
+            launches: Some(1),
+            phases: None,
+        }
+    }
 
     /// A `cuLaunchKernel` of handle 1 at 200 ns by thread 7, in no step;
     /// tests change what they look at with struct-update syntax.
@@ -258,17 +273,7 @@ mod tests {
             let id = store.begin_session(&start()).expect("session");
             assert_eq!(id, round + 1);
             let w = store.spawn_writer(id);
-            w.send(StoreMsg::Steps(vec![StepRow {
-                sync_wait_ns: None,
-                label: "train".into(),
-                step: 0,
-                tid: 7,
-                start_ns: 100,
-                end_ns: Some(250),
-                inter_step_ns: None,
-                launches: Some(1),
-                phases: None,
-            }]));
+            w.send(StoreMsg::Steps(vec![testing::step()]));
             w.send(StoreMsg::Launches(vec![LaunchRow {
                 function: 0x1234,
                 grid: [1, 2, 3],

@@ -589,17 +589,8 @@ mod tests {
         let store = Store::open(path).expect("open");
         let id = store.begin_session(&start()).expect("session");
         let w = store.spawn_writer(id);
-        let step = |label: &str, sync_wait_ns| StepRow {
-            sync_wait_ns,
-            label: label.into(),
-            step: 0,
-            tid: 7,
-            start_ns: 100,
-            end_ns: Some(250),
-            inter_step_ns: None,
-            launches: Some(1),
-            phases: None,
-        };
+        let step =
+            |label: &str, sync_wait_ns| StepRow { sync_wait_ns, label: label.into(), ..crate::store::testing::step() };
         w.send(StoreMsg::Steps(vec![step("train", Some(40)), step("eval", None)]));
         w.send(StoreMsg::Syncs(vec![SyncRow {
             tid: 7,

@@ -381,14 +381,7 @@ impl PythonSteps {
             }
         }
         for name in [programs::PYTHON_ENTRY, programs::PYTHON_RETURN] {
-            let prog: &mut UProbe = ebpf
-                .program_mut(name)
-                .ok_or(PythonAttachError::Missing(name))?
-                .try_into()
-                .map_err(|source| PythonAttachError::Program { name, source })?;
-            if prog.fd().is_err() {
-                prog.load().map_err(|source| PythonAttachError::Program { name, source })?;
-            }
+            loaded_uprobe(ebpf, name)?;
         }
         let (entry, ret) = (program_fd(ebpf, programs::PYTHON_ENTRY)?, program_fd(ebpf, programs::PYTHON_RETURN)?);
         let sites = probes.entry.iter().map(|p| (entry, p)).chain(probes.ret.iter().map(|p| (ret, p)));
@@ -452,6 +445,19 @@ pub(crate) fn fill_targets(ebpf: &mut Ebpf, targets: &[PythonTarget]) -> Result<
         array.set(i, value, 0).map_err(|source| PythonAttachError::Map { name: map_names::PY_TARGETS, source })?;
     }
     Ok(())
+}
+
+/// The uprobe program `name` of `ebpf`, loaded (once) into the kernel.
+pub(crate) fn loaded_uprobe<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut UProbe, PythonAttachError> {
+    let prog: &mut UProbe = ebpf
+        .program_mut(name)
+        .ok_or(PythonAttachError::Missing(name))?
+        .try_into()
+        .map_err(|source| PythonAttachError::Program { name, source })?;
+    if prog.fd().is_err() {
+        prog.load().map_err(|source| PythonAttachError::Program { name, source })?;
+    }
+    Ok(prog)
 }
 
 /// The descriptor of `ebpf`'s loaded uprobe program `name`.
