@@ -237,6 +237,11 @@ fn any_cpython_run_mode_writes_the_hook_before_the_first_step() {
     for python in pythons {
         let dir = workdir(&format!("python-any-run{}", python.python.display().to_string().replace('/', "_")));
         let (db, truth) = (dir.join("p.db"), dir.join("truth.txt"));
+        // As `Agent` does: after the SIGKILL test, the kernel may still be
+        // removing that profiler's uprobes, and attaches queued behind it
+        // would let this short `run` finish before its probes are in (seen
+        // once in the full suite: 0 of 120 steps).
+        wait_for_probe_removal();
         let out = Command::new(profiler_bin())
             .args(["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--step-python", "train_step"])
             .args(["--step-python", "validate=validate", "--"])
