@@ -265,21 +265,11 @@ fn detaching_many_probes_keeps_every_record_from_before_the_stop() {
             .find(|d| d.tid == t.tid && d.start_ns <= t.start_ns && d.end_ns.is_some_and(|e| e >= t.end_ns))
             .unwrap_or_else(|| panic!("no step for {t:?}"));
         assert_eq!(d.launches, Some(t.launches), "{d:?}");
-        let rows: i64 = conn
-            .query_row(
-                "SELECT count(*) FROM launches WHERE session_id = ?1 AND label = 'train' AND step = ?2",
-                [s.id, d.step],
-                |r| r.get(0),
-            )
-            .expect("rows");
-        assert_eq!(rows as u64, t.launches, "launch rows of step {}", d.step);
-        let syncs: i64 = conn
-            .query_row(
-                "SELECT count(*) FROM syncs WHERE session_id = ?1 AND label = 'train' AND step = ?2",
-                [s.id, d.step],
-                |r| r.get(0),
-            )
-            .expect("syncs");
-        assert_eq!(syncs, 1, "sync rows of step {}", d.step);
+        let rows_of_step = |table: &str| -> i64 {
+            let sql = format!("SELECT count(*) FROM {table} WHERE session_id = ?1 AND label = 'train' AND step = ?2");
+            conn.query_row(&sql, [s.id, d.step], |r| r.get(0)).expect(table)
+        };
+        assert_eq!(rows_of_step("launches") as u64, t.launches, "launch rows of step {}", d.step);
+        assert_eq!(rows_of_step("syncs"), 1, "sync rows of step {}", d.step);
     }
 }
