@@ -155,7 +155,6 @@ struct ThreadState<T> {
     next_depth: u32,
     data_wait_ns: u64,
     optimizer_ns: u64,
-    last_launches: u64,
 }
 
 impl<T> Default for ThreadState<T> {
@@ -169,7 +168,6 @@ impl<T> Default for ThreadState<T> {
             next_depth: 0,
             data_wait_ns: 0,
             optimizer_ns: 0,
-            last_launches: 0,
         }
     }
 }
@@ -194,7 +192,6 @@ impl<T: Clone> RegionTracker<T> {
     /// with too many open), to be stored with no end.
     pub fn begin(&mut self, e: &RegionEvent, tag: T, out: &mut Vec<Boundary>) -> Option<Region<T>> {
         let t = self.threads.entry(e.tid).or_default();
-        t.last_launches = e.thread_launches;
         for (probe, prefix) in &self.steps.prefixes {
             if e.name.starts_with(prefix.as_str()) {
                 out.push(Boundary::Enter { probe: *probe, ts_ns: e.ts_ns, thread_launches: e.thread_launches });
@@ -229,7 +226,6 @@ impl<T: Clone> RegionTracker<T> {
             self.unmatched_ends += 1;
             return None;
         };
-        t.last_launches = e.thread_launches;
         let Some(i) = t.open.iter().rposition(|(k, _)| *k == e.key) else {
             self.unmatched_ends += 1;
             return None;

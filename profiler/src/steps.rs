@@ -204,7 +204,7 @@ impl StepTracker {
     }
 
     /// The label of step source `probe`.
-    pub fn label(&self, probe: u32) -> Option<&'static str> {
+    fn label(&self, probe: u32) -> Option<&'static str> {
         self.labels.get(probe as usize).copied()
     }
 

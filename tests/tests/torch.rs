@@ -258,8 +258,7 @@ fn attach_to_a_running_loop_records_its_steps() {
     let t0 = clock_ns();
     let agent = Agent::attach(l.child.id(), &l.db(), &["--no-gpu", "--duration", "3"]);
     let (status, stderr) = agent.finish();
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(l.child.id() as i32, libc::SIGKILL) };
+    let _ = l.child.kill();
     let _ = l.child.wait();
     assert!(status.success(), "{stderr}");
     let db = db_steps(&l.db(), "train");

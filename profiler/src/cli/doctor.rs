@@ -376,10 +376,12 @@ fn process_checks(pid: i32) -> (String, Vec<Check>) {
         let list: Vec<String> = libs.iter().map(|(k, f)| format!("{} {}", k.as_str(), f.path.display())).collect();
         checks.push(Check::pass("CUDA libraries", list.join(", ")));
     }
-    checks.push(python_check(pid, exe.as_deref(), &maps));
+    // As python::find_in_process does when the executable cannot be read.
+    let exe_or = exe.clone().unwrap_or_else(|| PathBuf::from("the target's executable"));
+    let candidates = python::candidates(&exe_or, &mapped_files(&maps));
+    checks.push(python_check(pid, &exe_or, &candidates));
     // Which way `--step-python` would see this process's functions, and why.
-    if let Some(exe) = &exe {
-        let candidates = python::candidates(exe, &mapped_files(&maps));
+    if exe.is_some() {
         match crate::probes::python_any::mechanism_for(pid as u32, &candidates) {
             Some(Ok(line)) => checks.push(Check::info("--step-python", line)),
             Some(Err(e)) => checks.push(Check::info("--step-python", format!("unavailable: {e}"))),
@@ -392,15 +394,12 @@ fn process_checks(pid: i32) -> (String, Vec<Check>) {
 /// Whether the process is CPython and where its USDT probes are, found as
 /// `attach --python-step` finds them: the executable, then each mapped
 /// `libpython*`, each read through the process's root.
-fn python_check(pid: i32, exe: Option<&Path>, maps: &procfs::process::MemoryMaps) -> Check {
-    // As python::find_in_process does when the executable cannot be read.
-    let exe = exe.map_or_else(|| PathBuf::from("the target's executable"), Path::to_path_buf);
-    let candidates = python::candidates(&exe, &mapped_files(maps));
+fn python_check(pid: i32, exe: &Path, candidates: &[PathBuf]) -> Check {
     let file_name = |p: &Path| p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let is_python =
-        file_name(&exe).starts_with("python") || candidates.iter().any(|p| file_name(p).starts_with("libpython"));
+        file_name(exe).starts_with("python") || candidates.iter().any(|p| file_name(p).starts_with("libpython"));
     let mut unreadable = Vec::new();
-    let found = python::resolve(&candidates, |p| {
+    let found = python::resolve(candidates, |p| {
         let bytes = crate::probes::open_in_target(pid as u32, p);
         if bytes.is_none() {
             unreadable.push(p.to_path_buf());
@@ -587,7 +586,8 @@ mod tests {
     #[test]
     fn this_process_is_not_python() {
         let me = procfs::process::Process::myself().expect("self");
-        let c = python_check(me.pid, me.exe().ok().as_deref(), &me.maps().expect("maps"));
+        let exe = me.exe().expect("exe");
+        let c = python_check(me.pid, &exe, &python::candidates(&exe, &mapped_files(&me.maps().expect("maps"))));
         assert_eq!(c.status, Status::Info, "{c:?}");
     }
 

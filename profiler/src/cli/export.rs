@@ -523,29 +523,27 @@ fn write_counters<W: Write>(db: &ProfileDb, session: i64, t: Timeline, w: &mut T
 
     // RAPL counters are cumulative joules per domain: the power over each
     // interval is drawn from the interval's start.
-    {
-        let mut q = db
-            .conn
-            .prepare("SELECT domain, ts_ns, energy_j FROM rapl_samples WHERE session_id = ?1 ORDER BY domain, ts_ns")?;
-        let mut rows = q.query([session])?;
-        let mut prev: Option<(String, i64, f64)> = None;
-        while let Some(r) = rows.next()? {
-            let domain: String = r.get(0)?;
-            let ts: i64 = r.get(1)?;
-            let e: f64 = r.get(2)?;
-            if let Some((d, t0, e0)) = &prev
-                && *d == domain
-                && ts > *t0
-            {
-                let name = match domain.as_str() {
-                    "package" => "CPU package power".to_string(),
-                    "dram" => "DRAM power".to_string(),
-                    other => format!("RAPL {other} power"),
-                };
-                w.event(&t.counter(&name, "W", *t0, (e - e0) / ((ts - t0) as f64 / 1e9)))?;
-            }
-            prev = Some((domain, ts, e));
+    let mut q = db
+        .conn
+        .prepare("SELECT domain, ts_ns, energy_j FROM rapl_samples WHERE session_id = ?1 ORDER BY domain, ts_ns")?;
+    let mut rows = q.query([session])?;
+    let mut prev: Option<(String, i64, f64)> = None;
+    while let Some(r) = rows.next()? {
+        let domain: String = r.get(0)?;
+        let ts: i64 = r.get(1)?;
+        let e: f64 = r.get(2)?;
+        if let Some((d, t0, e0)) = &prev
+            && *d == domain
+            && ts > *t0
+        {
+            let name = match domain.as_str() {
+                "package" => "CPU package power".to_string(),
+                "dram" => "DRAM power".to_string(),
+                other => format!("RAPL {other} power"),
+            };
+            w.event(&t.counter(&name, "W", *t0, (e - e0) / ((ts - t0) as f64 / 1e9)))?;
         }
+        prev = Some((domain, ts, e));
     }
 
     sample_counters(
@@ -578,8 +576,7 @@ fn sample_counters<W: Write>(
     gpu: Option<&str>,
     series: &[(&str, &str, &str)],
 ) -> anyhow::Result<()> {
-    let present: Vec<&(&str, &str, &str)> = series.iter().collect();
-    let list: Vec<&str> = present.iter().map(|(c, ..)| *c).collect();
+    let list: Vec<&str> = series.iter().map(|(c, ..)| *c).collect();
     let mut q = db.conn.prepare(&format!(
         "SELECT {}, ts_ns, {} FROM {table} WHERE session_id = ?1",
         gpu.unwrap_or("NULL"),
@@ -595,11 +592,11 @@ fn sample_counters<W: Write>(
             Some(i) => i,
             None => {
                 let track = |what: &str| g.map_or_else(|| what.to_string(), |g| format!("GPU {g} {what}"));
-                names.push((g, present.iter().map(|(_, what, _)| track(what)).collect()));
+                names.push((g, series.iter().map(|(_, what, _)| track(what)).collect()));
                 names.len() - 1
             }
         };
-        for (i, (_, _, unit)) in present.iter().enumerate() {
+        for (i, (_, _, unit)) in series.iter().enumerate() {
             if let Some(v) = r.get::<_, Option<f64>>(2 + i)? {
                 w.event(&t.counter(&names[idx].1[i], unit, ts, v))?;
             }

@@ -78,7 +78,7 @@ pub struct TraceArgs {
     #[arg(long, value_enum, default_value_t = LaunchMode::All)]
     launches: LaunchMode,
     /// Stop tracing after this many seconds, or this long (`90s`, `2m`, `1h 30m`).
-    #[arg(long, value_name = "SECS", value_parser = parse_duration)]
+    #[arg(long, value_name = "TIME", value_parser = parse_duration)]
     duration: Option<Duration>,
     /// How often to read the target's maps for newly loaded CUDA libraries, in
     /// ms, when its dynamic loader cannot be probed (with it probed, the maps

@@ -810,7 +810,7 @@ fn top_kernels(db: &ProfileDb, session: i64, launch_mode: &str) -> anyhow::Resul
              ORDER BY t.n DESC, t.function"
         )
     } else {
-        let (names, kernels) = kernel_names(db, session, "t.function", "0")?;
+        let (names, kernels) = kernel_names_given(false, "t.function", "0");
         format!(
             "SELECT t.function, t.n, t.total, a.name, {names} FROM (
                  SELECT function, count(*) AS n, sum(count(*)) OVER () AS total, min(api) AS api
@@ -845,12 +845,17 @@ pub(super) fn kernel_names(
     function: &str,
     at: &str,
 ) -> rusqlite::Result<(&'static str, String)> {
+    Ok(kernel_names_given(handles_renamed(db, session)?, function, at))
+}
+
+/// [`kernel_names`] for a session whose renames are already known.
+fn kernel_names_given(renamed: bool, function: &str, at: &str) -> (&'static str, String) {
     let first = format!("LEFT JOIN kernels k ON k.session_id = ?1 AND k.function = {function}");
     // The rename lookup costs one query per row: only for sessions that need it.
-    if !handles_renamed(db, session)? {
-        return Ok(("k.name, k.demangled_name", first));
+    if !renamed {
+        return ("k.name, k.demangled_name", first);
     }
-    Ok((RENAMED_NAMES, format!("{first} LEFT JOIN kernel_renames r ON r.rowid = {}", rename_at(function, at))))
+    (RENAMED_NAMES, format!("{first} LEFT JOIN kernel_renames r ON r.rowid = {}", rename_at(function, at)))
 }
 
 /// The name columns where `r` is the handle's rename at the time (NULL: none) and `k` its first name.
@@ -1013,7 +1018,7 @@ fn render_session(o: &mut String, r: &Report) {
         rows.push(("", "committed rows are all here; the end and totals are not".into()));
     }
     if let Some(sym) = &s.step_symbol {
-        rows.push(("step fn", sym.clone()));
+        rows.push(("steps from", sym.clone()));
     }
     let launches = format!(
         "{} seen, {} stored ({}), {} lost events",

@@ -488,7 +488,7 @@ impl GpuSampler {
                 gpu: sel.logical,
                 nvml_index: sel.nvml_index,
                 uuid: facts[sel.nvml_index as usize].uuid.clone(),
-                name: dev.name().ok(),
+                name: facts[sel.nvml_index as usize].name.clone(),
                 memory_total_mib: dev.memory_info().ok().map(|m| m.total as f64 / 1048576.0),
                 power_limit_w: dev.power_management_limit().ok().map(|mw| f64::from(mw) / 1000.0),
                 driver_version: driver.clone(),

@@ -160,7 +160,9 @@ impl Consumer {
                 self.sequence(&e, DepthChange::Enter);
                 self.tracker.enter(e.tid, e.probe, e.ts_ns, e.thread_launches);
             }
-            Ok(Event::StepExit(e)) => self.step_exit(&e),
+            Ok(Event::StepExit(e)) => {
+                self.step_exit(&e);
+            }
             Ok(Event::KernelName(k)) => self.kernels.named(k),
             Ok(Event::RegionEnter(r)) => self.region_event(r, true),
             Ok(Event::RegionExit(r)) => self.region_event(r, false),
@@ -211,9 +213,11 @@ impl Consumer {
         }
     }
 
-    fn step_exit(&mut self, e: &OrderedEvent) {
+    /// Closes the thread's step, if one was open: returns its label and
+    /// whether it is already stored as incomplete (the step is `self.steps`'s last).
+    fn step_exit(&mut self, e: &OrderedEvent) -> Option<(&'static str, bool)> {
         self.sequence(e, DepthChange::Exit);
-        let Some(s) = self.tracker.exit(e.tid, e.probe, e.ts_ns, e.thread_launches) else { return };
+        let s = self.tracker.exit(e.tid, e.probe, e.ts_ns, e.thread_launches)?;
         if s.incomplete {
             self.incomplete_steps.push((s.label, s.step));
         }
@@ -231,6 +235,7 @@ impl Consumer {
             launches: Some(s.launches),
             phases: None,
         });
+        Some((s.label, s.incomplete))
     }
 
     /// The end of a synchronisation call: its wait counts toward the step

@@ -125,7 +125,8 @@ impl TorchWatch {
                 }
                 log::info!("resolved and probed {} in {:?}", path.display(), t0.elapsed());
                 let text = format!("record_function_enter_new at {:#x}, {exit} ({how})", syms.enter);
-                Some(ProbedFileRow { placed: placed.clone(), ..row(placed.len() as u32, text) })
+                let probes = placed.len() as u32;
+                Some(ProbedFileRow { placed, ..row(probes, text) })
             }
             Err(e) => {
                 eprintln!("profiler: warning: could not probe {}: {e}", path.display());

@@ -62,12 +62,8 @@ impl Consumer {
                 self.tracker.enter(tid, probe, ts_ns, thread_launches);
             }
             Boundary::Exit { probe, ts_ns, thread_launches, phases, start } => {
-                let before = self.steps.len();
                 let e = OrderedEvent { ts_ns, tid, probe, thread_launches, seq: 0, depth: 0 };
-                self.step_exit(&e);
-                if self.steps.len() == before {
-                    return;
-                }
+                let Some((label, marked)) = self.step_exit(&e) else { return };
                 let Some(step) = self.steps.last_mut() else { return };
                 step.phases = phases;
                 match start {
@@ -80,11 +76,9 @@ impl Consumer {
                     }
                     StepStart::Batch(_) => {}
                     // Stored as incomplete: its start was not seen.
-                    StepStart::Guessed => {
-                        if let Some(label) = self.tracker.label(probe) {
-                            self.incomplete_steps.push((label, step.step));
-                        }
-                    }
+                    // (Once: a step a loss already marked is in the list.)
+                    StepStart::Guessed if !marked => self.incomplete_steps.push((label, step.step)),
+                    StepStart::Guessed => {}
                 }
             }
         }
