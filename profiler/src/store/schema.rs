@@ -31,6 +31,8 @@ pub(super) const MIGRATIONS: &[Migration] = &[
     Migration::Sql(include_str!("migrations/0006_kernel_renames.sql")),
     Migration::Sql(include_str!("migrations/0007_probed_files_and_step_source.sql")),
     Migration::Sql(include_str!("migrations/0008_regions.sql")),
+    Migration::Sql(include_str!("migrations/0009_jobs_and_collectives.sql")),
+    Migration::Sql(include_str!("migrations/0010_flops.sql")),
 ];
 
 /// One schema change.
