@@ -6,6 +6,7 @@ mod correlate;
 mod events;
 #[cfg(test)]
 mod fuzz_tests;
+mod metrics;
 mod ownership;
 mod privileges;
 mod probes;

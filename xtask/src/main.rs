@@ -6,6 +6,8 @@ mod bench;
 mod bench_frame_hook;
 mod bench_python;
 mod bench_torch;
+mod debian_debs;
+mod debian_prometheus;
 mod debian_python;
 mod gpu;
 mod root;
@@ -155,7 +157,8 @@ fn fixtures() -> Result<()> {
     std::fs::create_dir_all(dir.join("hidden"))?;
     std::fs::copy(dir.join("libcuda.so.1"), dir.join("hidden/libcuda.so.1"))?;
     toolchain::fetch_genuine_nvidia(&dir.join("nvidia"))?;
-    debian_python::fetch(&dir)
+    debian_python::fetch(&dir)?;
+    debian_prometheus::fetch(&dir)
 }
 
 fn test(args: &[String]) -> Result<()> {

@@ -119,6 +119,8 @@ pub struct TraceArgs {
     /// Report disk usage of the filesystem holding PATH (default: the target's working directory).
     #[arg(long, value_name = "PATH")]
     disk: Option<PathBuf>,
+    #[command(flatten)]
+    live: crate::metrics::LiveArgs,
 }
 
 fn parse_python_step(s: &str) -> Result<PythonStepSpec, String> {
@@ -170,6 +172,7 @@ impl TraceArgs {
             status_line: !self.quiet && std::io::stderr().is_terminal(),
             step_mode: self.steps,
             step_regions: self.step_region,
+            live: self.live.into(),
         }
     }
 }

@@ -376,6 +376,8 @@ pub struct GpuSampler {
     interval: Duration,
     ticks: u64,
     rows: Vec<GpuSampleRow>,
+    /// `--prometheus`/`--otlp`: the live series each sample updates.
+    pub live_metrics: Option<crate::metrics::MachineMetrics>,
 }
 
 fn opt_f64(r: Result<f64, String>, caps: &mut CapabilityLog, metric: &str) -> Option<f64> {
@@ -508,6 +510,7 @@ impl GpuSampler {
             interval: cfg.interval,
             ticks: 0,
             rows: Vec::new(),
+            live_metrics: None,
         })
     }
 
@@ -634,6 +637,9 @@ impl Sampler for GpuSampler {
                 Ok(dev) => {
                     let row = Self::sample(&dev, g, caps, now_ns);
                     live.push((g.sel.logical, row.utilization_gpu_pct, row.power_w));
+                    if let Some(m) = &mut self.live_metrics {
+                        m.gpu_sample(&row);
+                    }
                     self.rows.push(row);
                 }
                 Err(e) => caps.record(&format!("GPU_{}/device", g.sel.logical), false, Some(format!("NVML: {e}"))),

@@ -727,6 +727,8 @@ pub struct RaplSampler {
     sender: RowSender,
     /// (domain, resolution J) for the domains read.
     resolutions: Vec<(Domain, f64)>,
+    /// `--prometheus`/`--otlp`: the live series each reading updates.
+    pub live: Option<crate::metrics::MachineMetrics>,
 }
 
 impl RaplSampler {
@@ -758,7 +760,7 @@ impl RaplSampler {
             .as_ref()
             .map(|r| r.domains().into_iter().map(|d| (d, r.resolution_j(d))).collect())
             .unwrap_or_default();
-        Self { reader, sender, resolutions }
+        Self { reader, sender, resolutions, live: None }
     }
 }
 
@@ -770,6 +772,9 @@ impl Sampler for RaplSampler {
             .into_iter()
             .filter_map(|(d, j)| Some(RaplSampleRow { ts_ns: now_ns, domain: d.as_str(), energy_j: j? }))
             .collect();
+        if let Some(live) = &mut self.live {
+            live.rapl_sample(&rows);
+        }
         if !rows.is_empty() {
             self.sender.send(StoreMsg::RaplSamples(rows));
         }

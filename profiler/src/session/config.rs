@@ -56,6 +56,8 @@ pub struct SessionConfig {
     pub step_mode: StepMode,
     /// `--step-region`s; their probe ids follow the PyTorch optimizer's (if any).
     pub step_regions: Vec<RegionStepSpec>,
+    /// `--prometheus`, `--otlp`: live metrics while tracing.
+    pub live: crate::metrics::LiveConfig,
 }
 
 /// A process started by `profiler run`, held before `exec` until the probes are in.

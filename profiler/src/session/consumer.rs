@@ -52,6 +52,8 @@ pub(super) struct Consumer {
     incomplete_steps: Vec<(&'static str, u64)>,
     /// PyTorch `record_function` regions in flight and rows not yet sent.
     regions: regions::RegionState,
+    /// `--prometheus`/`--otlp`: this session's live series, updated per batch.
+    pub live: Option<crate::metrics::SessionMetrics>,
 }
 
 /// What the consumer counted, for the summary line, once it is closed.
@@ -85,6 +87,7 @@ impl Consumer {
             released: Vec::new(),
             incomplete_steps: Vec::new(),
             regions: regions::RegionState::new(sources),
+            live: None,
         }
     }
 
@@ -298,6 +301,9 @@ impl Consumer {
 
     /// Hands every pending row to the store.
     pub fn flush(&mut self) {
+        if let Some(live) = &mut self.live {
+            live.steps_ended(&self.steps);
+        }
         self.flush_launches();
         if !self.steps.is_empty() {
             self.writer.send(StoreMsg::Steps(std::mem::take(&mut self.steps)));

@@ -49,8 +49,14 @@ pub(super) async fn run(
                 }
                 consumer.flush();
             }
-            _ = ticks.status.tick(), if status.enabled => {
-                status.show(consumer.completed_steps, consumer.last_step_ns, probes.counters());
+            _ = ticks.status.tick(), if status.enabled || consumer.live.is_some() => {
+                let kc = probes.counters();
+                if let Some(live) = &mut consumer.live {
+                    live.kernel_counters(&kc);
+                }
+                if status.enabled {
+                    status.show(consumer.completed_steps, consumer.last_step_ns, kc);
+                }
             }
             _ = ticks.maps.tick() => watcher.scan(probes, consumer, cfg.quiet, "maps"),
             Some(stop) = stop_signals.recv() => {

@@ -36,16 +36,20 @@ use crate::{probes::Probes, store::Store};
 /// one-line errors; after that, everything collected is flushed whatever happens.
 pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summary> {
     let mut target = TargetProcess::open(target)?;
+    // The one place a session's job, host and rank are decided, for its live series.
+    let labels = crate::metrics::SeriesLabels::placeholder(&target.exe);
+    let live = crate::metrics::Live::start(&cfg.live, &labels).await?;
     let store = Store::open(&cfg.output)?;
     // The step functions and NVML before anything is attached: a typo costs nothing.
     let steps = setup::resolve_steps(&cfg, &target)?;
     let gpu = setup::open_gpu(&cfg, &target)?;
     let (mut probes, mut rings) = Probes::load(target.nz_pid, cfg.launch_mode == LaunchMode::All, cfg.place_probes)?;
     let (session, writer) = setup::begin_session(&cfg, &target, store, &steps.regions)?;
-    let (samplers, gpu_live) = setup::start_samplers(&cfg, target.pid, gpu, &writer)?;
+    let (samplers, gpu_live) = setup::start_samplers(&cfg, target.pid, gpu, &writer, live.machine(&labels))?;
 
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer, steps.labels.clone(), steps.regions.clone(), target.pid);
+    consumer.live = live.session(&labels, &steps.labels);
     let mut watcher = LibraryWatcher::new(target.pid, torch::TorchWatch::new(&cfg, &steps.regions));
     let mut python = None;
     let outcome = match attach::attach_all(&cfg, &target, &mut probes, &mut watcher, &steps) {
@@ -63,5 +67,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         Err(e) => Err(e),
     };
     let traced = teardown::Traced { probes, rings, python, consumer, samplers };
-    teardown::finish(&cfg, &session, target.child.take(), traced, outcome).await
+    let summary = teardown::finish(&cfg, &session, target.child.take(), traced, outcome).await;
+    live.shutdown().await;
+    summary
 }

@@ -249,12 +249,14 @@ pub(super) fn start_samplers(
     pid: u32,
     gpu: Result<GpuSampler, String>,
     writer: &StoreWriter,
+    live: Option<crate::metrics::MachineMetrics>,
 ) -> anyhow::Result<(Vec<SamplerThread>, Option<GpuLive>)> {
     let mut samplers: Vec<SamplerThread> = Vec::new();
     let mut gpu_live = None;
     match gpu {
         Ok(mut g) => {
             gpu_live = Some(g.live());
+            g.live_metrics = live.clone();
             g.start(writer.sender());
             let interval = cfg.gpu.as_ref().map_or(Duration::from_millis(100), |c| c.interval);
             samplers.push(SamplerThread::spawn("gpu", interval, g)?);
@@ -270,11 +272,9 @@ pub(super) fn start_samplers(
     if let Err(e) = &rapl {
         say!(cfg.quiet, "{e}");
     }
-    samplers.push(SamplerThread::spawn(
-        "rapl",
-        samplers::rapl::DEFAULT_INTERVAL,
-        samplers::rapl::RaplSampler::new(rapl, writer.sender()),
-    )?);
+    let mut rapl = samplers::rapl::RaplSampler::new(rapl, writer.sender());
+    rapl.live = live;
+    samplers.push(SamplerThread::spawn("rapl", samplers::rapl::DEFAULT_INTERVAL, rapl)?);
     samplers.push(SamplerThread::spawn(
         "system",
         cfg.system_interval,

@@ -79,7 +79,10 @@ pub(super) async fn finish(
     // kernel to retire each uprobe) can take a while and is not part of it.
     let ended_ns = clock::monotonic_ns();
     let kc = traced.probes.counters();
-    let consumer = detach_and_drain(traced.probes, traced.rings, traced.python, traced.consumer, ended_ns);
+    let mut consumer = detach_and_drain(traced.probes, traced.rings, traced.python, traced.consumer, ended_ns);
+    if let Some(live) = &mut consumer.live {
+        live.kernel_counters(&kc);
+    }
     // A sampler that panicked loses its series, not the session; it fails the run.
     let (mut problems, at_finish) = stop_samplers(traced.samplers);
     let (marked_steps, steps_without_start) = consumer.loss_counts();

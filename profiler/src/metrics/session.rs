@@ -1,0 +1,109 @@
+//! One session's (one process's, one rank's) live series: steps by label, launches and losses.
+use std::{collections::HashMap, sync::Arc, time::Instant};
+
+use super::{
+    Families, SeriesLabels,
+    series::{LiveCounter, LiveGauge, LiveHistogram},
+};
+use crate::{probes::KernelCounters, store::StepRow};
+
+/// The rate gauge is recomputed once this much time has passed.
+const RATE_WINDOW_S: f64 = 1.0;
+
+/// One step label's series.
+struct StepSeries {
+    steps: LiveCounter,
+    duration: LiveHistogram,
+    last: LiveGauge,
+    rate: LiveGauge,
+    sync_wait: LiveCounter,
+    sync_share: LiveGauge,
+    /// Steps ended since `since` (for the rate gauge).
+    ended: u64,
+}
+
+impl StepSeries {
+    fn new(f: &Families, labels: &SeriesLabels, label: &str) -> Self {
+        let l = labels.with(Some(("label", label.to_owned())));
+        Self {
+            steps: f.steps.series(&l),
+            duration: f.step_duration.series(&l),
+            last: f.last_step.series(&l),
+            rate: f.step_rate.series(&l),
+            sync_wait: f.sync_wait.series(&l),
+            sync_share: f.sync_share.series(&l),
+            ended: 0,
+        }
+    }
+}
+
+/// A session's live series. Owned by its consumer; updated once per drained batch.
+pub struct SessionMetrics {
+    families: Arc<Families>,
+    labels: SeriesLabels,
+    steps: HashMap<String, StepSeries>,
+    launches: LiveCounter,
+    lost: LiveCounter,
+    /// The kernel counters' values already published.
+    published: (u64, u64),
+    since: Instant,
+}
+
+impl SessionMetrics {
+    pub(super) fn new(families: Arc<Families>, labels: &SeriesLabels, step_labels: &[&'static str]) -> Self {
+        let process = labels.with(None);
+        let mut me = Self {
+            launches: families.launches.series(&process),
+            lost: families.lost.series(&process),
+            steps: HashMap::new(),
+            labels: labels.clone(),
+            published: (0, 0),
+            since: Instant::now(),
+            families,
+        };
+        // Every known label has its series from the start (0 steps is a value).
+        for label in step_labels {
+            me.step_series(label);
+        }
+        me
+    }
+
+    fn step_series(&mut self, label: &str) -> &mut StepSeries {
+        let (families, labels) = (&self.families, &self.labels);
+        self.steps.entry(label.to_owned()).or_insert_with(|| StepSeries::new(families, labels, label))
+    }
+
+    /// Publishes the steps of a batch that ended (rows with an end; those
+    /// without are stored open and never counted), and the step rate.
+    pub fn steps_ended(&mut self, rows: &[StepRow]) {
+        for r in rows {
+            let Some(end_ns) = r.end_ns else { continue };
+            let secs = end_ns.saturating_sub(r.start_ns) as f64 / 1e9;
+            let s = self.step_series(&r.label);
+            s.steps.add(1.0);
+            s.ended += 1;
+            s.duration.observe(secs);
+            s.last.set(secs);
+            if let Some(wait) = r.sync_wait_ns {
+                let wait = wait as f64 / 1e9;
+                s.sync_wait.add(wait);
+                s.sync_share.set(if secs > 0.0 { (wait / secs).min(1.0) } else { 0.0 });
+            }
+        }
+        let elapsed = self.since.elapsed().as_secs_f64();
+        if elapsed >= RATE_WINDOW_S {
+            for s in self.steps.values_mut() {
+                s.rate.set(std::mem::take(&mut s.ended) as f64 / elapsed);
+            }
+            self.since = Instant::now();
+        }
+    }
+
+    /// Publishes the kernel side's totals (launches seen, records lost).
+    pub fn kernel_counters(&mut self, kc: &KernelCounters) {
+        let (launches, lost) = self.published;
+        self.launches.add(kc.launches.saturating_sub(launches) as f64);
+        self.lost.add(kc.lost.saturating_sub(lost) as f64);
+        self.published = (kc.launches.max(launches), kc.lost.max(lost));
+    }
+}

@@ -1,0 +1,289 @@
+//! Live metrics against a real Prometheus (Debian trixie's 2.53, fetched by `cargo xtask
+//! fixtures`) on loopback: it scrapes `--prometheus`, or receives `--otlp` pushes on its OTLP
+//! receiver, and the values read back through its query API must be the profile's.
+use std::{
+    io::{Read, Write},
+    net::{TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use integration_tests::*;
+
+/// How long the test waits for something that normally takes well under a second.
+const PATIENCE: Duration = Duration::from_secs(60);
+
+/// A port nothing listens on (bound, then let go).
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// `GET path` on 127.0.0.1:port; the body of a 200 reply, else None.
+fn http_get(port: u16, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).ok()?;
+    let (head, body) = reply.split_once("\r\n\r\n")?;
+    head.lines().next().is_some_and(|l| l.contains(" 200 ")).then(|| body.to_owned())
+}
+
+fn url_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'_' | b'-' | b'.' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// A Prometheus server in a test's folder, killed when dropped.
+struct Prometheus {
+    child: Child,
+    port: u16,
+}
+
+impl Prometheus {
+    /// The fixture, or None (said as a skip) where `cargo xtask fixtures` could not fetch it.
+    fn binary() -> Option<PathBuf> {
+        let bin = fixtures().join("prometheus");
+        if bin.exists() {
+            return Some(bin);
+        }
+        skip("no Debian trixie prometheus in the fixtures (cargo xtask fixtures fetches it; needs deb.debian.org)");
+        None
+    }
+
+    /// Starts it with `scrape` (a scrape target's port, every 200 ms) or none, and its OTLP receiver on.
+    fn start(bin: &Path, dir: &Path, scrape: Option<u16>) -> Prometheus {
+        let port = free_port();
+        let mut config = String::from("global:\n  scrape_interval: 200ms\n  scrape_timeout: 200ms\n");
+        if let Some(target) = scrape {
+            // `honor_labels`: the profiler's own `job` label is the training job's.
+            config.push_str(&format!(
+                "scrape_configs:\n  - job_name: profiler\n    honor_labels: true\n    static_configs:\n      - targets: ['127.0.0.1:{target}']\n"
+            ));
+        }
+        let file = dir.join("prometheus.yml");
+        std::fs::write(&file, config).expect("write config");
+        let child = Command::new(bin)
+            .arg(format!("--config.file={}", file.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .arg("--enable-feature=otlp-write-receiver")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("prometheus.log")).expect("log file"))
+            .spawn()
+            .expect("start prometheus");
+        let p = Prometheus { child, port };
+        p.wait_until("Prometheus ready", || http_get(port, "/-/ready").map(|_| ()));
+        p
+    }
+
+    /// `query`'s result vector: (labels, value) per series.
+    fn query(&self, query: &str) -> Vec<(serde_json::Value, f64)> {
+        let Some(body) = http_get(self.port, &format!("/api/v1/query?query={}", url_encode(query))) else {
+            return Vec::new();
+        };
+        let v: serde_json::Value = serde_json::from_str(&body).expect("query JSON");
+        let result = v["data"]["result"].as_array().cloned().unwrap_or_default();
+        result
+            .into_iter()
+            .map(|r| {
+                let value = r["value"][1].as_str().and_then(|s| s.parse().ok()).expect("a sample value");
+                (r["metric"].clone(), value)
+            })
+            .collect()
+    }
+
+    /// The one series `query` returns, once it equals `want`; fails with what it has after a minute.
+    fn wait_for_value(&self, query: &str, want: f64) -> serde_json::Value {
+        let t0 = Instant::now();
+        loop {
+            let got = self.query(query);
+            if let [(labels, v)] = got.as_slice()
+                && (v - want).abs() <= 1e-9 * want.abs().max(1.0)
+            {
+                return labels.clone();
+            }
+            assert!(t0.elapsed() < PATIENCE, "Prometheus has {got:?} for {query}, not {want}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn wait_until<T>(&self, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+        let t0 = Instant::now();
+        loop {
+            if let Some(v) = f() {
+                return v;
+            }
+            assert!(t0.elapsed() < PATIENCE, "{what}: still not after a minute");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The value of the first line of the exposition text that starts with `series`.
+fn exposed(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(series)?.split_whitespace().next()?.parse().ok())
+}
+
+fn nvml() -> String {
+    fixtures().join("libnvidia-ml.so.1").display().to_string()
+}
+
+fn hostname(db: &Path, session: i64) -> String {
+    open(db).query_row("SELECT hostname FROM sessions WHERE id = ?1", [session], |r| r.get(0)).expect("hostname")
+}
+
+fn ended_steps(db: &Path, session: i64) -> f64 {
+    count(db, "SELECT COUNT(*) FROM steps WHERE session_id = ?1 AND end_ns IS NOT NULL", session) as f64
+}
+
+/// Whether `v` is, within rounding, one of the values `sql` (with the session id) returns.
+fn one_of(db: &Path, sql: &str, session: i64, v: f64) -> bool {
+    let conn = open(db);
+    let mut q = conn.prepare(sql).expect("prepare");
+    let values: Vec<f64> = q.query_map([session], |r| r.get(0)).expect("query").map(|r| r.expect("row")).collect();
+    values.iter().any(|x| (x - v).abs() <= 1e-6 * x.abs().max(1.0))
+}
+
+/// Polls the profiler's endpoint until `series` reads the same twice 1.5 s
+/// apart (the launch and loss totals are refreshed every second); returns that value.
+fn settled(port: u16, series: &str) -> f64 {
+    let t0 = Instant::now();
+    let mut last = None;
+    loop {
+        let now = http_get(port, "/metrics").and_then(|t| exposed(&t, series));
+        if now.is_some() && now == last {
+            return now.unwrap_or_default();
+        }
+        assert!(t0.elapsed() < PATIENCE, "{series} never settled (last {now:?})");
+        last = now;
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+}
+
+#[test]
+fn prometheus_scrapes_the_live_step_metrics() {
+    let Some(bin) = Prometheus::binary() else { return };
+    let dir = workdir("prom_scrape");
+    let db = dir.join("p.db");
+    let port = free_port();
+    let prometheus = Prometheus::start(&bin, &dir, Some(port));
+    let trainer =
+        Trainer::spawn(&dir, &["--forever", "--launches", "7", "--step-sleep-us", "2000", "--sync-us", "300"]);
+    let addr = format!("127.0.0.1:{port}");
+    let nvml = nvml();
+    let agent =
+        Agent::attach(trainer.pid(), &db, &["--step-symbol", "train_step", "--nvml-lib", &nvml, "--prometheus", &addr]);
+    trainer.go();
+    // Some steps, then the trainer stops where it is: the figures stop moving.
+    let series = r#"profiler_steps_total{job="trainer""#;
+    prometheus.wait_until("20 steps exposed", || {
+        http_get(port, "/metrics").and_then(|t| exposed(&t, series).filter(|n| *n >= 20.0))
+    });
+    trainer.signal(libc::SIGSTOP);
+    let steps = settled(port, series);
+    let launches = settled(port, r#"profiler_launches_total{job="trainer""#);
+    let step_labels = prometheus.wait_for_value(r#"profiler_steps_total{job="trainer",label="train"}"#, steps);
+    prometheus.wait_for_value(r#"profiler_launches_total{job="trainer"}"#, launches);
+    prometheus.wait_for_value(r#"profiler_step_duration_seconds_count{job="trainer"}"#, steps);
+    let power = prometheus.query(r#"profiler_gpu_power_watts{job="trainer",gpu="0"}"#);
+    let energy = prometheus.query(r#"profiler_gpu_energy_joules_total{job="trainer",gpu="0"}"#);
+    let lost = prometheus.query(r#"profiler_lost_events_total{job="trainer"}"#);
+    agent.signal(libc::SIGINT);
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "{stderr}");
+    drop(trainer);
+
+    let s = last_session(&db);
+    assert_eq!(steps, ended_steps(&db, s.id), "steps: Prometheus vs the database");
+    assert_eq!(launches, s.total_launches.expect("total launches") as f64, "launches: Prometheus vs the database");
+    assert_eq!(lost.first().map(|l| l.1), s.lost_events.map(|l| l as f64), "lost events");
+    assert_eq!(step_labels["host"].as_str(), Some(hostname(&db, s.id).as_str()), "{step_labels}");
+    // The GPU figures are samples the database holds too.
+    let [(_, power)] = power.as_slice() else { panic!("one GPU 0 power series: {power:?}") };
+    let [(_, energy)] = energy.as_slice() else { panic!("one GPU 0 energy series: {energy:?}") };
+    assert!(one_of(&db, "SELECT power_w FROM gpu_samples WHERE session_id = ?1 AND gpu = 0", s.id, *power));
+    assert!(one_of(&db, "SELECT energy_j FROM gpu_samples WHERE session_id = ?1 AND gpu = 0", s.id, *energy));
+}
+
+#[test]
+fn otlp_pushes_reach_prometheus() {
+    let Some(bin) = Prometheus::binary() else { return };
+    let dir = workdir("prom_otlp");
+    let db = dir.join("p.db");
+    let prometheus = Prometheus::start(&bin, &dir, None);
+    let mut trainer = Trainer::spawn(&dir, &["--steps", "40", "--launches", "5", "--step-sleep-us", "5000"]);
+    let url = format!("http://127.0.0.1:{}/api/v1/otlp/v1/metrics", prometheus.port);
+    let nvml = nvml();
+    let agent = Agent::attach(
+        trainer.pid(),
+        &db,
+        &["--step-symbol", "train_step", "--nvml-lib", &nvml, "--otlp", &url, "--otlp-interval", "500ms"],
+    );
+    trainer.go();
+    assert!(trainer.wait().success());
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "{stderr}");
+    assert!(!stderr.contains("OTLP push"), "pushes to a live receiver never fail: {stderr}");
+
+    // The last push, at the session's end, carries the final figures.
+    let truth = trainer.truth();
+    let s = last_session(&db);
+    assert_eq!(ended_steps(&db, s.id), truth.steps.len() as f64);
+    let labels =
+        prometheus.wait_for_value(r#"profiler_steps_total{job="trainer",label="train"}"#, truth.steps.len() as f64);
+    prometheus.wait_for_value(r#"profiler_launches_total{job="trainer"}"#, s.total_launches.expect("launches") as f64);
+    prometheus.wait_for_value(r#"profiler_step_duration_seconds_count{job="trainer"}"#, truth.steps.len() as f64);
+    let host = hostname(&db, s.id);
+    assert_eq!(labels["instance"].as_str(), Some(host.as_str()), "service.instance.id is the host: {labels}");
+    // The resource's other attributes are on Prometheus's `target_info`.
+    let info = prometheus.query(r#"target_info{job="trainer"}"#);
+    assert_eq!(info.first().and_then(|(l, _)| l["host_name"].as_str()), Some(host.as_str()), "{info:?}");
+    let energy = prometheus.query(r#"profiler_gpu_energy_joules_total{job="trainer",gpu="0"}"#);
+    let [(_, energy)] = energy.as_slice() else { panic!("one GPU 0 energy series: {energy:?}") };
+    assert!(one_of(&db, "SELECT energy_j FROM gpu_samples WHERE session_id = ?1 AND gpu = 0", s.id, *energy));
+}
+
+#[test]
+fn a_collector_that_refuses_connections_costs_one_warning_not_the_profile() {
+    let dir = workdir("otlp_refused");
+    let db = dir.join("p.db");
+    let url = format!("http://127.0.0.1:{}", free_port());
+    let mut trainer = Trainer::spawn(&dir, &["--steps", "30", "--launches", "3", "--step-sleep-us", "30000"]);
+    let agent = Agent::attach(
+        trainer.pid(),
+        &db,
+        &["--step-symbol", "train_step", "--no-gpu", "--otlp", &url, "--otlp-interval", "200ms"],
+    );
+    trainer.go();
+    assert!(trainer.wait().success());
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "{stderr}");
+    let warnings: Vec<&str> = stderr.lines().filter(|l| l.contains("OTLP push")).collect();
+    assert_eq!(warnings.len(), 1, "one warning for a whole session of failed pushes: {stderr}");
+    assert!(warnings[0].contains(&url), "{}", warnings[0]);
+    let s = last_session(&db);
+    assert_steps_match(&trainer.truth().steps, &steps(&db, s.id), 5_000_000);
+}
+
+#[test]
+fn a_prometheus_address_in_use_is_one_error_line() {
+    let taken = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = taken.local_addr().expect("addr").to_string();
+    let dir = workdir("prom_in_use");
+    let db = dir.join("p.db").display().to_string();
+    let (code, stderr) = profiler_output(&["run", "-o", &db, "--no-gpu", "--prometheus", &addr, "--", "/bin/true"]);
+    one_error_line(code, &stderr, &addr);
+}
