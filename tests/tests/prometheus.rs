@@ -1,15 +1,23 @@
-//! Live metrics against a real Prometheus (Debian trixie's 2.53, fetched by `cargo xtask
-//! fixtures`) on loopback: it scrapes `--prometheus`, or receives `--otlp` pushes on its OTLP
-//! receiver, and the values read back through its query API must be the profile's.
+//! Live metrics, compared with the profile's database: a real Prometheus (Debian trixie's 2.53,
+//! fetched by `cargo xtask fixtures`) on loopback scrapes `--prometheus` and is read back through
+//! its query API; `--otlp` pushes go to an OTLP/HTTP receiver here that decodes them with the
+//! OpenTelemetry protobuf types (Debian builds Prometheus with its OTLP receiver disabled).
 use std::{
-    io::{Read, Write},
+    io::{BufRead, BufReader, Read, Write},
     net::{TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
 use integration_tests::*;
+use opentelemetry_proto::tonic::{
+    collector::metrics::v1::ExportMetricsServiceRequest,
+    common::v1::{AnyValue, KeyValue, any_value},
+    metrics::v1::{metric::Data, number_data_point},
+};
+use prost::Message;
 
 /// How long the test waits for something that normally takes well under a second.
 const PATIENCE: Duration = Duration::from_secs(60);
@@ -56,23 +64,19 @@ impl Prometheus {
         None
     }
 
-    /// Starts it with `scrape` (a scrape target's port, every 200 ms) or none, and its OTLP receiver on.
-    fn start(bin: &Path, dir: &Path, scrape: Option<u16>) -> Prometheus {
+    /// Starts it scraping 127.0.0.1:`target` every 200 ms.
+    fn start(bin: &Path, dir: &Path, target: u16) -> Prometheus {
         let port = free_port();
-        let mut config = String::from("global:\n  scrape_interval: 200ms\n  scrape_timeout: 200ms\n");
-        if let Some(target) = scrape {
-            // `honor_labels`: the profiler's own `job` label is the training job's.
-            config.push_str(&format!(
-                "scrape_configs:\n  - job_name: profiler\n    honor_labels: true\n    static_configs:\n      - targets: ['127.0.0.1:{target}']\n"
-            ));
-        }
+        // `honor_labels`: the profiler's own `job` label is the training job's.
+        let config = format!(
+            "global:\n  scrape_interval: 200ms\n  scrape_timeout: 200ms\nscrape_configs:\n  - job_name: profiler\n    honor_labels: true\n    static_configs:\n      - targets: ['127.0.0.1:{target}']\n"
+        );
         let file = dir.join("prometheus.yml");
         std::fs::write(&file, config).expect("write config");
         let child = Command::new(bin)
             .arg(format!("--config.file={}", file.display()))
             .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
             .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-            .arg("--enable-feature=otlp-write-receiver")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(dir.join("prometheus.log")).expect("log file"))
             .spawn()
@@ -132,9 +136,9 @@ impl Drop for Prometheus {
     }
 }
 
-/// The value of the first line of the exposition text that starts with `series`.
+/// The value (the last word) of the first line of the exposition text that starts with `series`.
 fn exposed(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| l.strip_prefix(series)?.split_whitespace().next()?.parse().ok())
+    text.lines().find(|l| l.starts_with(series))?.rsplit(' ').next()?.parse().ok()
 }
 
 fn nvml() -> String {
@@ -179,7 +183,7 @@ fn prometheus_scrapes_the_live_step_metrics() {
     let dir = workdir("prom_scrape");
     let db = dir.join("p.db");
     let port = free_port();
-    let prometheus = Prometheus::start(&bin, &dir, Some(port));
+    let prometheus = Prometheus::start(&bin, &dir, port);
     let trainer =
         Trainer::spawn(&dir, &["--forever", "--launches", "7", "--step-sleep-us", "2000", "--sync-us", "300"]);
     let addr = format!("127.0.0.1:{port}");
@@ -218,14 +222,103 @@ fn prometheus_scrapes_the_live_step_metrics() {
     assert!(one_of(&db, "SELECT energy_j FROM gpu_samples WHERE session_id = ?1 AND gpu = 0", s.id, *energy));
 }
 
+/// An OTLP/HTTP receiver on loopback: every request's body, decoded, in arrival order.
+struct OtlpReceiver {
+    port: u16,
+    requests: Arc<Mutex<Vec<ExportMetricsServiceRequest>>>,
+}
+
+impl OtlpReceiver {
+    fn start() -> OtlpReceiver {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let sink = requests.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming().map_while(Result::ok) {
+                if let Some(body) = read_post(&stream) {
+                    let request =
+                        ExportMetricsServiceRequest::decode(body.as_slice()).expect("an OTLP metrics request");
+                    sink.lock().expect("lock").push(request);
+                }
+                let mut stream = stream;
+                let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+            }
+        });
+        OtlpReceiver { port, requests }
+    }
+
+    fn last(&self) -> ExportMetricsServiceRequest {
+        self.requests.lock().expect("lock").last().cloned().expect("at least one push")
+    }
+}
+
+/// The body of one HTTP POST to /v1/metrics (Content-Length framed).
+fn read_post(stream: &TcpStream) -> Option<Vec<u8>> {
+    let mut r = BufReader::new(stream);
+    let mut line = String::new();
+    r.read_line(&mut line).ok()?;
+    assert!(line.starts_with("POST /v1/metrics "), "unexpected request: {line}");
+    let mut length = 0;
+    loop {
+        line.clear();
+        r.read_line(&mut line).ok()?;
+        if line.trim().is_empty() {
+            break;
+        }
+        if let Some((k, v)) = line.split_once(':')
+            && k.eq_ignore_ascii_case("content-length")
+        {
+            length = v.trim().parse().ok()?;
+        }
+    }
+    let mut body = vec![0; length];
+    r.read_exact(&mut body).ok()?;
+    Some(body)
+}
+
+fn text(v: &Option<AnyValue>) -> Option<String> {
+    match v.as_ref()?.value.as_ref()? {
+        any_value::Value::StringValue(s) => Some(s.clone()),
+        any_value::Value::IntValue(i) => Some(i.to_string()),
+        _ => None,
+    }
+}
+
+fn attribute(attrs: &[KeyValue], key: &str) -> Option<String> {
+    attrs.iter().find(|a| a.key == key).and_then(|a| text(&a.value))
+}
+
+/// (value, unit) of the data point of `metric` whose attributes include `with`: a sum's or
+/// gauge's value, a histogram's count.
+fn pushed(req: &ExportMetricsServiceRequest, metric: &str, with: (&str, &str)) -> Option<(f64, String)> {
+    let m = req
+        .resource_metrics
+        .iter()
+        .flat_map(|r| &r.scope_metrics)
+        .flat_map(|s| &s.metrics)
+        .find(|m| m.name == metric)?;
+    let matches = |attrs: &[KeyValue]| attribute(attrs, with.0).as_deref() == Some(with.1);
+    let number = |p: &opentelemetry_proto::tonic::metrics::v1::NumberDataPoint| match p.value? {
+        number_data_point::Value::AsDouble(v) => Some(v),
+        number_data_point::Value::AsInt(v) => Some(v as f64),
+    };
+    let value = match m.data.as_ref()? {
+        Data::Sum(s) => s.data_points.iter().find(|p| matches(&p.attributes)).and_then(number),
+        Data::Gauge(g) => g.data_points.iter().find(|p| matches(&p.attributes)).and_then(number),
+        Data::Histogram(h) => h.data_points.iter().find(|p| matches(&p.attributes)).map(|p| p.count as f64),
+        _ => None,
+    }?;
+    Some((value, m.unit.clone()))
+}
+
 #[test]
-fn otlp_pushes_reach_prometheus() {
-    let Some(bin) = Prometheus::binary() else { return };
-    let dir = workdir("prom_otlp");
+fn otlp_pushes_carry_the_profile_s_figures() {
+    let dir = workdir("otlp_push");
     let db = dir.join("p.db");
-    let prometheus = Prometheus::start(&bin, &dir, None);
-    let mut trainer = Trainer::spawn(&dir, &["--steps", "40", "--launches", "5", "--step-sleep-us", "5000"]);
-    let url = format!("http://127.0.0.1:{}/api/v1/otlp/v1/metrics", prometheus.port);
+    let receiver = OtlpReceiver::start();
+    let mut trainer = Trainer::spawn(&dir, &["--steps", "40", "--launches", "5", "--step-sleep-us", "20000"]);
+    let url = format!("http://127.0.0.1:{}", receiver.port);
     let nvml = nvml();
     let agent = Agent::attach(
         trainer.pid(),
@@ -241,19 +334,20 @@ fn otlp_pushes_reach_prometheus() {
     // The last push, at the session's end, carries the final figures.
     let truth = trainer.truth();
     let s = last_session(&db);
-    assert_eq!(ended_steps(&db, s.id), truth.steps.len() as f64);
-    let labels =
-        prometheus.wait_for_value(r#"profiler_steps_total{job="trainer",label="train"}"#, truth.steps.len() as f64);
-    prometheus.wait_for_value(r#"profiler_launches_total{job="trainer"}"#, s.total_launches.expect("launches") as f64);
-    prometheus.wait_for_value(r#"profiler_step_duration_seconds_count{job="trainer"}"#, truth.steps.len() as f64);
-    let host = hostname(&db, s.id);
-    assert_eq!(labels["instance"].as_str(), Some(host.as_str()), "service.instance.id is the host: {labels}");
-    // The resource's other attributes are on Prometheus's `target_info`.
-    let info = prometheus.query(r#"target_info{job="trainer"}"#);
-    assert_eq!(info.first().and_then(|(l, _)| l["host_name"].as_str()), Some(host.as_str()), "{info:?}");
-    let energy = prometheus.query(r#"profiler_gpu_energy_joules_total{job="trainer",gpu="0"}"#);
-    let [(_, energy)] = energy.as_slice() else { panic!("one GPU 0 energy series: {energy:?}") };
-    assert!(one_of(&db, "SELECT energy_j FROM gpu_samples WHERE session_id = ?1 AND gpu = 0", s.id, *energy));
+    let steps = truth.steps.len() as f64;
+    assert_eq!(ended_steps(&db, s.id), steps);
+    let last = receiver.last();
+    let resource = last.resource_metrics[0].resource.clone().expect("a resource").attributes;
+    assert_eq!(attribute(&resource, "service.name").as_deref(), Some("trainer"), "{resource:?}");
+    assert_eq!(attribute(&resource, "host.name"), Some(hostname(&db, s.id)), "{resource:?}");
+    let train = ("label", "train");
+    assert_eq!(pushed(&last, "profiler_steps", train), Some((steps, String::new())));
+    assert_eq!(pushed(&last, "profiler_step_duration", train), Some((steps, "s".into())));
+    let launches = s.total_launches.expect("launches") as f64;
+    assert_eq!(pushed(&last, "profiler_launches", ("job", "trainer")), Some((launches, String::new())));
+    let (energy, unit) = pushed(&last, "profiler_gpu_energy", ("gpu", "0")).expect("GPU 0 energy pushed");
+    assert_eq!(unit, "J");
+    assert!(one_of(&db, "SELECT energy_j FROM gpu_samples WHERE session_id = ?1 AND gpu = 0", s.id, energy));
 }
 
 #[test]

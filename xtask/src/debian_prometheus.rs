@@ -1,7 +1,8 @@
-//! Debian trixie's Prometheus (2.53, whose OTLP receiver the live-metrics
-//! tests push into), fetched and unpacked as a test fixture, never installed
-//! (Debian 12's own 2.42 has no OTLP receiver). A static Go binary: nothing
-//! else from the suite is needed. Linked as `fixtures/prometheus`.
+//! Debian trixie's Prometheus 2.53, the server the live-metrics test has
+//! scrape `--prometheus`, fetched and unpacked as a test fixture, never
+//! installed. (Debian builds it, 2.53 and sid's 3.5 alike, with the OTLP
+//! receiver disabled: the `--otlp` test decodes pushes itself.) A static Go
+//! binary: nothing else from the suite is needed. Linked as `fixtures/prometheus`.
 use std::path::Path;
 
 use anyhow::{Result, bail};

@@ -89,39 +89,39 @@ impl SeriesLabels {
     }
 }
 
-const STEPS: Spec = Spec { name: "profiler_steps", help: "Steps ended.", unit: None };
+const STEPS: Spec = Spec { name: "profiler_steps", help: "Steps ended", unit: None };
 const STEP_DURATION: Spec =
-    Spec { name: "profiler_step_duration", help: "Step time (intra-step).", unit: Some(("seconds", "s")) };
+    Spec { name: "profiler_step_duration", help: "Step time (intra-step)", unit: Some(("seconds", "s")) };
 const LAST_STEP: Spec =
-    Spec { name: "profiler_last_step_duration", help: "The last step's time.", unit: Some(("seconds", "s")) };
+    Spec { name: "profiler_last_step_duration", help: "The last step's time", unit: Some(("seconds", "s")) };
 const STEP_RATE: Spec =
-    Spec { name: "profiler_steps_per_second", help: "Steps ended per second, over about a second.", unit: None };
+    Spec { name: "profiler_steps_per_second", help: "Steps ended per second, over about a second", unit: None };
 const SYNC_WAIT: Spec = Spec {
     name: "profiler_step_sync_wait",
-    help: "Time in steps spent waiting on the GPU (synchronisation calls).",
+    help: "Time in steps spent waiting on the GPU (synchronisation calls)",
     unit: Some(("seconds", "s")),
 };
 const SYNC_SHARE: Spec = Spec {
     name: "profiler_last_step_sync_wait",
-    help: "The last step's share of time spent waiting on the GPU.",
+    help: "The last step's share of time spent waiting on the GPU",
     unit: Some(("ratio", "1")),
 };
-const LAUNCHES: Spec = Spec { name: "profiler_launches", help: "CUDA kernel launches seen.", unit: None };
-const LOST: Spec = Spec { name: "profiler_lost_events", help: "Records the ring buffers had no room for.", unit: None };
+const LAUNCHES: Spec = Spec { name: "profiler_launches", help: "CUDA kernel launches seen", unit: None };
+const LOST: Spec = Spec { name: "profiler_lost_events", help: "Records the ring buffers had no room for", unit: None };
 const GPU_UTIL: Spec =
-    Spec { name: "profiler_gpu_utilization", help: "GPU busy share (NVML).", unit: Some(("ratio", "1")) };
+    Spec { name: "profiler_gpu_utilization", help: "GPU busy share (NVML)", unit: Some(("ratio", "1")) };
 const GPU_MEMORY: Spec =
-    Spec { name: "profiler_gpu_memory_used", help: "GPU memory in use.", unit: Some(("bytes", "By")) };
-const GPU_POWER: Spec = Spec { name: "profiler_gpu_power", help: "GPU power draw.", unit: Some(("watts", "W")) };
+    Spec { name: "profiler_gpu_memory_used", help: "GPU memory in use", unit: Some(("bytes", "By")) };
+const GPU_POWER: Spec = Spec { name: "profiler_gpu_power", help: "GPU power draw", unit: Some(("watts", "W")) };
 const GPU_ENERGY: Spec =
-    Spec { name: "profiler_gpu_energy", help: "GPU energy since tracing began.", unit: Some(("joules", "J")) };
+    Spec { name: "profiler_gpu_energy", help: "GPU energy since tracing began", unit: Some(("joules", "J")) };
 const GPU_TEMP: Spec =
-    Spec { name: "profiler_gpu_temperature", help: "GPU temperature.", unit: Some(("celsius", "Cel")) };
+    Spec { name: "profiler_gpu_temperature", help: "GPU temperature", unit: Some(("celsius", "Cel")) };
 const CPU_POWER: Spec =
-    Spec { name: "profiler_cpu_power", help: "RAPL power by domain (package, dram, …).", unit: Some(("watts", "W")) };
+    Spec { name: "profiler_cpu_power", help: "RAPL power by domain (package, dram, …)", unit: Some(("watts", "W")) };
 const CPU_ENERGY: Spec = Spec {
     name: "profiler_cpu_energy",
-    help: "RAPL energy by domain since tracing began.",
+    help: "RAPL energy by domain since tracing began",
     unit: Some(("joules", "J")),
 };
 

@@ -108,10 +108,13 @@ impl PushMetricExporter for WarnOnce {
         let r = self.inner.export(metrics).await;
         match &r {
             Err(e) if !self.failing.swap(true, Ordering::Relaxed) => {
-                log::warn!("OTLP push to {} failed ({e}); the profile is unaffected, pushes go on quietly", self.url);
+                eprintln!(
+                    "profiler: warning: OTLP push to {} failed ({e}); the profile is unaffected, pushes go on quietly",
+                    self.url
+                );
             }
             Ok(()) if self.failing.swap(false, Ordering::Relaxed) => {
-                log::warn!("OTLP push to {} works again", self.url);
+                eprintln!("profiler: OTLP push to {} works again", self.url);
             }
             _ => {}
         }
