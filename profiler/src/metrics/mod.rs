@@ -21,7 +21,7 @@ pub use session::SessionMetrics;
 #[derive(clap::Args, Debug, Clone)]
 pub struct LiveArgs {
     /// Serve live metrics for Prometheus at http://ADDR/metrics (e.g. 127.0.0.1:9464; none unless asked).
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = parse_listen_addr)]
     prometheus: Option<SocketAddr>,
     /// Push live metrics over OTLP/HTTP (protobuf) to URL (e.g. http://collector:4318/v1/metrics; a
     /// URL with no path gets /v1/metrics).
@@ -30,6 +30,10 @@ pub struct LiveArgs {
     /// How often to push with --otlp (`10s`, `500ms`, or seconds).
     #[arg(long, value_name = "TIME", default_value = "10s", value_parser = parse_interval)]
     otlp_interval: Duration,
+}
+
+fn parse_listen_addr(s: &str) -> Result<SocketAddr, String> {
+    s.parse().map_err(|_| format!("'{s}' is not IP:PORT, e.g. 127.0.0.1:9464 (this machine only) or 0.0.0.0:9464"))
 }
 
 fn parse_interval(s: &str) -> Result<Duration, String> {

@@ -124,3 +124,28 @@ fn otlp_urls_get_the_metrics_path_and_bad_ones_say_what_to_write() {
     assert_eq!(parse_interval("1.5"), Ok(std::time::Duration::from_millis(1500)));
     assert_eq!(parse_interval("2s"), Ok(std::time::Duration::from_secs(2)));
 }
+
+#[test]
+fn the_flags_become_the_config_and_bad_values_are_refused() {
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct Flags {
+        #[command(flatten)]
+        live: LiveArgs,
+    }
+    let parse = |args: &[&str]| Flags::try_parse_from([&["profiler"], args].concat()).map(|f| LiveConfig::from(f.live));
+    let none = parse(&[]).expect("no flags");
+    assert!(none.prometheus.is_none() && none.otlp.is_none(), "nothing is exported unless asked");
+    let both =
+        parse(&["--prometheus", "127.0.0.1:9464", "--otlp", "http://c:4318", "--otlp-interval", "2s"]).expect("ok");
+    assert_eq!(both.prometheus, Some("127.0.0.1:9464".parse().expect("addr")));
+    assert_eq!(both.otlp, Some(("http://c:4318/v1/metrics".into(), std::time::Duration::from_secs(2))));
+    assert_eq!(
+        parse(&["--otlp", "http://c:4318"]).expect("ok").otlp.map(|o| o.1),
+        Some(std::time::Duration::from_secs(10))
+    );
+    for bad in [&["--prometheus", "localhost"][..], &["--prometheus", "1.2.3.4:99999"], &["--otlp", "c:4318"]] {
+        let e = parse(bad).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains(bad[1]) && e.contains("e.g."), "{bad:?}: {e}");
+    }
+}
