@@ -202,6 +202,8 @@ fn prometheus_scrapes_the_live_step_metrics() {
     let step_labels = prometheus.wait_for_value(r#"profiler_steps_total{job="trainer",label="train"}"#, steps);
     prometheus.wait_for_value(r#"profiler_launches_total{job="trainer"}"#, launches);
     prometheus.wait_for_value(r#"profiler_step_duration_seconds_count{job="trainer"}"#, steps);
+    let step_seconds = prometheus.query(r#"profiler_step_duration_seconds_sum{job="trainer"}"#);
+    let sync_seconds = prometheus.query(r#"profiler_step_sync_wait_seconds_total{job="trainer"}"#);
     let power = prometheus.query(r#"profiler_gpu_power_watts{job="trainer",gpu="0"}"#);
     let energy = prometheus.query(r#"profiler_gpu_energy_joules_total{job="trainer",gpu="0"}"#);
     let lost = prometheus.query(r#"profiler_lost_events_total{job="trainer"}"#);
@@ -215,6 +217,15 @@ fn prometheus_scrapes_the_live_step_metrics() {
     assert_eq!(launches, s.total_launches.expect("total launches") as f64, "launches: Prometheus vs the database");
     assert_eq!(lost.first().map(|l| l.1), s.lost_events.map(|l| l as f64), "lost events");
     assert_eq!(step_labels["host"].as_str(), Some(hostname(&db, s.id).as_str()), "{step_labels}");
+    // Step time and sync wait, summed over the ended steps.
+    let sum = |sql: &str| open(&db).query_row(sql, [s.id], |r| r.get::<_, i64>(0)).expect(sql) as f64 / 1e9;
+    let db_step = sum("SELECT SUM(end_ns - start_ns) FROM steps WHERE session_id = ?1 AND end_ns IS NOT NULL");
+    let db_sync = sum("SELECT SUM(sync_wait_ns) FROM steps WHERE session_id = ?1 AND end_ns IS NOT NULL");
+    assert!(db_sync > 0.0, "the trainer waits {} µs a step", 300);
+    for (what, got, want) in [("step time", &step_seconds, db_step), ("sync wait", &sync_seconds, db_sync)] {
+        let [(_, got)] = got.as_slice() else { panic!("one {what} series: {got:?}") };
+        assert!((got - want).abs() <= 1e-9 * want, "{what}: Prometheus {got} s vs the database {want} s");
+    }
     // The GPU figures are samples the database holds too.
     let [(_, power)] = power.as_slice() else { panic!("one GPU 0 power series: {power:?}") };
     let [(_, energy)] = energy.as_slice() else { panic!("one GPU 0 energy series: {energy:?}") };
