@@ -1,5 +1,6 @@
 //! The consumer: drains the ring buffers, decodes the records, tracks steps, attributes launches and
 //! sync waits to the step their thread is in, and hands the rows to the store's writer in batches.
+mod collectives;
 mod regions;
 
 use std::collections::HashMap;
@@ -52,6 +53,8 @@ pub(super) struct Consumer {
     incomplete_steps: Vec<(&'static str, u64)>,
     /// PyTorch `record_function` regions in flight and rows not yet sent.
     regions: regions::RegionState,
+    /// NCCL calls not yet sent.
+    collectives: Vec<crate::store::CollectiveRow>,
 }
 
 /// What the consumer counted, for the summary line, once it is closed.
@@ -85,6 +88,7 @@ impl Consumer {
             released: Vec::new(),
             incomplete_steps: Vec::new(),
             regions: regions::RegionState::new(sources),
+            collectives: Vec::new(),
         }
     }
 
@@ -166,6 +170,7 @@ impl Consumer {
             Ok(Event::KernelName(k)) => self.kernels.named(k),
             Ok(Event::RegionEnter(r)) => self.region_event(r, true),
             Ok(Event::RegionExit(r)) => self.region_event(r, false),
+            Ok(Event::Collective(c)) => self.collective(&c),
             Ok(Event::SyncEnter(e)) => {
                 self.sequence(&e, DepthChange::None);
                 let step = self.tracker.current_step(e.tid);
@@ -310,6 +315,7 @@ impl Consumer {
             self.writer.send(StoreMsg::Kernels(kernels));
         }
         self.flush_regions();
+        self.flush_collectives();
     }
 
     /// (steps stored as incomplete so far, step ends seen without a start),

@@ -38,6 +38,7 @@ pub(super) fn finish_session(
             }
         }
     }
+    super::collectives::write_step_collectives(&tx, session_id)?;
     tx.execute(
         "UPDATE sessions SET ended_ns = ?2, end_reason = ?3, lost_events = ?4, total_launches = ?5,
                              stored_launches = ?6, unmatched_returns = ?7 WHERE id = ?1",
