@@ -1592,4 +1592,21 @@ mod tests {
             .expect("rows");
         assert_eq!(per_launch, ["first", "first", "second", "second"]);
     }
+
+    /// `--job` alone means the latest session's job; after the file, so
+    /// that the file is not taken for a job's name.
+    #[test]
+    fn job_takes_an_optional_name() {
+        #[derive(clap::Parser)]
+        struct Cmd {
+            #[command(flatten)]
+            a: ReportArgs,
+        }
+        let parse = |args: &[&str]| <Cmd as clap::Parser>::try_parse_from(args).expect("parses").a;
+        let a = parse(&["report", "p.db", "--job"]);
+        assert_eq!((a.db, a.job.as_deref()), (PathBuf::from("p.db"), Some("")));
+        assert_eq!(parse(&["report", "p.db", "--job", "j1", "--format", "json"]).job.as_deref(), Some("j1"));
+        assert_eq!(parse(&["report", "p.db"]).job, None);
+    }
+
 }
