@@ -1608,5 +1608,4 @@ mod tests {
         assert_eq!(parse(&["report", "p.db", "--job", "j1", "--format", "json"]).job.as_deref(), Some("j1"));
         assert_eq!(parse(&["report", "p.db"]).job, None);
     }
-
 }
