@@ -38,6 +38,8 @@ pub enum RecordKind {
     RegionEnter = 9,
     /// A [`RegionRecord`] with no name: a `record_function` region ended .
     RegionExit = 10,
+    /// A [`CollectiveRecord`]: an NCCL call returned (written at its return).
+    Collective = 11,
 }
 
 impl RecordKind {
@@ -53,6 +55,7 @@ impl RecordKind {
             8 => Some(Self::ThreadExit),
             9 => Some(Self::RegionEnter),
             10 => Some(Self::RegionExit),
+            11 => Some(Self::Collective),
             _ => None,
         }
     }
@@ -665,4 +668,112 @@ pub mod torch_programs {
     /// length, capacity, reference count). Cookie 0: the C++11 `std::string`
     /// (characters pointer at +0, length at +8).
     pub const ENTER_COW_STRING: u64 = 1;
+}
+
+/// The NCCL entry points that are probed (`libnccl.so.2`): the attach cookie
+/// of the collective programs, and [`CollectiveRecord::op`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CollectiveOp {
+    AllReduce = 1,
+    ReduceScatter = 2,
+    AllGather = 3,
+    Broadcast = 4,
+    Reduce = 5,
+    Send = 6,
+    Recv = 7,
+    GroupStart = 8,
+    GroupEnd = 9,
+}
+
+impl CollectiveOp {
+    pub const ALL: [CollectiveOp; 9] = [
+        Self::AllReduce,
+        Self::ReduceScatter,
+        Self::AllGather,
+        Self::Broadcast,
+        Self::Reduce,
+        Self::Send,
+        Self::Recv,
+        Self::GroupStart,
+        Self::GroupEnd,
+    ];
+
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Self::ALL.iter().copied().find(|o| *o as u32 == v)
+    }
+
+    /// The exported symbol name.
+    pub fn symbol(self) -> &'static str {
+        match self {
+            Self::AllReduce => "ncclAllReduce",
+            Self::ReduceScatter => "ncclReduceScatter",
+            Self::AllGather => "ncclAllGather",
+            Self::Broadcast => "ncclBroadcast",
+            Self::Reduce => "ncclReduce",
+            Self::Send => "ncclSend",
+            Self::Recv => "ncclRecv",
+            Self::GroupStart => "ncclGroupStart",
+            Self::GroupEnd => "ncclGroupEnd",
+        }
+    }
+
+    /// The name stored in `collectives.op`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::AllReduce => "all_reduce",
+            Self::ReduceScatter => "reduce_scatter",
+            Self::AllGather => "all_gather",
+            Self::Broadcast => "broadcast",
+            Self::Reduce => "reduce",
+            Self::Send => "send",
+            Self::Recv => "recv",
+            Self::GroupStart => "group_start",
+            Self::GroupEnd => "group_end",
+        }
+    }
+}
+
+/// [`CollectiveRecord::peer`] when the call has no peer or root.
+pub const NO_PEER: i32 = -1;
+
+/// One NCCL call, written at its return to the ordered ring with the thread's
+/// sequence (so that it lands in the step its thread was in). The entry
+/// keeps the arguments per thread; `header.ts_ns` is the return's time.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(feature = "user", derive(FromBytes, IntoBytes, KnownLayout, Immutable))]
+pub struct CollectiveRecord {
+    pub header: RecordHeader,
+    /// As [`OrderedRecord::seq`] / [`OrderedRecord::depth`].
+    pub seq: u32,
+    pub depth: u32,
+    /// `bpf_ktime_get_ns()` at the entry.
+    pub start_ns: u64,
+    /// Elements (`count`, `recvcount`, `sendcount`); 0 for the group calls.
+    pub count: u64,
+    /// `ncclComm_t` (0 for the group calls).
+    pub comm: u64,
+    /// `cudaStream_t` (0 for the group calls).
+    pub stream: u64,
+    /// Launches this thread had made at the return.
+    pub thread_launches: u64,
+    /// A [`CollectiveOp`] as `u32`.
+    pub op: u32,
+    /// `ncclDataType_t` as passed (u32::MAX for the group calls).
+    pub datatype: u32,
+    /// The peer of send/recv, the root of broadcast/reduce, else [`NO_PEER`].
+    pub peer: i32,
+    /// The `ncclResult_t` returned (0: ncclSuccess).
+    pub result: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<CollectiveRecord>() == 80);
+
+/// Names of the collective programs.
+pub mod nccl_programs {
+    /// Uprobe at an NCCL entry point (cookie: its `CollectiveOp` id): keeps the arguments.
+    pub const ENTER: &str = "nccl_enter";
+    /// Uretprobe on the same: writes the `CollectiveRecord`.
+    pub const EXIT: &str = "nccl_exit";
 }

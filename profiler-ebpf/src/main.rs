@@ -26,6 +26,7 @@
 #![no_main]
 
 mod frame_hook;
+mod nccl;
 mod python;
 mod torch;
 
@@ -916,6 +917,7 @@ pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
     }
     let _ = NAME_PENDING.remove(tid);
     torch::forget_thread(tid);
+    nccl::forget_thread(tid);
     let index = slot_index(tid);
     let Some(slot) = THREAD_SLOTS.get_ptr_mut(index) else { return 0 };
     // SAFETY: a valid array element.

@@ -5,7 +5,8 @@ use std::collections::VecDeque;
 use zerocopy::FromBytes;
 
 use profiler_common::{
-    KernelNameRecord, LaunchApi, LaunchRecord, OrderedRecord, REGION_NAME_CAP, RecordHeader, RecordKind, RegionRecord,
+    CollectiveOp, CollectiveRecord, KernelNameRecord, LaunchApi, LaunchRecord, OrderedRecord, REGION_NAME_CAP,
+    RecordHeader, RecordKind, RegionRecord,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,6 +54,62 @@ pub enum Event {
     RegionEnter(RegionEvent),
     /// A region ended (`name` empty).
     RegionExit(RegionEvent),
+    /// An NCCL call returned.
+    Collective(CollectiveEvent),
+}
+
+/// One NCCL call (see `profiler_common::CollectiveRecord`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CollectiveEvent {
+    /// The return's time (the record's place in its thread's order).
+    pub ts_ns: u64,
+    pub tid: u32,
+    pub op: CollectiveOp,
+    pub start_ns: u64,
+    pub count: u64,
+    /// `ncclDataType_t` as passed (u32::MAX for the group calls).
+    pub datatype: u32,
+    /// Peer of send/recv, root of broadcast/reduce.
+    pub peer: Option<i32>,
+    pub comm: u64,
+    pub stream: u64,
+    pub thread_launches: u64,
+    pub seq: u32,
+    pub depth: u32,
+}
+
+impl CollectiveEvent {
+    /// The fields the step tracker's sequence check reads.
+    pub fn as_ordered_event(&self) -> OrderedEvent {
+        OrderedEvent {
+            ts_ns: self.ts_ns,
+            tid: self.tid,
+            probe: u32::MAX,
+            thread_launches: self.thread_launches,
+            seq: self.seq,
+            depth: self.depth,
+        }
+    }
+}
+
+/// Decodes a collective record.
+fn collective(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> {
+    let r: CollectiveRecord = exact(bytes, header.kind)?;
+    let op = CollectiveOp::from_u32(r.op).ok_or(DecodeError::Api(r.op))?;
+    Ok(Event::Collective(CollectiveEvent {
+        ts_ns: header.ts_ns,
+        tid: header.tid,
+        op,
+        start_ns: r.start_ns,
+        count: r.count,
+        datatype: r.datatype,
+        peer: (r.peer != profiler_common::NO_PEER).then_some(r.peer),
+        comm: r.comm,
+        stream: r.stream,
+        thread_launches: r.thread_launches,
+        seq: r.seq,
+        depth: r.depth,
+    }))
 }
 
 /// An ordered record of a `record_function` region.
@@ -126,6 +183,7 @@ impl Event {
             Self::KernelName(k) => k.ts_ns,
             Self::LoaderChange { ts_ns } => *ts_ns,
             Self::RegionEnter(r) | Self::RegionExit(r) => r.ts_ns,
+            Self::Collective(c) => c.ts_ns,
         }
     }
 }
@@ -222,6 +280,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             Ok(Event::LoaderChange { ts_ns: header.ts_ns })
         }
         Some(RecordKind::RegionEnter | RecordKind::RegionExit) => region(bytes, header),
+        Some(RecordKind::Collective) => collective(bytes, header),
         None => Err(DecodeError::Kind(header.kind)),
     }
 }
@@ -259,6 +318,7 @@ impl OrderedQueue {
             | Event::SyncExit(e)
             | Event::ThreadExit(e) => e.tid,
             Event::RegionEnter(r) | Event::RegionExit(r) => r.tid,
+            Event::Collective(c) => c.tid,
             _ => return out.push(event),
         };
         if self.held.is_empty() {

@@ -142,6 +142,7 @@ fn fixtures() -> Result<()> {
     so("libcuda.so.1", "fake_cuda.c", &[])?;
     so("libcudart.so.12", "fake_cudart.c", &["-ldl"])?;
     so("libnvidia-ml.so.1", "fake_nvml.c", &[])?;
+    so("libnccl.so.2", "fake_nccl.c", &[])?;
     // A stand-in driver whose entry points have the genuine library's shapes
     // (RIP-relative compare, conditional jump, indirect jump; push prologues):
     // probe placement moves its probes.
@@ -152,6 +153,7 @@ fn fixtures() -> Result<()> {
     gcc(&["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", &out("halfway/libcuda.so.1"), "halfway_cuda.S"])?;
     gcc(&[&common[..], &["-rdynamic", "-o", &out("trainer"), "trainer.c", "-ldl", "-lpthread"]].concat())?;
     gcc(&[&common[..], &["-o", &out("genuine_launch"), "genuine_launch.c", "-ldl"]].concat())?;
+    gcc(&[&common[..], &["-rdynamic", "-o", &out("nccl_trainer"), "nccl_trainer.c", "-ldl"]].concat())?;
     // A copy of the stand-in driver in a directory nobody's search path names:
     // found only by watching the target's maps.
     std::fs::create_dir_all(dir.join("hidden"))?;

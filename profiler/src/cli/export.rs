@@ -20,6 +20,8 @@ use serde::{Serialize, Serializer, ser::SerializeMap};
 
 use super::report::{ProfileDb, kernel_display, kernel_names, reader_went_away};
 
+mod job;
+
 #[derive(Args, Debug)]
 pub struct ExportArgs {
     /// The profile to read.
@@ -37,6 +39,10 @@ pub struct ExportArgs {
     /// where it has a session_id column).
     #[arg(long, value_name = "T")]
     table: Option<String>,
+    /// Every process of a job (default: the latest session's job) in one
+    /// Perfetto trace, each on its own process track named by its rank.
+    #[arg(long, value_name = "JOB", num_args = 0..=1, default_missing_value = "", conflicts_with_all = ["session", "table"])]
+    job: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -48,6 +54,7 @@ enum ExportFormat {
 pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
     let db = ProfileDb::open(&args.db)?;
     let session = db.session(args.session)?;
+    let job = args.job.as_deref().map(|j| super::report_job::resolve_job(&db, j)).transpose()?;
     let table = match (args.format, &args.table) {
         (ExportFormat::Csv, None) => {
             bail!("--format csv needs --table T (one of: {})", db.tables().collect::<Vec<_>>().join(", "))
@@ -76,13 +83,19 @@ pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
             out.flush()?;
             Ok(format!("{rows} rows of {t} (session {session})"))
         }),
-        None => export_perfetto(&db, session, &mut out).and_then(|c| {
+        None => {
+            let (counts, what) = match &job {
+                Some(j) => (job::export_job_perfetto(&db, j, &mut out), format!("job {j}")),
+                None => (export_perfetto(&db, session, &mut out), format!("session {session}")),
+            };
+            counts.and_then(|c| {
             out.flush()?;
             Ok(format!(
-                "{} events ({} steps, {} regions, {} launches, {} syncs, {} counter values) of session {session}",
-                c.total, c.steps, c.regions, c.launches, c.syncs, c.counters
+                "{} events ({} steps, {} regions, {} launches, {} syncs, {} NCCL calls, {} counter values) of {what}",
+                c.total, c.steps, c.regions, c.launches, c.syncs, c.collectives, c.counters
             ))
-        }),
+        })
+        }
     };
     match (written, to_file) {
         (Err(e), None) if reader_went_away(&e) => {}
@@ -104,6 +117,7 @@ pub struct EventCounts {
     pub syncs: u64,
     pub counters: u64,
     pub regions: u64,
+    pub collectives: u64,
 }
 
 /// One trace event. Field names are the trace-event format's.
@@ -307,24 +321,76 @@ struct OtherData<'a> {
 }
 
 /// Writes the Perfetto trace of `session`: process and thread names, steps as
-/// slices on their thread's track, launches as instants, syncs as slices,
-/// and counter tracks for each GPU and for CPU/DRAM power. Timestamps are µs
-/// since the session started.
+/// slices on their thread's track, launches as instants, syncs and NCCL calls
+/// as slices, and counter tracks for each GPU and for CPU/DRAM power.
+/// Timestamps are µs since the session started.
 pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow::Result<EventCounts> {
-    let (pid, command, exe, started_ns, unix_s): (i64, String, Option<String>, i64, f64) = db.conn.query_row(
-        "SELECT pid, command, exe, started_ns, (started_ns + unix_offset_ns) / 1e9 FROM sessions WHERE id = ?1",
-        [session],
-        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
-    )?;
-    let t = Timeline { pid, started_ns };
+    let s = TracedProcess::read(db, session)?;
     let mut w = TraceWriter::new(out)?;
-    let mut counts = EventCounts::default();
+    let mut counts = write_session(db, &s, Timeline { pid: s.pid, started_ns: s.started_ns }, &mut w)?;
+    counts.total = w.events;
+    let mut out = w.finish(&OtherData {
+        profiler_session: session,
+        command: &s.command,
+        started_unix_s: (s.started_ns + s.unix_offset_ns) as f64 / 1e9,
+        timestamps: "µs since the session started",
+    })?;
+    out.flush()?;
+    Ok(counts)
+}
 
+/// What a session's process tracks are named after.
+struct TracedProcess {
+    session: i64,
+    pid: i64,
+    command: String,
+    exe: Option<String>,
+    started_ns: i64,
+    unix_offset_ns: i64,
+    /// `RANK` of a process of a multi-process job.
+    rank: Option<i64>,
+}
+
+impl TracedProcess {
+    fn read(db: &ProfileDb, session: i64) -> rusqlite::Result<Self> {
+        db.conn.query_row(
+            "SELECT pid, command, exe, started_ns, unix_offset_ns, rank FROM sessions WHERE id = ?1",
+            [session],
+            |r| {
+                Ok(Self {
+                    session,
+                    pid: r.get(0)?,
+                    command: r.get(1)?,
+                    exe: r.get(2)?,
+                    started_ns: r.get(3)?,
+                    unix_offset_ns: r.get(4)?,
+                    rank: r.get(5)?,
+                })
+            },
+        )
+    }
+}
+
+/// One session's events on its process's tracks (named by its rank, when it
+/// has one), timed by `t`.
+fn write_session<W: Write>(
+    db: &ProfileDb,
+    s: &TracedProcess,
+    t: Timeline,
+    w: &mut TraceWriter<W>,
+) -> anyhow::Result<EventCounts> {
+    let (session, pid) = (s.session, s.pid);
+    let mut counts = EventCounts::default();
     // Track names.
-    let program = program_name(exe.as_deref(), &command);
-    w.event(&t.meta("process_name", pid, &format!("{program} (pid {pid})")))?;
+    let program = program_name(s.exe.as_deref(), &s.command);
+    let process = match s.rank {
+        Some(rank) => format!("rank {rank}: {program} (pid {pid})"),
+        None => format!("{program} (pid {pid})"),
+    };
+    w.event(&t.meta("process_name", pid, &process))?;
     let tid_sql = "SELECT tid FROM steps WHERE session_id = ?1 UNION SELECT tid FROM launches WHERE session_id = ?1
-                   UNION SELECT tid FROM syncs WHERE session_id = ?1 UNION SELECT tid FROM regions WHERE session_id = ?1";
+                   UNION SELECT tid FROM syncs WHERE session_id = ?1 UNION SELECT tid FROM regions WHERE session_id = ?1
+                   UNION SELECT tid FROM collectives WHERE session_id = ?1";
     {
         let mut q = db.conn.prepare(tid_sql)?;
         let mut rows = q.query([session])?;
@@ -335,25 +401,17 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
         }
     }
 
-    let steps = write_steps(db, session, t, &mut w)?;
+    let steps = write_steps(db, session, t, w)?;
     counts.steps = steps.values().map(|v| v.len() as u64).sum();
-    counts.regions = write_regions(db, session, t, &steps, &mut w)?;
+    counts.regions = write_regions(db, session, t, &steps, w)?;
 
-    // Host sync waits: inside the step that waited, on the same thread. A
-    // sync is stored once it returned, so each has an end.
-    counts.syncs = write_syncs(db, session, t, &mut w)?;
+    // Host sync waits and NCCL calls: inside the step that made them, on the
+    // same thread. Each is stored once it returned, so each has an end.
+    counts.syncs = write_syncs(db, session, t, w)?;
+    counts.collectives = job::write_collectives(db, session, t, w)?;
 
-    counts.launches = write_launches(db, session, t, &mut w)?;
-    counts.counters = write_counters(db, session, t, &mut w)?;
-
-    counts.total = w.events;
-    let mut out = w.finish(&OtherData {
-        profiler_session: session,
-        command: &command,
-        started_unix_s: unix_s,
-        timestamps: "µs since the session started",
-    })?;
-    out.flush()?;
+    counts.launches = write_launches(db, session, t, w)?;
+    counts.counters = write_counters(db, session, t, w)?;
     Ok(counts)
 }
 

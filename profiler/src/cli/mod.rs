@@ -5,6 +5,7 @@ mod bare_probe;
 mod doctor;
 mod export;
 mod report;
+mod report_job;
 mod run;
 
 use std::{io::IsTerminal, path::PathBuf, process::ExitCode, time::Duration};

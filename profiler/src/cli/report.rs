@@ -52,10 +52,14 @@ pub struct ReportArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = ReportFormat::Table)]
     format: ReportFormat,
+    /// The ranks of a job side by side (default: the latest session's job):
+    /// per step the slowest and fastest rank, the spread, each rank's wait share.
+    #[arg(long, value_name = "JOB", num_args = 0..=1, default_missing_value = "")]
+    job: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum ReportFormat {
+pub(super) enum ReportFormat {
     Table,
     Json,
     Csv,
@@ -63,19 +67,35 @@ enum ReportFormat {
 
 pub async fn main(args: ReportArgs) -> anyhow::Result<ExitCode> {
     let db = ProfileDb::open(&args.db)?;
+    if let Some(job) = &args.job {
+        return super::report_job::main(&db, job, args.label.as_deref(), args.skip, args.format);
+    }
     let session = db.session(args.session)?;
     let report = build(&db, session, args.label.as_deref(), args.skip)
         .with_context(|| format!("reading session {session} of {}", args.db.display()))?;
-    let stdout = std::io::stdout();
-    let mut out = std::io::BufWriter::new(stdout.lock());
+    print(&report, args.format, render_table, write_csv)
+}
+
+/// Standard output, buffered, as the reports write it.
+pub(super) type Stdout = std::io::BufWriter<std::io::StdoutLock<'static>>;
+
+/// Prints `report` in `format`: `table` renders it, JSON is its
+/// serialisation, `csv` writes its rows. A reader that closed the pipe is not an error.
+pub(super) fn print<R: Serialize>(
+    report: &R,
+    format: ReportFormat,
+    table: impl FnOnce(&R) -> String,
+    csv: impl FnOnce(&R, &mut Stdout) -> anyhow::Result<()>,
+) -> anyhow::Result<ExitCode> {
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     let written = (|| -> anyhow::Result<()> {
-        match args.format {
-            ReportFormat::Table => out.write_all(render_table(&report).as_bytes())?,
+        match format {
+            ReportFormat::Table => out.write_all(table(report).as_bytes())?,
             ReportFormat::Json => {
-                serde_json::to_writer_pretty(&mut out, &report)?;
+                serde_json::to_writer_pretty(&mut out, report)?;
                 out.write_all(b"\n")?;
             }
-            ReportFormat::Csv => write_csv(&report, &mut out)?,
+            ReportFormat::Csv => csv(report, &mut out)?,
         }
         out.flush()?;
         Ok(())
@@ -1571,5 +1591,21 @@ mod tests {
             .collect::<rusqlite::Result<_>>()
             .expect("rows");
         assert_eq!(per_launch, ["first", "first", "second", "second"]);
+    }
+
+    /// `--job` alone means the latest session's job; after the file, so
+    /// that the file is not taken for a job's name.
+    #[test]
+    fn job_takes_an_optional_name() {
+        #[derive(clap::Parser)]
+        struct Cmd {
+            #[command(flatten)]
+            a: ReportArgs,
+        }
+        let parse = |args: &[&str]| <Cmd as clap::Parser>::try_parse_from(args).expect("parses").a;
+        let a = parse(&["report", "p.db", "--job"]);
+        assert_eq!((a.db, a.job.as_deref()), (PathBuf::from("p.db"), Some("")));
+        assert_eq!(parse(&["report", "p.db", "--job", "j1", "--format", "json"]).job.as_deref(), Some("j1"));
+        assert_eq!(parse(&["report", "p.db"]).job, None);
     }
 }

@@ -5,6 +5,7 @@ pub mod cpython;
 pub mod elf;
 pub mod frame_hook;
 pub mod maps;
+pub mod nccl;
 pub mod placement;
 pub mod python_any;
 pub mod step_symbol;
@@ -534,6 +535,7 @@ fn program_names() -> impl Iterator<Item = &'static str> {
             programs::BARE,
         ])
         .chain(torch::programs())
+        .chain(nccl::programs())
 }
 
 /// Maps a file read-only (libraries can be a gigabyte; callers touch only

@@ -1,5 +1,6 @@
 //! The consumer: drains the ring buffers, decodes the records, tracks steps, attributes launches and
 //! sync waits to the step their thread is in, and hands the rows to the store's writer in batches.
+mod collectives;
 mod regions;
 
 use std::collections::HashMap;
@@ -54,6 +55,8 @@ pub(super) struct Consumer {
     regions: regions::RegionState,
     /// `--prometheus`/`--otlp`: this session's live series, updated per batch.
     pub live: Option<crate::metrics::SessionMetrics>,
+    /// NCCL calls not yet sent.
+    collectives: Vec<crate::store::CollectiveRow>,
 }
 
 /// What the consumer counted, for the summary line, once it is closed.
@@ -88,6 +91,7 @@ impl Consumer {
             incomplete_steps: Vec::new(),
             regions: regions::RegionState::new(sources),
             live: None,
+            collectives: Vec::new(),
         }
     }
 
@@ -169,6 +173,7 @@ impl Consumer {
             Ok(Event::KernelName(k)) => self.kernels.named(k),
             Ok(Event::RegionEnter(r)) => self.region_event(r, true),
             Ok(Event::RegionExit(r)) => self.region_event(r, false),
+            Ok(Event::Collective(c)) => self.collective(&c),
             Ok(Event::SyncEnter(e)) => {
                 self.sequence(&e, DepthChange::None);
                 let step = self.tracker.current_step(e.tid);
@@ -316,6 +321,7 @@ impl Consumer {
             self.writer.send(StoreMsg::Kernels(kernels));
         }
         self.flush_regions();
+        self.flush_collectives();
     }
 
     /// (steps stored as incomplete so far, step ends seen without a start),

@@ -16,6 +16,7 @@ mod config;
 mod consumer;
 mod event_loop;
 mod kernels;
+mod nccl;
 mod setup;
 mod status;
 mod symbolizer;

@@ -6,7 +6,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{consumer::Consumer, torch::TorchWatch};
+use super::{consumer::Consumer, nccl::NcclWatch, torch::TorchWatch};
 use crate::{
     clock,
     probes::{
@@ -30,11 +30,20 @@ pub(super) struct LibraryWatcher {
     failed: HashMap<PathBuf, Instant>,
     /// PyTorch's `libtorch_cpu.so`, probed for its `record_function` regions.
     torch: TorchWatch,
+    /// NCCL's `libnccl.so.2`, probed for its collectives.
+    nccl: NcclWatch,
 }
 
 impl LibraryWatcher {
     pub fn new(pid: u32, torch: TorchWatch) -> Self {
-        Self { pid, seen: HashSet::new(), loader_hooked: false, failed: HashMap::new(), torch }
+        Self {
+            pid,
+            seen: HashSet::new(),
+            loader_hooked: false,
+            failed: HashMap::new(),
+            torch,
+            nccl: NcclWatch::default(),
+        }
     }
 
     /// Probes new CUDA libraries (their rows say `how` they were found), and
@@ -93,6 +102,7 @@ impl LibraryWatcher {
             }
         }
         self.torch.scan(self.pid, probes, &maps, rows, quiet, how);
+        self.nccl.scan(self.pid, probes, &maps, rows, quiet, how);
         Some(maps)
     }
 

@@ -38,6 +38,10 @@ pub(super) fn finish_session(
             }
         }
     }
+    // One statement: it fails whole, losing those figures, not the session.
+    if let Err(e) = super::collectives::write_step_collectives(&tx, session_id) {
+        stats.first_error.get_or_insert_with(|| format!("computing per-step collective figures: {e}"));
+    }
     tx.execute(
         "UPDATE sessions SET ended_ns = ?2, end_reason = ?3, lost_events = ?4, total_launches = ?5,
                              stored_launches = ?6, unmatched_returns = ?7 WHERE id = ?1",

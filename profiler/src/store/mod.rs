@@ -3,6 +3,7 @@
 //! ([`rows`]), the batched writer thread ([`writer`]) and the session's last
 //! transaction, where per-step figures are derived ([`finish`]); and the one
 //! way readers open a profile ([`open_for_reading`]).
+mod collectives;
 mod finish;
 pub mod rows;
 mod schema;
@@ -16,9 +17,10 @@ use std::{
 use rusqlite::{Connection, DatabaseName, OpenFlags, backup::Backup, params};
 
 pub use self::{
+    collectives::NCCL_KIND,
     rows::{
-        AtFinish, Capability, GpuRow, GpuSampleRow, KernelRow, LaunchRow, Losses, ProbedFileRow, RaplSampleRow,
-        RegionRow, SessionEnd, SessionStart, StepPhases, StepRow, SyncRow, SystemSampleRow,
+        AtFinish, Capability, CollectiveRow, GpuRow, GpuSampleRow, KernelRow, LaunchRow, Losses, ProbedFileRow,
+        RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepPhases, StepRow, SyncRow, SystemSampleRow,
     },
     schema::{SCHEMA_VERSION, quoted},
     writer::{RowSender, StoreMsg, StoreWriter},

@@ -101,6 +101,27 @@ pub struct RegionRow {
     pub step: Option<(&'static str, u64)>,
 }
 
+/// One NCCL call (a `collectives` row); None where the call has no such argument.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CollectiveRow {
+    pub tid: u32,
+    /// `all_reduce`, `send`, `group_start`, … (`CollectiveOp::as_str`).
+    pub op: &'static str,
+    pub count: Option<u64>,
+    /// NCCL's name of the datatype, or its number when NCCL defines none.
+    pub datatype: Option<String>,
+    /// count × element size; None when the datatype is unknown.
+    pub bytes: Option<u64>,
+    pub peer: Option<i32>,
+    pub comm: Option<u64>,
+    pub stream: Option<u64>,
+    /// Host time in the call.
+    pub start_ns: u64,
+    pub end_ns: u64,
+    /// The step its thread was in: (label, step).
+    pub step: Option<(&'static str, u64)>,
+}
+
 /// A file the profiler probed (a CUDA library, a step function's object,
 /// the dynamic loader) and the probes it placed there.
 #[derive(Clone, Debug)]

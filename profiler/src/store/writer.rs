@@ -28,6 +28,8 @@ pub enum StoreMsg {
     Syncs(Vec<SyncRow>),
     /// PyTorch `record_function` regions.
     Regions(Vec<RegionRow>),
+    /// NCCL calls.
+    Collectives(Vec<super::CollectiveRow>),
     Kernels(Vec<KernelRow>),
     ProbedFile(ProbedFileRow),
     /// The sampled GPUs, once at the start.
@@ -134,6 +136,7 @@ fn write_msg(tx: &Transaction<'_>, session_id: i64, msg: &StoreMsg) -> rusqlite:
         StoreMsg::Kernels(rows) => write_kernels(tx, session_id, rows),
         StoreMsg::Syncs(rows) => write_syncs(tx, session_id, rows),
         StoreMsg::Regions(rows) => write_regions(tx, session_id, rows),
+        StoreMsg::Collectives(rows) => super::collectives::write_collectives(tx, session_id, rows),
         StoreMsg::Capability(c) => tx
             .execute(
                 "INSERT OR IGNORE INTO capabilities(session_id, source, metric, available, reason)
@@ -353,6 +356,7 @@ fn rows_in(msgs: &[StoreMsg]) -> u64 {
             StoreMsg::Steps(r) => r.len() as u64,
             StoreMsg::Syncs(r) => r.len() as u64,
             StoreMsg::Regions(r) => r.len() as u64,
+            StoreMsg::Collectives(r) => r.len() as u64,
             StoreMsg::Kernels(r) => r.len() as u64,
             StoreMsg::Gpus(r) => r.len() as u64,
             StoreMsg::GpusUsedByTarget(r) => r.len() as u64,
