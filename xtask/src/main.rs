@@ -150,6 +150,11 @@ fn fixtures() -> Result<()> {
     gcc(&["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", &out("halfway/libcuda.so.1"), "halfway_cuda.S"])?;
     gcc(&[&common[..], &["-rdynamic", "-o", &out("trainer"), "trainer.c", "-ldl", "-lpthread"]].concat())?;
     gcc(&[&common[..], &["-o", &out("genuine_launch"), "genuine_launch.c", "-ldl"]].concat())?;
+    // cuBLAS and cuBLASLt stand-ins (cuBLAS calls cuBLASLt, found next to it) and their trainer.
+    so("libcublasLt.so.13", "fake_cublasLt.c", &[])?;
+    let lt_dir = format!("-L{}", dir.display());
+    so("libcublas.so.13", "fake_cublas.c", &[&lt_dir, "-l:libcublasLt.so.13", "-Wl,-rpath,$ORIGIN"])?;
+    gcc(&[&common[..], &["-rdynamic", "-o", &out("gemm_trainer"), "gemm_trainer.c", "-ldl"]].concat())?;
     // A copy of the stand-in driver in a directory nobody's search path names:
     // found only by watching the target's maps.
     std::fs::create_dir_all(dir.join("hidden"))?;

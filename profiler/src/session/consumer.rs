@@ -1,5 +1,6 @@
 //! The consumer: drains the ring buffers, decodes the records, tracks steps, attributes launches and
 //! sync waits to the step their thread is in, and hands the rows to the store's writer in batches.
+mod blas;
 mod regions;
 
 use std::collections::HashMap;
@@ -52,6 +53,8 @@ pub(super) struct Consumer {
     incomplete_steps: Vec<(&'static str, u64)>,
     /// PyTorch `record_function` regions in flight and rows not yet sent.
     regions: regions::RegionState,
+    /// cuBLAS/cuBLASLt descriptors, GEMM rows not yet sent and per-step sums.
+    gemms: blas::GemmState,
 }
 
 /// What the consumer counted, for the summary line, once it is closed.
@@ -85,6 +88,7 @@ impl Consumer {
             released: Vec::new(),
             incomplete_steps: Vec::new(),
             regions: regions::RegionState::new(sources),
+            gemms: blas::GemmState::default(),
         }
     }
 
@@ -108,8 +112,10 @@ impl Consumer {
                 }
             }
             for event in chunk.drain(..) {
-                if let Ok(Event::Launch(l)) = &event {
-                    self.step_queue.before_launch(l.tid, l.ts_ns, &mut steps);
+                match &event {
+                    Ok(Event::Launch(l)) => self.step_queue.before_launch(l.tid, l.ts_ns, &mut steps),
+                    Ok(Event::Blas(b)) => self.step_queue.before_launch(b.tid, b.ts_ns, &mut steps),
+                    _ => {}
                 }
                 for s in steps.drain(..) {
                     self.take(Ok(s));
@@ -166,6 +172,7 @@ impl Consumer {
             Ok(Event::KernelName(k)) => self.kernels.named(k),
             Ok(Event::RegionEnter(r)) => self.region_event(r, true),
             Ok(Event::RegionExit(r)) => self.region_event(r, false),
+            Ok(Event::Blas(b)) => self.blas(&b),
             Ok(Event::SyncEnter(e)) => {
                 self.sequence(&e, DepthChange::None);
                 let step = self.tracker.current_step(e.tid);
@@ -310,6 +317,7 @@ impl Consumer {
             self.writer.send(StoreMsg::Kernels(kernels));
         }
         self.flush_regions();
+        self.flush_gemms();
     }
 
     /// (steps stored as incomplete so far, step ends seen without a start),
@@ -336,6 +344,8 @@ impl Consumer {
         }
         self.finish_regions();
         self.flush();
+        // After the last step row: the sums update them.
+        self.finish_gemms();
         let totals = ConsumerTotals {
             completed_steps: self.completed_steps,
             step_ns_total: self.step_ns_total,

@@ -280,6 +280,7 @@ fn run_traced(args: &[&str], specs: &[&str]) -> Traced {
             | Event::ThreadExit(_)
             | Event::RegionEnter(_)
             | Event::RegionExit(_)
+            | Event::Blas(_)
             | Event::LoaderChange { .. } => {}
         }
     }
