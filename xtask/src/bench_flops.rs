@@ -20,15 +20,24 @@ use crate::{fixtures_dir, profiler_bin, say};
 const CALLS: u64 = 50_000;
 const REPEATS: usize = 3;
 
-/// (trainer's name, row label, probe hits per GEMM).
-const OPS: [(&str, &str, u32); 3] = [
-    ("sgemm", "cublasSgemm_v2", 1),
-    ("strided", "cublasGemmStridedBatchedEx", 1),
-    ("lt", "cublasLtMatmul with its descriptors", 14),
+/// (trainer's name, row label, probe hits per GEMM, the symbol a bare probe goes on).
+const OPS: [(&str, &str, u32, Option<&str>); 3] = [
+    ("sgemm", "cublasSgemm_v2", 1, Some("cublasSgemm_v2")),
+    ("strided", "cublasGemmStridedBatchedEx", 1, Some("cublasGemmStridedBatchedEx")),
+    ("lt", "cublasLtMatmul with its descriptors", 14, None),
 ];
 
-/// ns per GEMM of one run, traced by the profiler when `traced`.
-fn run_once(op: &str, traced: bool, work: &Path) -> Result<f64> {
+/// What watches the trainer in a run.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Untraced,
+    /// An empty program where the profiler puts its probe on the GEMM: the floor.
+    Bare,
+    Profiler,
+}
+
+/// ns per GEMM of one run.
+fn run_once(op: &str, symbol: &str, mode: Mode, work: &Path) -> Result<f64> {
     let (truth, go, db) = (work.join("gemm_truth.txt"), work.join("gemm_go"), work.join("gemm_bench.db"));
     for p in [&truth, &go, &db] {
         let _ = std::fs::remove_file(p);
@@ -41,9 +50,23 @@ fn run_once(op: &str, traced: bool, work: &Path) -> Result<f64> {
         .env("LD_LIBRARY_PATH", fixtures_dir())
         .spawn()
         .context("start the GEMM trainer")?;
-    let agent = if traced {
+    let pid = trainer.id().to_string();
+    let bare = if mode == Mode::Bare {
         let mut c = Command::new(profiler_bin())
-            .args(["attach", &trainer.id().to_string(), "--no-gpu", "--step-symbol", "train_step", "-o"])
+            .args(["bare-probe", &pid])
+            .arg(fixtures_dir().join("libcublas.so.13"))
+            .args([symbol, "--placed"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("start the bare probe")?;
+        crate::bench::wait_for_line(c.stdout.take().context("stdout")?, "attached")?;
+        Some(c)
+    } else {
+        None
+    };
+    let agent = if mode == Mode::Profiler {
+        let mut c = Command::new(profiler_bin())
+            .args(["attach", &pid, "--no-gpu", "--step-symbol", "train_step", "-o"])
             .arg(&db)
             .stderr(Stdio::piped())
             .spawn()
@@ -62,6 +85,11 @@ fn run_once(op: &str, traced: bool, work: &Path) -> Result<f64> {
         // A profiler that failed would make the traced row a lie.
         crate::bench::wait_rusage(&a)?;
     }
+    if let Some(mut b) = bare {
+        // It waits for a signal; its probe goes with it.
+        b.kill()?;
+        b.wait()?;
+    }
     let text = std::fs::read_to_string(&truth).with_context(|| format!("read {}", truth.display()))?;
     let line = text.lines().find_map(|l| l.strip_prefix("bench ")).context("no 'bench' line in the truth")?;
     let words: Vec<&str> = line.split_whitespace().collect();
@@ -77,19 +105,32 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Prints untraced vs traced ns per GEMM call.
 pub fn flops_table(work: &Path) -> Result<()> {
     let mut rows = Vec::new();
-    for (op, label, hits) in OPS {
-        say(format!("bench: GEMM calls: {label} ({REPEATS} runs of {CALLS}, untraced and traced)"));
-        let untraced = median((0..REPEATS).map(|_| run_once(op, false, work)).collect::<Result<_>>()?);
-        let traced = median((0..REPEATS).map(|_| run_once(op, true, work)).collect::<Result<_>>()?);
-        rows.push((label, hits, untraced, traced));
+    for (op, label, hits, bare_symbol) in OPS {
+        say(format!("bench: GEMM calls: {label} ({REPEATS} runs of {CALLS}: untraced, bare uprobe, profiler)"));
+        let runs = |mode| -> Result<f64> {
+            Ok(median(
+                (0..REPEATS).map(|_| run_once(op, bare_symbol.unwrap_or(label), mode, work)).collect::<Result<_>>()?,
+            ))
+        };
+        let untraced = runs(Mode::Untraced)?;
+        let bare = bare_symbol.map(|_| runs(Mode::Bare)).transpose()?;
+        let traced = runs(Mode::Profiler)?;
+        rows.push((label, hits, untraced, bare, traced));
     }
     println!();
-    println!("Host cost per traced GEMM call ({CALLS} calls on the stand-ins, median of {REPEATS})");
-    println!("| {:<36} | {:>6} | {:>10} | {:>10} | {:>10} |", "GEMM", "probes", "untraced", "traced", "added ns");
-    println!("|{:-<38}|{:->8}|{:->12}|{:->12}|{:->12}|", "", "", "", "", "");
-    for (label, hits, untraced, traced) in rows {
-        println!("| {label:<36} | {hits:>6} | {untraced:>10.0} | {traced:>10.0} | {:>10.0} |", traced - untraced);
+    println!("Host cost per traced GEMM call ({CALLS} calls on the stand-ins, ns per GEMM, median of {REPEATS})");
+    println!(
+        "| {:<36} | {:>6} | {:>9} | {:>9} | {:>9} | {:>9} |",
+        "GEMM", "probes", "untraced", "bare", "profiler", "added ns"
+    );
+    println!("|{:-<38}|{:->8}|{:->11}|{:->11}|{:->11}|{:->11}|", "", "", "", "", "", "");
+    for (label, hits, untraced, bare, traced) in rows {
+        let bare = bare.map_or("-".to_string(), |b| format!("{b:.0}"));
+        println!(
+            "| {label:<36} | {hits:>6} | {untraced:>9.0} | {bare:>9} | {traced:>9.0} | {:>9.0} |",
+            traced - untraced
+        );
     }
-    println!("(ns per GEMM; a real GEMM's kernel launch alone costs microseconds more)");
+    println!("(bare: an empty program where the profiler's probe goes; a real GEMM's launch costs microseconds more)");
     Ok(())
 }
