@@ -55,13 +55,11 @@ pub fn programs() -> [&'static str; 3] {
 impl Probes {
     /// Probes the BLAS calls `path` exports (all or nothing); returns where
     /// each probe went, or None when this file (by device and inode) was
-    /// already probed. `text`: where its code is mapped in the target, so
-    /// that the calls the BLAS libraries make to each other count once.
+    /// already probed. Its code ranges go to [`Self::add_blas_text`] first.
     pub fn attach_blas_library(
         &mut self,
         library: BlasLibrary,
         path: &Path,
-        text: &[(u64, u64)],
     ) -> Result<Option<Vec<PlacedProbe>>, ProbeError> {
         let meta = std::fs::metadata(path).map_err(|source| ProbeError::Read { path: path.to_owned(), source })?;
         let file = (meta.dev(), meta.ino());
@@ -69,7 +67,7 @@ impl Probes {
             return Ok(None);
         }
         let links_before = self.links.len();
-        let placed = self.add_blas_text(text).and_then(|()| self.probe_blas(library, path));
+        let placed = self.probe_blas(library, path);
         if placed.is_err() {
             self.links.truncate(links_before);
             self.probed.remove(&file);
@@ -102,8 +100,10 @@ impl Probes {
         Ok(placed)
     }
 
-    /// Adds a BLAS library's code ranges to the first free entries of `BLAS_TEXT`.
-    fn add_blas_text(&mut self, text: &[(u64, u64)]) -> Result<(), ProbeError> {
+    /// Adds a BLAS library's code ranges (`[start, end)` in the target) to the
+    /// first free entries of `BLAS_TEXT`: a probed call returning there was
+    /// made by that library (cuBLAS calling cuBLASLt), and is not counted again.
+    pub fn add_blas_text(&mut self, text: &[(u64, u64)]) -> Result<(), ProbeError> {
         let name = blas_programs::TEXT_MAP;
         let map = self.ebpf.map_mut(name).ok_or(ProbeError::Missing(name))?;
         let mut ranges: Array<&mut MapData, [u64; 2]> =

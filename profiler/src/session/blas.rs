@@ -19,6 +19,7 @@ pub(super) fn scan(
     quiet: bool,
     how: &str,
 ) {
+    let mut new = Vec::new();
     for file in maps::mapped_files(target_maps) {
         let Some(library) = blas::classify(&file.path) else { continue };
         let text = maps::executable_ranges(target_maps, &file);
@@ -28,8 +29,18 @@ pub(super) fn scan(
         if text.is_empty() || !seen.insert(file.path.clone()) {
             continue;
         }
+        new.push((library, file, text));
+    }
+    // Every new library's code first: cuBLAS's calls into a cuBLASLt probed
+    // before it would otherwise count twice until its own code was added.
+    for (_, file, text) in &new {
+        if let Err(e) = probes.add_blas_text(text) {
+            log::warn!("{}: GEMMs it makes through cuBLASLt may count twice: {e}", file.path.display());
+        }
+    }
+    for (library, file, _) in new {
         let visible = probes::in_target_root(pid, &file.path);
-        match probes.attach_blas_library(library, &visible, &text) {
+        match probes.attach_blas_library(library, &visible) {
             Ok(None) => {}
             Ok(Some(placed)) => {
                 say!(quiet, "probing {} for GEMMs ({} probes)", file.path.display(), placed.len());
