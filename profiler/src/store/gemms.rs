@@ -70,3 +70,64 @@ pub(super) fn write_step_gemms(tx: &Transaction<'_>, session_id: i64, sums: &[St
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{super::testing::*, *};
+    use crate::store::{ProbedFileRow, SessionEnd, StepRow, Store, StoreMsg};
+
+    /// Steps 0 and 1; GEMM sums for step 1; with or without a probed cuBLAS:
+    /// (step, flops, gemm_calls) as stored.
+    fn stored(blas_probed: bool) -> Vec<(i64, Option<i64>, Option<i64>)> {
+        let (_d, p) = temp_db();
+        let store = Store::open(&p).expect("open");
+        let id = store.begin_session(&start()).expect("session");
+        let w = store.spawn_writer(id);
+        if blas_probed {
+            w.send(StoreMsg::ProbedFile(ProbedFileRow {
+                path: "/lib/libcublas.so.13".into(),
+                placed: Vec::new(),
+                kind: "cublas".into(),
+                attached_ns: 1,
+                probes: 14,
+                how: "maps".into(),
+            }));
+        }
+        w.send(StoreMsg::Steps(vec![step(), StepRow { step: 1, start_ns: 300, end_ns: Some(400), ..step() }]));
+        w.send(StoreMsg::Gemms(vec![GemmRow {
+            ts_ns: 350,
+            tid: 7,
+            op: "cublasGemmEx",
+            m: 2,
+            n: 3,
+            k: 4,
+            batch: 1,
+            flops: 48,
+            data_type: Some("CUDA_R_16BF".into()),
+            compute_type: Some("CUBLAS_COMPUTE_32F".into()),
+            step: Some(("train", 1)),
+        }]));
+        w.send(StoreMsg::StepGemms(vec![("train", 1, 48, 1)]));
+        let end = SessionEnd {
+            ended_ns: 500,
+            end_reason: "target-exited".into(),
+            lost_events: 0,
+            total_launches: 0,
+            unmatched_returns: 0,
+        };
+        let stats = w.finish(end, Vec::new()).expect("finish");
+        assert_eq!(stats.failed_rows, 0, "{:?}", stats.first_error);
+        let conn = rusqlite::Connection::open(&p).expect("reopen");
+        let rows: i64 = conn.query_row("SELECT count(*) FROM gemms WHERE step = 1", [], |r| r.get(0)).expect("gemms");
+        assert_eq!(rows, 1);
+        let mut stmt = conn.prepare("SELECT step, flops, gemm_calls FROM steps ORDER BY step").expect("query");
+        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).expect("rows").map(|r| r.expect("row")).collect()
+    }
+
+    #[test]
+    fn steps_without_gemms_are_0_once_blas_was_probed_and_null_otherwise() {
+        assert_eq!(stored(true), [(0, Some(0), Some(0)), (1, Some(48), Some(1))]);
+        // The sums alone (no library row) say nothing about the other steps.
+        assert_eq!(stored(false), [(0, None, None), (1, Some(48), Some(1))]);
+    }
+}

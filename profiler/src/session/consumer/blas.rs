@@ -401,6 +401,32 @@ mod tests {
         assert_eq!(lt.take(&matmul), Some(Err(())), "D is gone");
     }
 
+    /// The ring's bytes of a record, at an odd address (the ring aligns to 8
+    /// bytes, not to the record), decode to the arguments by C position.
+    #[test]
+    fn a_blas_record_decodes_to_its_arguments() {
+        use profiler_common::{BlasRecord, RecordHeader, RecordKind};
+        use zerocopy::IntoBytes;
+        let mut stack = [0u64; 16];
+        stack[14] = 5; // argument 20: cublasGemmStridedBatchedEx's batchCount
+        let r = BlasRecord {
+            header: RecordHeader { kind: RecordKind::Blas as u32, tid: 9, ts_ns: 77 },
+            call: BlasCall::GemmStridedBatchedEx as u32,
+            status: 0,
+            args: [0, 0, 0, 6, 7, 8],
+            ret: 0x1234,
+            stack,
+            value: 0,
+        };
+        let mut bytes = vec![0u8];
+        bytes.extend(r.as_bytes());
+        let Ok(crate::events::Event::Blas(e)) = crate::events::decode(&bytes[1..]) else { panic!("a BLAS event") };
+        assert_eq!((e.tid, e.ts_ns, e.arg(3), e.arg(20), e.arg(40)), (9, 77, 6, 5, 0));
+        assert_eq!(classic(&e).map(|g| (g.m, g.n, g.k, g.batch)), Some((6, 7, 8, 5)));
+        let bad = BlasRecord { call: 999, ..r };
+        assert!(crate::events::decode(bad.as_bytes()).is_err());
+    }
+
     #[test]
     fn type_names_are_cublas_names() {
         assert_eq!(data_type_name(14), "CUDA_R_16BF");
