@@ -66,6 +66,40 @@ fn db_steps(db: &Path, session: i64) -> BTreeMap<i64, (i64, i64)> {
         .collect()
 }
 
+/// Per step: the (data type, compute type) that did most of its FLOPs, from
+/// the truth's `gemm` lines (asserting that one did: no tie to break).
+fn truth_types(t: &TruthFile) -> BTreeMap<i64, (String, String)> {
+    let mut by_step: BTreeMap<i64, BTreeMap<(String, String), u128>> = BTreeMap::new();
+    for r in t.records("gemm") {
+        let step: i64 = t.num(&r, 7);
+        if step < 0 {
+            continue;
+        }
+        let flops: u128 = 2 * (1..=4).map(|i| t.num::<u128>(&r, i)).product::<u128>();
+        *by_step.entry(step).or_default().entry((r[5].to_owned(), r[6].to_owned())).or_default() += flops;
+    }
+    by_step
+        .into_iter()
+        .map(|(step, types)| {
+            let max = types.values().max().copied().unwrap_or(0);
+            let top: Vec<_> = types.into_iter().filter(|(_, f)| *f == max).collect();
+            assert_eq!(top.len(), 1, "step {step}: one type pair does the most FLOPs: {top:?}");
+            (step, top[0].0.clone())
+        })
+        .collect()
+}
+
+fn db_types(db: &Path, session: i64) -> BTreeMap<i64, (String, String)> {
+    let conn = open(db);
+    let mut stmt = conn
+        .prepare("SELECT step, gemm_data_type, gemm_compute_type FROM steps WHERE session_id = ?1")
+        .expect("query steps");
+    stmt.query_map([session], |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?))))
+        .expect("steps")
+        .map(|r| r.expect("row"))
+        .collect()
+}
+
 /// Every call in order: `op m n k batch data_type compute_type step` (step -1: none).
 fn truth_calls(t: &TruthFile) -> Vec<String> {
     t.records("gemm").map(|r| r.join(" ")).collect()
@@ -107,6 +141,7 @@ fn flops_per_step_are_exact_through_every_entry_point() {
     assert_eq!(expected.len(), 6);
     assert!(expected.values().all(|&(_, calls)| calls == 15), "15 entry points per step: {}", truth.text);
     assert_eq!(db_steps(&db, session), expected, "{stderr}");
+    assert_eq!(db_types(&db, session), truth_types(&truth));
     // One row per call the trainer made, in order, with its shape, types and
     // step; cublasGemmEx's own cublasLtMatmul inside the stand-in cuBLAS is
     // not among them, nor its descriptors' calls.
@@ -121,6 +156,8 @@ fn flops_with_launches_count_and_a_late_dlopen_keep_only_the_sums() {
     let (truth, db, session, stderr) =
         traced("flops-count", &["--steps", "4", "--late", "--after-dlopen-ms", "1500"], &["--launches", "count"]);
     assert_eq!(db_steps(&db, session), truth_steps(&truth), "{stderr}");
+    // The precision to set the FLOPs against, without the rows.
+    assert_eq!(db_types(&db, session), truth_types(&truth));
     assert_eq!(count(&db, "SELECT count(*) FROM gemms WHERE session_id = ?1", session), 0);
     let late = count(
         &db,

@@ -24,9 +24,18 @@ pub struct GemmRow {
     pub step: Option<(&'static str, u64)>,
 }
 
-/// A step's GEMM sums: (label, step, FLOPs, calls), sent once the session's
-/// steps are all stored.
-pub type StepGemms = (&'static str, u64, u64, u64);
+/// A step's GEMM sums, sent once the session's steps are all stored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepGemms {
+    pub label: &'static str,
+    pub step: u64,
+    pub flops: u64,
+    pub calls: u64,
+    /// The data and compute types of the GEMMs that did most of its FLOPs
+    /// (`steps.gemm_data_type`, `steps.gemm_compute_type`).
+    pub data_type: Option<String>,
+    pub compute_type: Option<String>,
+}
 
 pub(super) fn write_gemms(tx: &Transaction<'_>, session_id: i64, rows: &[GemmRow]) -> rusqlite::Result<()> {
     let mut stmt = tx.prepare_cached(
@@ -63,10 +72,12 @@ pub(super) fn write_step_gemms(tx: &Transaction<'_>, session_id: i64, sums: &[St
         params![session_id],
     )?;
     let mut stmt = tx.prepare_cached(
-        "UPDATE steps SET flops = ?4, gemm_calls = ?5 WHERE session_id = ?1 AND label = ?2 AND step = ?3",
+        "UPDATE steps SET flops = ?4, gemm_calls = ?5, gemm_data_type = ?6, gemm_compute_type = ?7
+         WHERE session_id = ?1 AND label = ?2 AND step = ?3",
     )?;
-    for &(label, step, flops, calls) in sums {
-        stmt.execute(params![session_id, label, i(step), i(flops), i(calls)])?;
+    for s in sums {
+        let (flops, calls) = (i(s.flops), i(s.calls));
+        stmt.execute(params![session_id, s.label, i(s.step), flops, calls, s.data_type, s.compute_type])?;
     }
     Ok(())
 }
@@ -76,9 +87,12 @@ mod tests {
     use super::{super::testing::*, *};
     use crate::store::{ProbedFileRow, SessionEnd, StepRow, Store, StoreMsg};
 
-    /// Steps 0 and 1; GEMM sums for step 1; with or without a probed cuBLAS:
     /// (step, flops, gemm_calls) as stored.
-    fn stored(blas_probed: bool) -> Vec<(i64, Option<i64>, Option<i64>)> {
+    type Stored = (i64, Option<i64>, Option<i64>);
+
+    /// Steps 0 and 1; GEMM sums for step 1; with or without a probed cuBLAS:
+    /// the steps as stored, and step 1's types.
+    fn stored(blas_probed: bool) -> (Vec<Stored>, (String, String)) {
         let (_d, p) = temp_db();
         let store = Store::open(&p).expect("open");
         let id = store.begin_session(&start()).expect("session");
@@ -107,7 +121,14 @@ mod tests {
             compute_type: Some("CUBLAS_COMPUTE_32F".into()),
             step: Some(("train", 1)),
         }]));
-        w.send(StoreMsg::StepGemms(vec![("train", 1, 48, 1)]));
+        w.send(StoreMsg::StepGemms(vec![StepGemms {
+            label: "train",
+            step: 1,
+            flops: 48,
+            calls: 1,
+            data_type: Some("CUDA_R_16BF".into()),
+            compute_type: Some("CUBLAS_COMPUTE_32F".into()),
+        }]));
         let end = SessionEnd {
             ended_ns: 500,
             end_reason: "target-exited".into(),
@@ -120,14 +141,23 @@ mod tests {
         let conn = rusqlite::Connection::open(&p).expect("reopen");
         let rows: i64 = conn.query_row("SELECT count(*) FROM gemms WHERE step = 1", [], |r| r.get(0)).expect("gemms");
         assert_eq!(rows, 1);
+        let types = conn
+            .query_row("SELECT gemm_data_type, gemm_compute_type FROM steps WHERE step = 1", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .expect("types");
         let mut stmt = conn.prepare("SELECT step, flops, gemm_calls FROM steps ORDER BY step").expect("query");
-        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).expect("rows").map(|r| r.expect("row")).collect()
+        let steps =
+            stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).expect("rows").map(|r| r.expect("row"));
+        (steps.collect(), types)
     }
 
     #[test]
     fn steps_without_gemms_are_0_once_blas_was_probed_and_null_otherwise() {
-        assert_eq!(stored(true), [(0, Some(0), Some(0)), (1, Some(48), Some(1))]);
+        let (steps, types) = stored(true);
+        assert_eq!(steps, [(0, Some(0), Some(0)), (1, Some(48), Some(1))]);
+        assert_eq!(types, ("CUDA_R_16BF".into(), "CUBLAS_COMPUTE_32F".into()));
         // The sums alone (no library row) say nothing about the other steps.
-        assert_eq!(stored(false), [(0, None, None), (1, Some(48), Some(1))]);
+        assert_eq!(stored(false).0, [(0, None, None), (1, Some(48), Some(1))]);
     }
 }

@@ -70,6 +70,23 @@ pub(super) struct LtDescriptors {
     descs: HashMap<u64, MatmulDesc>,
 }
 
+/// A step's GEMMs so far.
+#[derive(Default)]
+struct StepSums {
+    flops: u64,
+    calls: u64,
+    /// FLOPs by (data type, compute type).
+    by_types: HashMap<(Option<u32>, Option<u32>), u64>,
+}
+
+impl StepSums {
+    /// The types that did the most FLOPs (the lowest codes among equals).
+    fn dominant(&self) -> (Option<String>, Option<String>) {
+        let best = self.by_types.iter().max_by_key(|(types, flops)| (**flops, std::cmp::Reverse(**types)));
+        best.map_or((None, None), |((d, c), _)| (d.map(data_type_name), c.map(compute_type_name)))
+    }
+}
+
 /// GEMM state and rows not yet sent (a field of the consumer).
 #[derive(Default)]
 pub(in crate::session) struct GemmState {
@@ -77,8 +94,7 @@ pub(in crate::session) struct GemmState {
     keep_rows: bool,
     lt: LtDescriptors,
     rows: Vec<GemmRow>,
-    /// (FLOPs, calls) per (label, step).
-    per_step: HashMap<(&'static str, u64), (u64, u64)>,
+    per_step: HashMap<(&'static str, u64), StepSums>,
     /// `cublasLtMatmul` calls whose descriptors were not seen created (made
     /// before the session began): not counted.
     unknown_shapes: u64,
@@ -278,7 +294,10 @@ impl Consumer {
         let flops = g.flops();
         if let Some((label, n)) = step {
             let sums = self.gemms.per_step.entry((label, n)).or_default();
-            *sums = (sums.0.saturating_add(flops), sums.1 + 1);
+            sums.flops = sums.flops.saturating_add(flops);
+            sums.calls += 1;
+            let by_types = sums.by_types.entry((g.data_type, g.compute_type)).or_default();
+            *by_types = by_types.saturating_add(flops);
         }
         if self.gemms.keep_rows {
             self.gemms.rows.push(GemmRow {
@@ -315,8 +334,15 @@ impl Consumer {
                 self.gemms.unknown_shapes
             );
         }
-        let sums: Vec<StepGemms> =
-            self.gemms.per_step.drain().map(|((label, step), (flops, calls))| (label, step, flops, calls)).collect();
+        let sums: Vec<StepGemms> = self
+            .gemms
+            .per_step
+            .drain()
+            .map(|((label, step), s)| {
+                let (data_type, compute_type) = s.dominant();
+                StepGemms { label, step, flops: s.flops, calls: s.calls, data_type, compute_type }
+            })
+            .collect();
         self.writer.send(StoreMsg::StepGemms(sums));
     }
 }
