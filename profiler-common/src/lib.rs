@@ -40,6 +40,8 @@ pub enum RecordKind {
     RegionExit = 10,
     /// A [`CollectiveRecord`]: an NCCL call returned (written at its return).
     Collective = 11,
+    /// A [`BlasRecord`]: a cuBLAS/cuBLASLt call (a GEMM, or a cuBLASLt descriptor's life).
+    Blas = 12,
 }
 
 impl RecordKind {
@@ -56,6 +58,7 @@ impl RecordKind {
             9 => Some(Self::RegionEnter),
             10 => Some(Self::RegionExit),
             11 => Some(Self::Collective),
+            12 => Some(Self::Blas),
             _ => None,
         }
     }
@@ -776,4 +779,161 @@ pub mod nccl_programs {
     pub const ENTER: &str = "nccl_enter";
     /// Uretprobe on the same: writes the `CollectiveRecord`.
     pub const EXIT: &str = "nccl_exit";
+}
+
+/// The cuBLAS and cuBLASLt calls that are probed: the GEMMs and the calls
+/// that give cuBLASLt's opaque descriptors their shapes. The id is the
+/// attach cookie's low 32 bits and [`BlasRecord::call`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BlasCall {
+    GemmEx = 1,
+    GemmEx64 = 2,
+    Sgemm = 3,
+    Sgemm64 = 4,
+    Dgemm = 5,
+    Dgemm64 = 6,
+    Hgemm = 7,
+    Hgemm64 = 8,
+    SgemmEx = 9,
+    SgemmEx64 = 10,
+    GemmBatchedEx = 11,
+    GemmBatchedEx64 = 12,
+    GemmStridedBatchedEx = 13,
+    GemmStridedBatchedEx64 = 14,
+    LtMatmul = 101,
+    LtMatrixLayoutCreate = 102,
+    LtMatrixLayoutSetAttribute = 103,
+    LtMatrixLayoutDestroy = 104,
+    LtMatmulDescCreate = 105,
+    LtMatmulDescSetAttribute = 106,
+    LtMatmulDescDestroy = 107,
+}
+
+impl BlasCall {
+    pub const ALL: [BlasCall; 21] = [
+        Self::GemmEx,
+        Self::GemmEx64,
+        Self::Sgemm,
+        Self::Sgemm64,
+        Self::Dgemm,
+        Self::Dgemm64,
+        Self::Hgemm,
+        Self::Hgemm64,
+        Self::SgemmEx,
+        Self::SgemmEx64,
+        Self::GemmBatchedEx,
+        Self::GemmBatchedEx64,
+        Self::GemmStridedBatchedEx,
+        Self::GemmStridedBatchedEx64,
+        Self::LtMatmul,
+        Self::LtMatrixLayoutCreate,
+        Self::LtMatrixLayoutSetAttribute,
+        Self::LtMatrixLayoutDestroy,
+        Self::LtMatmulDescCreate,
+        Self::LtMatmulDescSetAttribute,
+        Self::LtMatmulDescDestroy,
+    ];
+
+    /// cuBLASLt's ids start here (`libcublasLt.so`); the ones below are `libcublas.so`'s.
+    pub const LT_ID_BASE: u32 = 100;
+
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Self::ALL.iter().copied().find(|c| *c as u32 == v)
+    }
+
+    /// The exported symbol name.
+    pub fn symbol(self) -> &'static str {
+        match self {
+            Self::GemmEx => "cublasGemmEx",
+            Self::GemmEx64 => "cublasGemmEx_64",
+            Self::Sgemm => "cublasSgemm_v2",
+            Self::Sgemm64 => "cublasSgemm_v2_64",
+            Self::Dgemm => "cublasDgemm_v2",
+            Self::Dgemm64 => "cublasDgemm_v2_64",
+            Self::Hgemm => "cublasHgemm",
+            Self::Hgemm64 => "cublasHgemm_64",
+            Self::SgemmEx => "cublasSgemmEx",
+            Self::SgemmEx64 => "cublasSgemmEx_64",
+            Self::GemmBatchedEx => "cublasGemmBatchedEx",
+            Self::GemmBatchedEx64 => "cublasGemmBatchedEx_64",
+            Self::GemmStridedBatchedEx => "cublasGemmStridedBatchedEx",
+            Self::GemmStridedBatchedEx64 => "cublasGemmStridedBatchedEx_64",
+            Self::LtMatmul => "cublasLtMatmul",
+            Self::LtMatrixLayoutCreate => "cublasLtMatrixLayoutCreate",
+            Self::LtMatrixLayoutSetAttribute => "cublasLtMatrixLayoutSetAttribute",
+            Self::LtMatrixLayoutDestroy => "cublasLtMatrixLayoutDestroy",
+            Self::LtMatmulDescCreate => "cublasLtMatmulDescCreate",
+            Self::LtMatmulDescSetAttribute => "cublasLtMatmulDescSetAttribute",
+            Self::LtMatmulDescDestroy => "cublasLtMatmulDescDestroy",
+        }
+    }
+
+    /// Whether `libcublasLt.so` exports it (else `libcublas.so`).
+    pub const fn is_lt(self) -> bool {
+        self as u32 > Self::LT_ID_BASE
+    }
+
+    /// A create call, which returns its handle through the out-pointer in its
+    /// first argument: probed at its return too ([`blas_programs::CREATE_RETURN`]).
+    pub const fn creates(self) -> bool {
+        matches!(self, Self::LtMatrixLayoutCreate | Self::LtMatmulDescCreate)
+    }
+
+    /// A set-attribute call: the record's `value` holds the buffer's first
+    /// `min(size, 8)` bytes.
+    pub const fn sets_attribute(self) -> bool {
+        matches!(self, Self::LtMatrixLayoutSetAttribute | Self::LtMatmulDescSetAttribute)
+    }
+}
+
+/// Stack arguments a [`BlasRecord`] keeps: up to the 22nd argument
+/// (`cublasGemmStridedBatchedEx`'s `computeType`), the most any probed call needs.
+pub const BLAS_STACK_ARGS: usize = 16;
+
+/// How many executable mappings of the BLAS libraries the probes can tell
+/// their own internal calls from (see `maps::BLAS_TEXT`).
+pub const BLAS_TEXTS: u32 = 8;
+
+/// One call into cuBLAS or cuBLASLt, arguments copied raw: the agent decodes
+/// them by [`BlasCall`] (the kernel side does not interpret them). A call made
+/// from inside a probed BLAS library (cuBLAS calling cuBLASLt) is not written.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(feature = "user", derive(FromBytes, IntoBytes, KnownLayout, Immutable))]
+pub struct BlasRecord {
+    pub header: RecordHeader,
+    /// A [`BlasCall`] as `u32`.
+    pub call: u32,
+    /// A create's return value (`cublasStatus_t`, 0: success); 0 for the others.
+    pub status: u32,
+    /// The six register arguments (rdi, rsi, rdx, rcx, r8, r9), raw: a 32-bit
+    /// argument's upper half is whatever the caller left there.
+    pub args: [u64; 6],
+    /// The return address at the function's entry.
+    pub ret: u64,
+    /// The stack arguments, the 7th onwards, each in its 8-byte slot (zero
+    /// where the stack could not be read).
+    pub stack: [u64; BLAS_STACK_ARGS],
+    /// A create: the handle written through the out-pointer (0 on failure).
+    /// A set-attribute: the buffer's first `min(size, 8)` bytes, zero-extended.
+    pub value: u64,
+}
+
+// The decoder reads this size; `ret` and `stack` are read in one copy, so they stay adjacent.
+const _: () = assert!(core::mem::size_of::<BlasRecord>() == 16 + 8 + 48 + 8 + 8 * BLAS_STACK_ARGS + 8);
+const _: () = assert!(core::mem::offset_of!(BlasRecord, stack) == core::mem::offset_of!(BlasRecord, ret) + 8);
+
+/// Names of the BLAS programs and maps.
+pub mod blas_programs {
+    /// Entry of every probed call but the creates (cookie: the `BlasCall` id |
+    /// bytes pushed before the probe point << 32): writes a `BlasRecord`.
+    pub const CALL: &str = "blas_call";
+    /// Entry of a create (cookie as `CALL`): keeps the arguments per thread.
+    pub const CREATE: &str = "blas_create";
+    /// Return of a create (cookie: the `BlasCall` id): reads the handle, writes the record.
+    pub const CREATE_RETURN: &str = "blas_create_return";
+    /// `Array<[u64; 2]>[BLAS_TEXTS]`: `[start, end)` of the probed BLAS
+    /// libraries' executable mappings; `end` 0 past the last.
+    pub const TEXT_MAP: &str = "BLAS_TEXT";
 }

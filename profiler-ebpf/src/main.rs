@@ -1,7 +1,7 @@
 //! The profiler's eBPF programs, all filtered on one tgid: entry probes on
 //! the CUDA launch entry points, entry/return probes on the host
 //! synchronisation calls, the kernel-naming calls and the step function, and
-//! (in `python`) CPython's USDT function probes.
+//! (in `python`) CPython's USDT function probes; (in `blas`) cuBLAS/cuBLASLt GEMM calls.
 //!
 //! The kernel side only filters, timestamps, copies arguments and submits; the
 //! one piece of aggregation it does is a per-thread launch counter, which makes
@@ -25,6 +25,7 @@
 #![no_std]
 #![no_main]
 
+mod blas;
 mod frame_hook;
 mod nccl;
 mod python;
@@ -918,6 +919,7 @@ pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
     let _ = NAME_PENDING.remove(tid);
     torch::forget_thread(tid);
     nccl::forget_thread(tid);
+    blas::forget_thread(tid);
     let index = slot_index(tid);
     let Some(slot) = THREAD_SLOTS.get_ptr_mut(index) else { return 0 };
     // SAFETY: a valid array element.

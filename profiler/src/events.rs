@@ -5,8 +5,8 @@ use std::collections::VecDeque;
 use zerocopy::FromBytes;
 
 use profiler_common::{
-    CollectiveOp, CollectiveRecord, KernelNameRecord, LaunchApi, LaunchRecord, OrderedRecord, REGION_NAME_CAP,
-    RecordHeader, RecordKind, RegionRecord,
+    BLAS_STACK_ARGS, BlasCall, BlasRecord, CollectiveOp, CollectiveRecord, KernelNameRecord, LaunchApi, LaunchRecord,
+    OrderedRecord, REGION_NAME_CAP, RecordHeader, RecordKind, RegionRecord,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,6 +56,46 @@ pub enum Event {
     RegionExit(RegionEvent),
     /// An NCCL call returned.
     Collective(CollectiveEvent),
+    /// A cuBLAS/cuBLASLt call (boxed: launches, far more frequent, keep the enum small).
+    Blas(Box<BlasEvent>),
+}
+
+/// A cuBLAS/cuBLASLt call with its raw arguments (see [`BlasRecord`]),
+/// decoded by the consumer (`consumer::blas`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlasEvent {
+    pub ts_ns: u64,
+    pub tid: u32,
+    pub call: BlasCall,
+    pub status: u32,
+    pub args: [u64; 6],
+    pub stack: [u64; BLAS_STACK_ARGS],
+    pub value: u64,
+}
+
+impl BlasEvent {
+    /// The C argument at `index` (0-based): a register or a stack slot; 0 past those kept.
+    pub fn arg(&self, index: usize) -> u64 {
+        match index.checked_sub(self.args.len()) {
+            None => self.args[index],
+            Some(i) => self.stack.get(i).copied().unwrap_or(0),
+        }
+    }
+}
+
+/// Decodes a BLAS record.
+fn blas(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> {
+    let r: BlasRecord = exact(bytes, header.kind)?;
+    let call = BlasCall::from_u32(r.call).ok_or(DecodeError::BlasCall(r.call))?;
+    Ok(Event::Blas(Box::new(BlasEvent {
+        ts_ns: header.ts_ns,
+        tid: header.tid,
+        call,
+        status: r.status,
+        args: r.args,
+        stack: r.stack,
+        value: r.value,
+    })))
 }
 
 /// One NCCL call (see `profiler_common::CollectiveRecord`).
@@ -183,6 +223,7 @@ impl Event {
             Self::KernelName(k) => k.ts_ns,
             Self::LoaderChange { ts_ns } => *ts_ns,
             Self::RegionEnter(r) | Self::RegionExit(r) => r.ts_ns,
+            Self::Blas(b) => b.ts_ns,
             Self::Collective(c) => c.ts_ns,
         }
     }
@@ -198,6 +239,8 @@ pub enum DecodeError {
     Kind(u32),
     #[error("unknown launch entry point id {0}")]
     Api(u32),
+    #[error("unknown BLAS call id {0}")]
+    BlasCall(u32),
 }
 
 /// The record of type `T` that is exactly `bytes`, copied out (the ring
@@ -280,6 +323,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             Ok(Event::LoaderChange { ts_ns: header.ts_ns })
         }
         Some(RecordKind::RegionEnter | RecordKind::RegionExit) => region(bytes, header),
+        Some(RecordKind::Blas) => blas(bytes, header),
         Some(RecordKind::Collective) => collective(bytes, header),
         None => Err(DecodeError::Kind(header.kind)),
     }

@@ -3,6 +3,7 @@
 //! Installs what a fresh machine lacks (rust-src for nightly, Debian's
 //! llvm-22-dev, bpf-linker built against it) and says what it is doing.
 mod bench;
+mod bench_flops;
 mod bench_frame_hook;
 mod bench_python;
 mod bench_torch;
@@ -46,10 +47,10 @@ enum Task {
     },
     /// rustfmt check, and clippy with warnings denied for the host crates and the eBPF crate.
     Lint,
-    /// Print the overhead and throughput tables (`torch` or `frame-hook`: only that table).
+    /// Print the overhead and throughput tables (`torch`, `frame-hook` or `flops`: only that table).
     Bench {
         /// `torch`: only the PyTorch steps table; `frame-hook`: only the PEP 523 frame hook's
-        /// (ns per Python call, step boundary error).
+        /// (ns per Python call, step boundary error); `flops`: only the cost per traced GEMM call.
         only: Option<String>,
     },
     /// Make the PyTorch environments the tests use (cached; downloads only what is missing).
@@ -154,6 +155,11 @@ fn fixtures() -> Result<()> {
     gcc(&[&common[..], &["-rdynamic", "-o", &out("trainer"), "trainer.c", "-ldl", "-lpthread"]].concat())?;
     gcc(&[&common[..], &["-o", &out("genuine_launch"), "genuine_launch.c", "-ldl"]].concat())?;
     gcc(&[&common[..], &["-rdynamic", "-o", &out("nccl_trainer"), "nccl_trainer.c", "-ldl"]].concat())?;
+    // cuBLAS and cuBLASLt stand-ins (cuBLAS calls cuBLASLt, found next to it) and their trainer.
+    so("libcublasLt.so.13", "fake_cublasLt.c", &[])?;
+    let lt_dir = format!("-L{}", dir.display());
+    so("libcublas.so.13", "fake_cublas.c", &[&lt_dir, "-l:libcublasLt.so.13", "-Wl,-rpath,$ORIGIN"])?;
+    gcc(&[&common[..], &["-rdynamic", "-o", &out("gemm_trainer"), "gemm_trainer.c", "-ldl"]].concat())?;
     // A copy of the stand-in driver in a directory nobody's search path names:
     // found only by watching the target's maps.
     std::fs::create_dir_all(dir.join("hidden"))?;

@@ -75,7 +75,7 @@ pub struct TraceArgs {
     /// needs on a CPython without USDT probes.
     #[arg(long)]
     no_target_writes: bool,
-    /// Keep a row per launch (`all`), or only per-step counts (`count`).
+    /// Keep a row per launch and per GEMM (`all`), or only per-step counts and FLOPs (`count`).
     #[arg(long, value_enum, default_value_t = LaunchMode::All)]
     launches: LaunchMode,
     /// Stop tracing after this many seconds, or this long (`90s`, `2m`, `1h 30m`).

@@ -1,6 +1,7 @@
 //! Loading the eBPF object and attaching its programs to the target: CUDA
 //! libraries (found in the target's maps, or predicted before they load) and
 //! the step function.
+pub mod blas;
 pub mod cpython;
 pub mod elf;
 pub mod frame_hook;
@@ -536,6 +537,7 @@ fn program_names() -> impl Iterator<Item = &'static str> {
         ])
         .chain(torch::programs())
         .chain(nccl::programs())
+        .chain(blas::programs())
 }
 
 /// Maps a file read-only (libraries can be a gigabyte; callers touch only

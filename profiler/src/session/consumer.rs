@@ -1,5 +1,6 @@
 //! The consumer: drains the ring buffers, decodes the records, tracks steps, attributes launches and
 //! sync waits to the step their thread is in, and hands the rows to the store's writer in batches.
+mod blas;
 mod collectives;
 mod regions;
 
@@ -57,6 +58,8 @@ pub(super) struct Consumer {
     pub live: Option<crate::metrics::SessionMetrics>,
     /// NCCL calls not yet sent.
     collectives: Vec<crate::store::CollectiveRow>,
+    /// cuBLAS/cuBLASLt descriptors, GEMM rows not yet sent and per-step sums.
+    gemms: blas::GemmState,
 }
 
 /// What the consumer counted, for the summary line, once it is closed.
@@ -92,6 +95,7 @@ impl Consumer {
             regions: regions::RegionState::new(sources),
             live: None,
             collectives: Vec::new(),
+            gemms: blas::GemmState::default(),
         }
     }
 
@@ -115,8 +119,10 @@ impl Consumer {
                 }
             }
             for event in chunk.drain(..) {
-                if let Ok(Event::Launch(l)) = &event {
-                    self.step_queue.before_launch(l.tid, l.ts_ns, &mut steps);
+                match &event {
+                    Ok(Event::Launch(l)) => self.step_queue.before_launch(l.tid, l.ts_ns, &mut steps),
+                    Ok(Event::Blas(b)) => self.step_queue.before_launch(b.tid, b.ts_ns, &mut steps),
+                    _ => {}
                 }
                 for s in steps.drain(..) {
                     self.take(Ok(s));
@@ -174,6 +180,7 @@ impl Consumer {
             Ok(Event::RegionEnter(r)) => self.region_event(r, true),
             Ok(Event::RegionExit(r)) => self.region_event(r, false),
             Ok(Event::Collective(c)) => self.collective(&c),
+            Ok(Event::Blas(b)) => self.blas(&b),
             Ok(Event::SyncEnter(e)) => {
                 self.sequence(&e, DepthChange::None);
                 let step = self.tracker.current_step(e.tid);
@@ -322,6 +329,7 @@ impl Consumer {
         }
         self.flush_regions();
         self.flush_collectives();
+        self.flush_gemms();
     }
 
     /// (steps stored as incomplete so far, step ends seen without a start),
@@ -348,6 +356,8 @@ impl Consumer {
         }
         self.finish_regions();
         self.flush();
+        // After the last step row: the sums update them.
+        self.finish_gemms();
         let totals = ConsumerTotals {
             completed_steps: self.completed_steps,
             step_ns_total: self.step_ns_total,

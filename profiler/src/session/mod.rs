@@ -12,6 +12,7 @@ macro_rules! say {
 }
 
 mod attach;
+mod blas;
 mod config;
 mod consumer;
 mod event_loop;
@@ -51,6 +52,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer, steps.labels.clone(), steps.regions.clone(), target.pid);
     consumer.live = live.session(&labels, &steps.labels);
+    consumer.keep_gemm_rows(cfg.launch_mode == LaunchMode::All);
     let mut watcher = LibraryWatcher::new(target.pid, torch::TorchWatch::new(&cfg, &steps.regions));
     let mut python = None;
     let outcome = match attach::attach_all(&cfg, &target, &mut probes, &mut watcher, &steps) {

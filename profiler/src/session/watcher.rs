@@ -103,6 +103,7 @@ impl LibraryWatcher {
         }
         self.torch.scan(self.pid, probes, &maps, rows, quiet, how);
         self.nccl.scan(self.pid, probes, &maps, rows, quiet, how);
+        super::blas::scan(self.pid, probes, &maps, &mut self.seen, rows, quiet, how);
         Some(maps)
     }
 

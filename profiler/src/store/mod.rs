@@ -5,6 +5,7 @@
 //! way readers open a profile ([`open_for_reading`]).
 mod collectives;
 mod finish;
+mod gemms;
 pub mod rows;
 mod schema;
 mod writer;
@@ -18,6 +19,7 @@ use rusqlite::{Connection, DatabaseName, OpenFlags, backup::Backup, params};
 
 pub use self::{
     collectives::NCCL_KIND,
+    gemms::{GemmRow, StepGemms},
     rows::{
         AtFinish, Capability, CollectiveRow, GpuRow, GpuSampleRow, KernelRow, LaunchRow, Losses, ProbedFileRow,
         RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepPhases, StepRow, SyncRow, SystemSampleRow,

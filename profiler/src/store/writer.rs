@@ -14,6 +14,7 @@ use rusqlite::{Connection, Transaction, params};
 
 use super::{
     StoreError,
+    gemms::{GemmRow, StepGemms},
     rows::{
         AtFinish, Capability, GpuRow, GpuSampleRow, KernelRow, LaunchRow, ProbedFileRow, RaplSampleRow, RegionRow,
         SessionEnd, StepRow, SyncRow, SystemSampleRow,
@@ -39,6 +40,10 @@ pub enum StoreMsg {
     GpuSamples(Vec<GpuSampleRow>),
     RaplSamples(Vec<RaplSampleRow>),
     SystemSamples(Vec<SystemSampleRow>),
+    /// GEMM calls on cuBLAS/cuBLASLt (`--launches all` only).
+    Gemms(Vec<GemmRow>),
+    /// Every step's GEMM sums, once, after the steps (see `gemms::write_step_gemms`).
+    StepGemms(Vec<StepGemms>),
     /// The last message: the session's end and what to derive then.
     Finish(SessionEnd, Vec<AtFinish>),
 }
@@ -161,6 +166,8 @@ fn write_msg(tx: &Transaction<'_>, session_id: i64, msg: &StoreMsg) -> rusqlite:
             rows.iter().try_for_each(|r| stmt.execute(params![session_id, i(r.ts_ns), r.domain, r.energy_j]).map(drop))
         }
         StoreMsg::SystemSamples(rows) => write_system_samples(tx, session_id, rows),
+        StoreMsg::Gemms(rows) => super::gemms::write_gemms(tx, session_id, rows),
+        StoreMsg::StepGemms(sums) => super::gemms::write_step_gemms(tx, session_id, sums),
         StoreMsg::Finish(..) => Ok(()),
     }
 }
@@ -363,6 +370,8 @@ fn rows_in(msgs: &[StoreMsg]) -> u64 {
             StoreMsg::GpuSamples(r) => r.len() as u64,
             StoreMsg::RaplSamples(r) => r.len() as u64,
             StoreMsg::SystemSamples(r) => r.len() as u64,
+            StoreMsg::Gemms(r) => r.len() as u64,
+            StoreMsg::StepGemms(r) => r.len() as u64,
             StoreMsg::ProbedFile(_) | StoreMsg::Capability(_) => 1,
             StoreMsg::Finish(..) => 0,
         })

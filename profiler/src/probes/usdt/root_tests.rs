@@ -281,6 +281,7 @@ fn run_traced(args: &[&str], specs: &[&str]) -> Traced {
             | Event::RegionEnter(_)
             | Event::RegionExit(_)
             | Event::Collective(_)
+            | Event::Blas(_)
             | Event::LoaderChange { .. } => {}
         }
     }
