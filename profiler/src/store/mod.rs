@@ -4,6 +4,7 @@
 //! transaction, where per-step figures are derived ([`finish`]); and the one
 //! way readers open a profile ([`open_for_reading`]).
 mod finish;
+mod merge;
 pub mod rows;
 mod schema;
 mod writer;
@@ -16,6 +17,7 @@ use std::{
 use rusqlite::{Connection, DatabaseName, OpenFlags, backup::Backup, params};
 
 pub use self::{
+    merge::{MergeInput, merge_into},
     rows::{
         AtFinish, Capability, GpuRow, GpuSampleRow, KernelRow, LaunchRow, Losses, ProbedFileRow, RaplSampleRow,
         RegionRow, SessionEnd, SessionStart, StepPhases, StepRow, SyncRow, SystemSampleRow,
