@@ -1,6 +1,8 @@
 //! `profiler export`: a session as a Chrome trace-event JSON file that
 //! ui.perfetto.dev and chrome://tracing open, or any table or view of it as CSV.
 //!
+//! `--job NAME` puts every session of a job in one trace ([`job`]).
+//!
 //! Both stream: rows go from an SQLite cursor through a buffered writer one at
 //! a time, in the order SQLite stores them (no ORDER BY over launches, which
 //! would sort millions of rows), so an export of any size runs in a few MiB.
@@ -20,6 +22,8 @@ use serde::{Serialize, Serializer, ser::SerializeMap};
 
 use super::report::{ProfileDb, kernel_display, kernel_names, reader_went_away};
 
+mod job;
+
 #[derive(Args, Debug)]
 pub struct ExportArgs {
     /// The profile to read.
@@ -33,6 +37,10 @@ pub struct ExportArgs {
     /// Session id (default: the latest).
     #[arg(long, value_name = "N")]
     session: Option<i64>,
+    /// Every session of job NAME in one Perfetto trace, on Unix time (the
+    /// nodes of a merged profile lined up).
+    #[arg(long, value_name = "NAME", conflicts_with_all = ["session", "table"])]
+    job: Option<String>,
     /// Table or view to export with --format csv (rows of the session only,
     /// where it has a session_id column).
     #[arg(long, value_name = "T")]
@@ -49,6 +57,7 @@ pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
     let db = ProfileDb::open(&args.db)?;
     let session = db.session(args.session)?;
     let table = match (args.format, &args.table) {
+        (ExportFormat::Csv, _) if args.job.is_some() => bail!("--job is for --format perfetto"),
         (ExportFormat::Csv, None) => {
             bail!("--format csv needs --table T (one of: {})", db.tables().collect::<Vec<_>>().join(", "))
         }
@@ -57,6 +66,8 @@ pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
         }
         (_, t) => t.clone(),
     };
+    // Before the output is created: a job name it does not have is an error.
+    let job = args.job.as_deref().map(|name| job::Job::read(&db, name)).transpose()?;
     let to_file = args.output.as_deref().filter(|p| *p != Path::new("-"));
     let sink: Box<dyn Write> = match to_file {
         Some(p) => {
@@ -71,12 +82,16 @@ pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
     };
     let mut out = BufWriter::with_capacity(1 << 16, sink);
     let hint = if table.is_none() { "; open it in https://ui.perfetto.dev" } else { "" };
-    let written = match table {
-        Some(t) => export_csv(&db, session, &t, &mut out).and_then(|rows| {
+    let written = match (table, &job) {
+        (Some(t), _) => export_csv(&db, session, &t, &mut out).and_then(|rows| {
             out.flush()?;
             Ok(format!("{rows} rows of {t} (session {session})"))
         }),
-        None => export_perfetto(&db, session, &mut out).and_then(|c| {
+        (None, Some(job)) => job::export_perfetto_job(&db, job, &mut out).and_then(|c| {
+            out.flush()?;
+            Ok(format!("{} events ({} steps, {} launches) of job {}", c.total, c.steps, c.launches, job.name))
+        }),
+        (None, None) => export_perfetto(&db, session, &mut out).and_then(|c| {
             out.flush()?;
             Ok(format!(
                 "{} events ({} steps, {} regions, {} launches, {} syncs, {} counter values) of session {session}",
@@ -318,34 +333,8 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
     )?;
     let t = Timeline { pid, started_ns };
     let mut w = TraceWriter::new(out)?;
-    let mut counts = EventCounts::default();
-
-    // Track names.
     let program = program_name(exe.as_deref(), &command);
-    w.event(&t.meta("process_name", pid, &format!("{program} (pid {pid})")))?;
-    let tid_sql = "SELECT tid FROM steps WHERE session_id = ?1 UNION SELECT tid FROM launches WHERE session_id = ?1
-                   UNION SELECT tid FROM syncs WHERE session_id = ?1 UNION SELECT tid FROM regions WHERE session_id = ?1";
-    {
-        let mut q = db.conn.prepare(tid_sql)?;
-        let mut rows = q.query([session])?;
-        while let Some(r) = rows.next()? {
-            let tid: i64 = r.get(0)?;
-            let name = if tid == pid { format!("main thread {tid}") } else { format!("thread {tid}") };
-            w.event(&t.meta("thread_name", tid, &name))?;
-        }
-    }
-
-    let steps = write_steps(db, session, t, &mut w)?;
-    counts.steps = steps.values().map(|v| v.len() as u64).sum();
-    counts.regions = write_regions(db, session, t, &steps, &mut w)?;
-
-    // Host sync waits: inside the step that waited, on the same thread. A
-    // sync is stored once it returned, so each has an end.
-    counts.syncs = write_syncs(db, session, t, &mut w)?;
-
-    counts.launches = write_launches(db, session, t, &mut w)?;
-    counts.counters = write_counters(db, session, t, &mut w)?;
-
+    let mut counts = write_session(db, session, t, pid, &format!("{program} (pid {pid})"), &mut w)?;
     counts.total = w.events;
     let mut out = w.finish(&OtherData {
         profiler_session: session,
@@ -354,6 +343,44 @@ pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow:
         timestamps: "µs since the session started",
     })?;
     out.flush()?;
+    Ok(counts)
+}
+
+/// Writes one session's tracks on `t` (the trace process `t.pid`, named
+/// `process`): its threads (`target_pid`'s main thread told apart), steps,
+/// regions, syncs, launches and counters. `total` is left to the caller.
+fn write_session<W: Write>(
+    db: &ProfileDb,
+    session: i64,
+    t: Timeline,
+    target_pid: i64,
+    process: &str,
+    w: &mut TraceWriter<W>,
+) -> anyhow::Result<EventCounts> {
+    let mut counts = EventCounts::default();
+    w.event(&t.meta("process_name", t.pid, process))?;
+    let tid_sql = "SELECT tid FROM steps WHERE session_id = ?1 UNION SELECT tid FROM launches WHERE session_id = ?1
+                   UNION SELECT tid FROM syncs WHERE session_id = ?1 UNION SELECT tid FROM regions WHERE session_id = ?1";
+    {
+        let mut q = db.conn.prepare(tid_sql)?;
+        let mut rows = q.query([session])?;
+        while let Some(r) = rows.next()? {
+            let tid: i64 = r.get(0)?;
+            let name = if tid == target_pid { format!("main thread {tid}") } else { format!("thread {tid}") };
+            w.event(&t.meta("thread_name", tid, &name))?;
+        }
+    }
+
+    let steps = write_steps(db, session, t, w)?;
+    counts.steps = steps.values().map(|v| v.len() as u64).sum();
+    counts.regions = write_regions(db, session, t, &steps, w)?;
+
+    // Host sync waits: inside the step that waited, on the same thread. A
+    // sync is stored once it returned, so each has an end.
+    counts.syncs = write_syncs(db, session, t, w)?;
+
+    counts.launches = write_launches(db, session, t, w)?;
+    counts.counters = write_counters(db, session, t, w)?;
     Ok(counts)
 }
 

@@ -317,22 +317,30 @@ fn copy_shared(out: &Connection, input: &MergeInput, table: &Table) -> Result<u6
 }
 
 #[cfg(test)]
-mod tests {
-    use std::collections::BTreeMap;
+pub(crate) mod testing {
+    //! Profiles of synthetic nodes, for the merge tests and those of readers of merged files.
+    use std::path::{Path, PathBuf};
 
-    use rusqlite::params;
+    use rusqlite::{Connection, params, params_from_iter, types::Value};
 
-    use super::*;
+    use super::{TableKind, insert_sql, tables_of};
     use crate::store::{
         AtFinish, Capability, GpuSampleRow, KernelRow, LaunchRow, RaplSampleRow, RegionRow, SessionEnd, StepRow, Store,
-        StoreMsg, SyncRow, SystemSampleRow, history, open_for_reading,
-        testing::{launch, start, step, temp_db},
+        StoreMsg, SyncRow, SystemSampleRow, quoted,
+        testing::{launch, start, step},
     };
 
     /// One node's session of job `job`: three steps whose durations depend
     /// on `slow_ns`, and a row in every other table (through the writer where
     /// it has a message, else `fill_empty_tables`). Returns its id.
-    fn node_session(path: &Path, host: &str, unix_offset_ns: i64, job: &str, rank: i64, slow_ns: u64) -> i64 {
+    pub(crate) fn node_session(
+        path: &Path,
+        host: &str,
+        unix_offset_ns: i64,
+        job: &str,
+        rank: i64,
+        slow_ns: u64,
+    ) -> i64 {
         let store = Store::open(path).expect("open");
         let s = crate::store::SessionStart { hostname: Some(host.into()), unix_offset_ns, ..start() };
         let id = store.begin_session(&s).expect("session");
@@ -392,7 +400,7 @@ mod tests {
     /// A row of session `id` in every per-session table that has none yet
     /// (collectives, gemms, … and whatever a later migration adds), each
     /// column a value of its declared type.
-    fn fill_empty_tables(c: &Connection, id: i64) {
+    pub(crate) fn fill_empty_tables(c: &Connection, id: i64) {
         for t in tables_of(c).expect("tables").iter().filter(|t| t.kind == TableKind::PerSession) {
             let q = format!("SELECT count(*) FROM {} WHERE session_id = ?1", quoted(&t.name));
             if c.query_row(&q, [id], |r| r.get::<_, i64>(0)).expect("count") > 0 {
@@ -419,6 +427,24 @@ mod tests {
             c.execute(&insert_sql(&t.name, &t.columns, false), params_from_iter(&values)).expect(&t.name);
         }
     }
+
+    /// Two nodes, A with two sessions (an earlier job, then rank 0 of `j`)
+    /// and B with one (rank 1 of `j`), each on its own clock.
+    pub(crate) fn two_nodes(dir: &Path) -> (PathBuf, PathBuf) {
+        let (a, b) = (dir.join("a.db"), dir.join("b.db"));
+        node_session(&a, "node-a", 1_700_000_000_000_000_000, "earlier", 0, 0);
+        node_session(&a, "node-a", 1_700_000_000_000_000_000, "j", 0, 50);
+        node_session(&b, "node-b", 1_700_000_123_456_789_000, "j", 1, 80);
+        (a, b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::{testing::two_nodes, *};
+    use crate::store::{Store, history, open_for_reading, testing::temp_db};
 
     /// Every row of every table, as text, by table; `session_id` (and
     /// `sessions.id`) through `map`.
@@ -448,16 +474,6 @@ mod tests {
         let conns: Vec<Connection> = files.iter().map(|p| open_for_reading(p).expect("input")).collect();
         let inputs: Vec<MergeInput> = files.iter().zip(&conns).map(|(path, conn)| MergeInput { path, conn }).collect();
         merge_into(out, &inputs, job)
-    }
-
-    /// Two nodes, A with two sessions (an earlier job, then rank 0 of `j`)
-    /// and B with one (rank 1 of `j`), each on its own clock.
-    fn two_nodes(dir: &Path) -> (PathBuf, PathBuf) {
-        let (a, b) = (dir.join("a.db"), dir.join("b.db"));
-        node_session(&a, "node-a", 1_700_000_000_000_000_000, "earlier", 0, 0);
-        node_session(&a, "node-a", 1_700_000_000_000_000_000, "j", 0, 50);
-        node_session(&b, "node-b", 1_700_000_123_456_789_000, "j", 1, 80);
-        (a, b)
     }
 
     #[test]

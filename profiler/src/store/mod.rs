@@ -17,7 +17,7 @@ use std::{
 use rusqlite::{Connection, DatabaseName, OpenFlags, backup::Backup, params};
 
 pub use self::{
-    merge::{MergeInput, merge_into},
+    merge::{MergeInput, MergeSummary, merge_into},
     rows::{
         AtFinish, Capability, GpuRow, GpuSampleRow, KernelRow, LaunchRow, Losses, ProbedFileRow, RaplSampleRow,
         RegionRow, SessionEnd, SessionStart, StepPhases, StepRow, SyncRow, SystemSampleRow,
@@ -199,6 +199,8 @@ impl Store {
     }
 }
 
+#[cfg(test)]
+pub(crate) use merge::testing as merge_testing;
 #[cfg(test)]
 pub(crate) use schema::history;
 
