@@ -67,6 +67,8 @@ fn merge(args: &MergeArgs) -> anyhow::Result<(MergeSummary, usize)> {
     let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let temp = tempfile::Builder::new()
         .prefix(&format!(".{name}.merging-"))
+        // A profile's mode, not a temporary file's 0600 (the umask applies).
+        .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))
         .tempfile_in(dir)
         .with_context(|| format!("cannot create a file in {}; choose a writable -o", dir.display()))?
         .into_temp_path();
@@ -213,6 +215,13 @@ mod tests {
             .expect("q");
         assert_eq!(launches, [3, 5]);
         assert_eq!(files_in(dir.path()), ["a.db", "b.db", "job.db"]);
+        // As a file created here with the umask applied, less write for others.
+        let mode =
+            |p: &Path| std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(p).expect("stat").permissions());
+        let plain = dir.path().join("plain");
+        std::fs::write(&plain, b"").expect("plain file");
+        assert_eq!(mode(&out) & 0o777, mode(&plain) & 0o644, "not a temporary file's 0600");
+        std::fs::remove_file(&plain).expect("rm");
     }
 
     /// A missing, corrupt or damaged input: one line naming it, and nothing
