@@ -72,7 +72,8 @@ fn merge(args: &MergeArgs) -> anyhow::Result<(MergeSummary, usize)> {
         .tempfile_in(dir)
         .with_context(|| format!("cannot create a file in {}; choose a writable -o", dir.display()))?
         .into_temp_path();
-    let summary = merge_into(&temp, &inputs, args.job.as_deref())?;
+    // Its message holds SQLite's reason once; the chain would repeat it.
+    let summary = merge_into(&temp, &inputs, args.job.as_deref()).map_err(|e| anyhow::anyhow!("{e}"))?;
     let persisted = if args.force {
         // A -wal left by the replaced profile would be applied to the new one.
         for side in [side_file(out, "-wal"), side_file(out, "-shm")] {
@@ -167,7 +168,7 @@ mod tests {
     }
 
     fn refused(a: &MergeArgs, needle: &str) {
-        let err = merge(a).expect_err("refused").to_string();
+        let err = format!("{:#}", merge(a).expect_err("refused"));
         assert!(err.contains(needle) && !err.contains('\n'), "{err}");
     }
 

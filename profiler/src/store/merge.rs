@@ -9,12 +9,9 @@
 //! Times are not shifted: each session keeps its own monotonic clock and its
 //! `unix_offset_ns`, which is what puts sessions of different nodes on one
 //! Unix time axis for readers that need one.
-use std::{
-    collections::HashMap,
-    path::{Path, PathBuf},
-};
+use std::path::{Path, PathBuf};
 
-use rusqlite::{Connection, params_from_iter, types::Value};
+use rusqlite::{Connection, OptionalExtension, types::Value};
 
 use super::schema::{migrate, quoted};
 
@@ -49,6 +46,11 @@ pub enum MergeError {
     Schema { table: String, why: String },
     #[error("cannot read {input} ({source})")]
     Read { input: PathBuf, source: rusqlite::Error },
+    /// Copying an input's rows failed: reading it (a damaged page) or writing.
+    #[error("cannot copy {input} into the merged profile ({source})")]
+    Copy { input: PathBuf, source: rusqlite::Error },
+    #[error("cannot write beside the merged profile ({0})")]
+    Io(#[from] std::io::Error),
     #[error("cannot write the merged profile ({0})")]
     Write(#[from] rusqlite::Error),
 }
@@ -73,38 +75,94 @@ pub struct MergeInput<'a> {
 }
 
 /// Creates the schema in the empty database at `output` and copies every
-/// session of `inputs`, in order, into it in one transaction. `job`, when
-/// given, becomes the job of every merged session.
+/// session of `inputs`, in order, into it, one transaction per input (after
+/// an error the caller discards the file). `job`, when given, becomes the job
+/// of every merged session.
+///
+/// Each input is attached to the output's connection read-only and copied
+/// table by table with `INSERT … SELECT`, inside SQLite.
 pub fn merge_into(output: &Path, inputs: &[MergeInput], job: Option<&str>) -> Result<MergeSummary, MergeError> {
     let out = Connection::open(output)?;
     migrate(&out, 0)?;
     let tables = tables_of(&out)?;
-    let tx = out.unchecked_transaction()?;
+    out.execute_batch("CREATE TEMP TABLE merge_ids (old INTEGER PRIMARY KEY, new INTEGER NOT NULL)")?;
     let mut summary = MergeSummary::default();
     for input in inputs {
-        let read = |source| MergeError::Read { input: input.path.to_owned(), source };
-        let theirs = table_names(input.conn).map_err(read)?;
+        let theirs =
+            table_names(input.conn).map_err(|source| MergeError::Read { input: input.path.to_owned(), source })?;
         for name in theirs.iter().filter(|n| !tables.iter().any(|t| &t.name == *n)) {
             summary.foreign_tables.push((input.path.to_owned(), name.clone()));
         }
-        let ids = copy_sessions(&tx, input, &tables, job)?;
-        summary.sessions += ids.len() as u64;
-        for table in tables.iter().filter(|t| t.kind != TableKind::Sessions) {
-            let (rows, orphans) = match table.kind {
-                TableKind::PerSession => copy_per_session(&tx, input, table, &ids)?,
-                _ => (copy_shared(&tx, input, table)?, 0),
-            };
-            summary.rows += rows;
-            if orphans > 0 {
-                summary.orphans.push((input.path.to_owned(), table.name.clone(), orphans));
-            }
+        let copy = attach(&out, input, output)?;
+        copy_input(&out, input, &tables, job, &mut summary).map_err(|e| match e {
+            MergeError::Write(source) => MergeError::Copy { input: input.path.to_owned(), source },
+            e => e,
+        })?;
+        out.execute_batch("DETACH DATABASE input")?;
+        drop(copy);
+        carry_indexes(&out, input)?;
+    }
+    Ok(summary)
+}
+
+/// Attaches `input` to `out` as the read-only schema `input`: its file when
+/// it is read from its file, else (an older profile migrated in memory) a
+/// copy in a temporary file beside `output`, deleted when the value returned drops.
+fn attach(out: &Connection, input: &MergeInput, output: &Path) -> Result<Option<tempfile::TempPath>, MergeError> {
+    let read = |source| MergeError::Read { input: input.path.to_owned(), source };
+    let (path, copy) = match input.conn.path().filter(|p| !p.is_empty()) {
+        Some(file) => (PathBuf::from(file), None),
+        None => {
+            let dir = output.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            let temp = tempfile::Builder::new().prefix(".merge-input-").tempfile_in(dir)?.into_temp_path();
+            input.conn.backup(rusqlite::DatabaseName::Main, &temp, None).map_err(read)?;
+            (temp.to_path_buf(), Some(temp))
+        }
+    };
+    out.execute("ATTACH DATABASE ?1 AS input", [read_only_uri(&path)]).map_err(read)?;
+    Ok(copy)
+}
+
+/// `path` as an SQLite URI that opens it read-only (bytes other than
+/// letters, digits and `/._-~` percent-encoded).
+fn read_only_uri(path: &Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let mut uri = String::from("file:");
+    for &b in path.as_os_str().as_bytes() {
+        if b.is_ascii_alphanumeric() || b"/._-~".contains(&b) {
+            uri.push(char::from(b));
+        } else {
+            uri.push_str(&format!("%{b:02X}"));
         }
     }
-    for input in inputs {
-        carry_indexes(&tx, input)?;
+    uri.push_str("?mode=ro");
+    uri
+}
+
+/// Copies the attached input: its sessions, then every other table.
+fn copy_input(
+    out: &Connection,
+    input: &MergeInput,
+    tables: &[Table],
+    job: Option<&str>,
+    summary: &mut MergeSummary,
+) -> Result<(), MergeError> {
+    let tx = out.unchecked_transaction()?;
+    tx.execute("DELETE FROM temp.merge_ids", [])?;
+    summary.sessions += copy_sessions(&tx, &tables[0], job)?;
+    for table in &tables[1..] {
+        let cols = columns_in_both(&tx, table)?;
+        let (rows, orphans) = match table.kind {
+            TableKind::PerSession => copy_per_session(&tx, input, table, &cols)?,
+            _ => (copy_shared(&tx, input, table, &cols)?, 0),
+        };
+        summary.rows += rows;
+        if orphans > 0 {
+            summary.orphans.push((input.path.to_owned(), table.name.clone(), orphans));
+        }
     }
     tx.commit()?;
-    Ok(summary)
+    Ok(())
 }
 
 /// Creates the indexes an input has and the output lacks: those the store
@@ -182,138 +240,110 @@ pub(crate) fn tables_of(conn: &Connection) -> Result<Vec<Table>, MergeError> {
     Ok(tables)
 }
 
-/// Reads every row of `table` in `input` (the columns `cols`, in order) and
-/// hands each to `sink`.
-fn each_row(
-    input: &MergeInput,
-    table: &str,
-    cols: &[String],
-    order: &str,
-    mut sink: impl FnMut(Vec<Value>) -> Result<(), MergeError>,
-) -> Result<(), MergeError> {
-    let read = |source| MergeError::Read { input: input.path.to_owned(), source };
-    let list: Vec<String> = cols.iter().map(|c| quoted(c)).collect();
-    let mut q =
-        input.conn.prepare(&format!("SELECT {} FROM {} {order}", list.join(", "), quoted(table))).map_err(read)?;
-    let mut rows = q.query([]).map_err(read)?;
-    while let Some(r) = rows.next().map_err(read)? {
-        let row = (0..cols.len()).map(|i| r.get::<_, Value>(i)).collect::<rusqlite::Result<Vec<_>>>().map_err(read)?;
-        sink(row)?;
-    }
-    Ok(())
+/// `cols` quoted, each prefixed with `prefix`, comma-separated.
+fn list(cols: &[String], prefix: &str) -> String {
+    cols.iter().map(|c| format!("{prefix}{}", quoted(c))).collect::<Vec<_>>().join(", ")
 }
 
-/// `INSERT [OR IGNORE] INTO table (cols) VALUES (?, …)`.
-fn insert_sql(table: &str, cols: &[String], or_ignore: bool) -> String {
-    let list: Vec<String> = cols.iter().map(|c| quoted(c)).collect();
-    let marks = vec!["?"; cols.len()].join(", ");
-    let verb = if or_ignore { "INSERT OR IGNORE" } else { "INSERT" };
-    format!("{verb} INTO {} ({}) VALUES ({marks})", quoted(table), list.join(", "))
-}
-
-/// The columns of `table` the input has too (all of them: inputs are at the
-/// current schema; a column one lacks is left to its default).
-fn shared_columns(input: &MergeInput, table: &Table) -> Result<Vec<String>, MergeError> {
-    let theirs: Vec<String> = input
-        .conn
-        .prepare("SELECT name FROM pragma_table_info(?1)")
-        .and_then(|mut q| q.query_map([&table.name], |r| r.get(0))?.collect())
-        .map_err(|source| MergeError::Read { input: input.path.to_owned(), source })?;
+/// The columns of `table` the attached input has too (all of them: inputs
+/// are at the current schema; a column one lacked would get its default).
+fn columns_in_both(out: &Connection, table: &Table) -> rusqlite::Result<Vec<String>> {
+    let theirs: Vec<String> = out
+        .prepare("SELECT name FROM pragma_table_info(?1, 'input')")?
+        .query_map([&table.name], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
     Ok(table.columns.iter().filter(|c| theirs.contains(c)).cloned().collect())
 }
 
-/// Copies the input's sessions in id order, each under a new id; returns
-/// old id → new id. The job a migration gave an older file's session
-/// (`session-<id>`, one job per session) follows the new id, so that two
-/// such sessions of different inputs do not become one job.
-fn copy_sessions(
-    out: &Connection,
-    input: &MergeInput,
-    tables: &[Table],
-    job: Option<&str>,
-) -> Result<HashMap<i64, i64>, MergeError> {
-    let mut cols = shared_columns(input, &tables[0])?;
+/// Copies the input's sessions in id order, each under a new id, and
+/// records old id → new id in `temp.merge_ids`; returns how many. The job a
+/// migration gave an older file's session (`session-<id>`, one job per
+/// session) follows the new id, so that two such sessions of different
+/// inputs do not become one job.
+fn copy_sessions(out: &Connection, sessions: &Table, job: Option<&str>) -> Result<u64, MergeError> {
+    let mut cols = columns_in_both(out, sessions)?;
     cols.retain(|c| c != "id");
-    cols.insert(0, "id".into());
-    let job_at = cols.iter().position(|c| c == "job");
-    let mut insert = out.prepare(&insert_sql("sessions", &cols[1..], false))?;
-    let mut ids = HashMap::new();
-    each_row(input, "sessions", &cols, "ORDER BY id", |mut row| {
-        let Value::Integer(old) = row[0] else {
-            return Err(MergeError::Schema { table: "sessions".into(), why: format!("an id is {:?}", row[0]) });
-        };
-        if let (Some(at), Some(name)) = (job_at, job) {
-            row[at] = Value::Text(name.to_owned());
-        }
-        insert.execute(params_from_iter(&row[1..]))?;
+    let old_ids: Vec<i64> = out
+        .prepare("SELECT id FROM input.sessions ORDER BY id")?
+        .query_map([], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    let has_job = cols.iter().any(|c| c == "job");
+    let mut copy = out.prepare(&format!(
+        "INSERT INTO main.sessions ({}) SELECT {} FROM input.sessions WHERE id = ?1",
+        list(&cols, ""),
+        list(&cols, "")
+    ))?;
+    for &old in &old_ids {
+        copy.execute([old])?;
         let new = out.last_insert_rowid();
-        let migrated_job = job_at.is_some_and(|at| row[at] == Value::Text(format!("session-{old}")));
-        if migrated_job && job.is_none() {
-            out.execute("UPDATE sessions SET job = 'session-' || id WHERE id = ?1", [new])?;
-        }
-        ids.insert(old, new);
-        Ok(())
-    })?;
-    Ok(ids)
+        out.execute("INSERT INTO temp.merge_ids (old, new) VALUES (?1, ?2)", [old, new])?;
+        match job {
+            Some(name) if has_job => {
+                out.execute("UPDATE main.sessions SET job = ?1 WHERE id = ?2", rusqlite::params![name, new])?
+            }
+            None if has_job => out.execute(
+                "UPDATE main.sessions SET job = 'session-' || id WHERE id = ?1 AND job = 'session-' || ?2",
+                [new, old],
+            )?,
+            _ => 0,
+        };
+    }
+    Ok(old_ids.len() as u64)
 }
 
-/// Copies every row of a per-session table, its session_id renumbered;
-/// returns (rows copied, rows of no session of this input, not copied).
+/// Copies every row of a per-session table, in the input's order, its
+/// session_id renumbered; returns (rows copied, rows of no session of this
+/// input, not copied).
 fn copy_per_session(
     out: &Connection,
     input: &MergeInput,
     table: &Table,
-    ids: &HashMap<i64, i64>,
+    cols: &[String],
 ) -> Result<(u64, u64), MergeError> {
-    let cols = shared_columns(input, table)?;
-    let at = cols.iter().position(|c| c == "session_id").ok_or_else(|| MergeError::Schema {
-        table: table.name.clone(),
-        why: format!("{} has no session_id in it", input.path.display()),
-    })?;
-    let mut insert = out.prepare(&insert_sql(&table.name, &cols, false))?;
-    let (mut copied, mut orphans) = (0, 0);
-    each_row(input, &table.name, &cols, "", |mut row| {
-        let new = match row[at] {
-            Value::Integer(old) => ids.get(&old).copied(),
-            _ => None,
-        };
-        match new {
-            Some(new) => {
-                row[at] = Value::Integer(new);
-                insert.execute(params_from_iter(&row))?;
-                copied += 1;
-            }
-            None => orphans += 1,
-        }
-        Ok(())
-    })?;
-    Ok((copied, orphans))
+    if !cols.iter().any(|c| c == "session_id") {
+        let why = format!("{} has no session_id in it", input.path.display());
+        return Err(MergeError::Schema { table: table.name.clone(), why });
+    }
+    let from: Vec<String> =
+        cols.iter().map(|c| if c == "session_id" { "m.new".to_owned() } else { format!("x.{}", quoted(c)) }).collect();
+    let t = quoted(&table.name);
+    // CROSS JOIN: the input's table is the outer loop, so rows keep their order.
+    let copied = out.execute(
+        &format!(
+            "INSERT INTO main.{t} ({}) SELECT {} FROM input.{t} x CROSS JOIN temp.merge_ids m ON m.old = x.session_id",
+            list(cols, ""),
+            from.join(", ")
+        ),
+        [],
+    )?;
+    let orphans: i64 = out.query_row(
+        &format!("SELECT count(*) FROM input.{t} x WHERE NOT EXISTS (SELECT 1 FROM temp.merge_ids m WHERE m.old = x.session_id)"),
+        [],
+        |r| r.get(0),
+    )?;
+    Ok((copied as u64, orphans as u64))
 }
 
-/// Copies the rows of a shared table the output lacks; a row that collides
-/// with a different one already there (another name for the same API id) is
-/// a [`MergeError::Conflict`]. Returns the rows added.
-fn copy_shared(out: &Connection, input: &MergeInput, table: &Table) -> Result<u64, MergeError> {
-    let cols = shared_columns(input, table)?;
-    let mut insert = out.prepare(&insert_sql(&table.name, &cols, true))?;
-    let same: Vec<String> = cols.iter().map(|c| format!("{} IS ?", quoted(c))).collect();
-    let mut identical =
-        out.prepare(&format!("SELECT count(*) FROM {} WHERE {}", quoted(&table.name), same.join(" AND ")))?;
-    let mut added = 0;
-    each_row(input, &table.name, &cols, "", |row| {
-        if insert.execute(params_from_iter(&row))? == 1 {
-            added += 1;
-        } else if identical.query_row(params_from_iter(&row), |r| r.get::<_, i64>(0))? == 0 {
-            let shown: Vec<String> = cols.iter().zip(&row).map(|(c, v)| format!("{c} = {v:?}")).collect();
-            return Err(MergeError::Conflict {
-                input: input.path.to_owned(),
-                table: table.name.clone(),
-                row: shown.join(", "),
-            });
-        }
-        Ok(())
-    })?;
-    Ok(added)
+/// Copies the rows of a shared table the output lacks; a row of the input
+/// that is not in the output afterwards collided with a different one (another
+/// name for the same API id): a [`MergeError::Conflict`]. Returns the rows added.
+fn copy_shared(out: &Connection, input: &MergeInput, table: &Table, cols: &[String]) -> Result<u64, MergeError> {
+    let (t, l) = (quoted(&table.name), list(cols, ""));
+    let added = out.execute(&format!("INSERT OR IGNORE INTO main.{t} ({l}) SELECT {l} FROM input.{t}"), [])?;
+    let differing = out
+        .query_row(&format!("SELECT {l} FROM input.{t} EXCEPT SELECT {l} FROM main.{t} LIMIT 1"), [], |r| {
+            (0..cols.len()).map(|i| r.get::<_, Value>(i)).collect::<rusqlite::Result<Vec<_>>>()
+        })
+        .optional()?;
+    if let Some(row) = differing {
+        let shown: Vec<String> = cols.iter().zip(&row).map(|(c, v)| format!("{c} = {v:?}")).collect();
+        return Err(MergeError::Conflict {
+            input: input.path.to_owned(),
+            table: table.name.clone(),
+            row: shown.join(", "),
+        });
+    }
+    Ok(added as u64)
 }
 
 #[cfg(test)]
@@ -323,7 +353,7 @@ pub(crate) mod testing {
 
     use rusqlite::{Connection, params, params_from_iter, types::Value};
 
-    use super::{TableKind, insert_sql, tables_of};
+    use super::{TableKind, list, tables_of};
     use crate::store::{
         AtFinish, Capability, GpuSampleRow, KernelRow, LaunchRow, RaplSampleRow, RegionRow, SessionEnd, StepRow, Store,
         StoreMsg, SyncRow, SystemSampleRow, quoted,
@@ -424,7 +454,9 @@ pub(crate) mod testing {
                     _ => Value::Text(format!("{}-{id}", t.name)),
                 })
                 .collect();
-            c.execute(&insert_sql(&t.name, &t.columns, false), params_from_iter(&values)).expect(&t.name);
+            let marks = vec!["?"; values.len()].join(", ");
+            let sql = format!("INSERT INTO {} ({}) VALUES ({marks})", quoted(&t.name), list(&t.columns, ""));
+            c.execute(&sql, params_from_iter(&values)).expect(&t.name);
         }
     }
 
