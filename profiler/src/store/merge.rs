@@ -663,6 +663,24 @@ mod tests {
         }
     }
 
+    /// Inputs are attached by URI: a path with the characters URIs give a
+    /// meaning to (and one that is not ASCII) still names the file.
+    #[test]
+    fn inputs_under_odd_paths_merge() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let odd = dir.path().join("a ?#%20&=é dir");
+        std::fs::create_dir(&odd).expect("odd dir");
+        let (a, b) = two_nodes(&odd);
+        let (old, current) = (odd.join("old?.db"), odd.join("current#.db"));
+        let (_, version, schema) = history::historical_shapes()[0];
+        history::write_old_file(&old, version, schema);
+        std::fs::rename(&a, &current).expect("rename");
+        let summary = merge_files(&odd.join("job.db"), &[&current, &b, &old], None).expect("merge");
+        assert_eq!(summary.sessions, 4);
+        let uri = read_only_uri(&odd);
+        assert!(uri.starts_with("file:/") && uri.ends_with("/a%20%3F%23%2520%26%3D%C3%A9%20dir?mode=ro"), "{uri}");
+    }
+
     #[test]
     fn inputs_that_name_one_api_differently_are_refused() {
         let dir = tempfile::tempdir().expect("tempdir");
