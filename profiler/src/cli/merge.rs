@@ -216,6 +216,12 @@ mod tests {
             .expect("q");
         assert_eq!(launches, [3, 5]);
         assert_eq!(files_in(dir.path()), ["a.db", "b.db", "job.db"]);
+
+        // Not even with --force over a profile a profiler is writing.
+        let live = dir.path().join("live.db");
+        let writing = Store::open(&live).expect("a profiler's store");
+        refused(&args(&[&a, &b, Path::new("-o"), &live, Path::new("--force")]), "a running profiler is writing");
+        drop(writing);
         // As a file created here with the umask applied, less write for others.
         let mode =
             |p: &Path| std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(p).expect("stat").permissions());
