@@ -6,6 +6,8 @@
 //! migration adds is carried without a change to this file: a table with a
 //! `session_id` column is per session, one without (`apis`) is shared and its
 //! rows must agree between inputs. Views and indexes come with the schema.
+//! Each input is attached read-only and copied inside SQLite (`INSERT …
+//! SELECT`), an older one through its copy migrated in memory.
 //! Times are not shifted: each session keeps its own monotonic clock and its
 //! `unix_offset_ns`, which is what puts sessions of different nodes on one
 //! Unix time axis for readers that need one.

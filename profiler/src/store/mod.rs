@@ -2,7 +2,8 @@
 //! migrations ([`schema`]), the rows the rest of the profiler sends
 //! ([`rows`]), the batched writer thread ([`writer`]) and the session's last
 //! transaction, where per-step figures are derived ([`finish`]); and the one
-//! way readers open a profile ([`open_for_reading`]).
+//! way readers open a profile ([`open_for_reading`]); profiles merged into
+//! one new file ([`merge_into`]).
 mod finish;
 mod merge;
 pub mod rows;
