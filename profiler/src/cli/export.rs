@@ -349,12 +349,14 @@ struct TracedProcess {
     unix_offset_ns: i64,
     /// `RANK` of a process of a multi-process job.
     rank: Option<i64>,
+    /// Its machine, named on its track when a job spans several (a merged profile).
+    host: Option<String>,
 }
 
 impl TracedProcess {
     fn read(db: &ProfileDb, session: i64) -> rusqlite::Result<Self> {
         db.conn.query_row(
-            "SELECT pid, command, exe, started_ns, unix_offset_ns, rank FROM sessions WHERE id = ?1",
+            "SELECT pid, command, exe, started_ns, unix_offset_ns, rank, hostname FROM sessions WHERE id = ?1",
             [session],
             |r| {
                 Ok(Self {
@@ -365,6 +367,7 @@ impl TracedProcess {
                     started_ns: r.get(3)?,
                     unix_offset_ns: r.get(4)?,
                     rank: r.get(5)?,
+                    host: None,
                 })
             },
         )
@@ -383,10 +386,13 @@ fn write_session<W: Write>(
     let mut counts = EventCounts::default();
     // Track names.
     let program = program_name(s.exe.as_deref(), &s.command);
-    let process = match s.rank {
+    let mut process = match s.rank {
         Some(rank) => format!("rank {rank}: {program} (pid {pid})"),
         None => format!("{program} (pid {pid})"),
     };
+    if let Some(host) = &s.host {
+        process = format!("{host} {process}");
+    }
     w.event(&t.meta("process_name", pid, &process))?;
     let tid_sql = "SELECT tid FROM steps WHERE session_id = ?1 UNION SELECT tid FROM launches WHERE session_id = ?1
                    UNION SELECT tid FROM syncs WHERE session_id = ?1 UNION SELECT tid FROM regions WHERE session_id = ?1

@@ -4,6 +4,7 @@ mod attach;
 mod bare_probe;
 mod doctor;
 mod export;
+mod merge;
 mod report;
 mod report_job;
 mod run;
@@ -37,6 +38,8 @@ enum Command {
     Report(report::ReportArgs),
     /// Export a session as a Perfetto/Chrome trace (--format perfetto) or a table as CSV (--format csv --table T).
     Export(export::ExportArgs),
+    /// Merge profiles (one per node) into one new file: sessions renumbered, every row kept.
+    Merge(merge::MergeArgs),
     /// Check what will and will not work on this machine (and for PID) before tracing.
     Doctor(doctor::DoctorArgs),
     /// Benchmark helper: attach an empty uprobe to LIBRARY:SYMBOL in PID until SIGINT/SIGTERM.
@@ -184,6 +187,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Run(a) => run::main(a).await,
         Command::Report(a) => report::main(a).await,
         Command::Export(a) => export::main(a).await,
+        Command::Merge(a) => merge::main(a).await,
         Command::Doctor(a) => doctor::main(a).await,
         Command::BareProbe(a) => bare_probe::main(a).await,
     }

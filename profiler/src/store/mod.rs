@@ -2,10 +2,12 @@
 //! migrations ([`schema`]), the rows the rest of the profiler sends
 //! ([`rows`]), the batched writer thread ([`writer`]) and the session's last
 //! transaction, where per-step figures are derived ([`finish`]); and the one
-//! way readers open a profile ([`open_for_reading`]).
+//! way readers open a profile ([`open_for_reading`]); profiles merged into
+//! one new file ([`merge_into`]).
 mod collectives;
 mod finish;
 mod gemms;
+mod merge;
 pub mod rows;
 mod schema;
 mod writer;
@@ -20,6 +22,7 @@ use rusqlite::{Connection, DatabaseName, OpenFlags, backup::Backup, params};
 pub use self::{
     collectives::NCCL_KIND,
     gemms::{GemmRow, StepGemms},
+    merge::{MergeInput, MergeSummary, merge_into},
     rows::{
         AtFinish, Capability, CollectiveRow, GpuRow, GpuSampleRow, KernelRow, LaunchRow, Losses, ProbedFileRow,
         RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepPhases, StepRow, SyncRow, SystemSampleRow,
@@ -201,6 +204,8 @@ impl Store {
     }
 }
 
+#[cfg(test)]
+pub(crate) use merge::testing as merge_testing;
 #[cfg(test)]
 pub(crate) use schema::history;
 

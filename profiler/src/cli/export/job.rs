@@ -75,21 +75,38 @@ struct JobData<'a> {
     timestamps: &'static str,
 }
 
-/// Writes every session of `job`, each as its own process.
+/// The machine a session ran on.
+fn hostname(db: &ProfileDb, session: i64) -> rusqlite::Result<Option<String>> {
+    db.conn.query_row("SELECT hostname FROM sessions WHERE id = ?1", [session], |r| r.get(0))
+}
+
+/// Writes every session of `job`, each as its own process (its pid; its
+/// session id when pids of two machines coincide).
 pub(super) fn export_job_perfetto(db: &ProfileDb, job: &str, out: impl Write) -> anyhow::Result<EventCounts> {
     let sessions = crate::cli::report_job::job_sessions(db, job)?;
-    let processes =
+    let mut processes =
         sessions.iter().map(|&(id, _, _)| TracedProcess::read(db, id)).collect::<rusqlite::Result<Vec<_>>>()?;
+    // A merged profile's job spans machines: name each track's host, and
+    // number tracks by session where two machines' pids coincide.
+    let hosts: Vec<Option<String>> =
+        sessions.iter().map(|&(id, _, _)| hostname(db, id)).collect::<rusqlite::Result<_>>()?;
+    let several_hosts = hosts.iter().collect::<std::collections::HashSet<_>>().len() > 1;
+    if several_hosts {
+        processes.iter_mut().zip(hosts).for_each(|(p, h)| p.host = h);
+    }
+    let pids_unique =
+        processes.iter().map(|p| p.pid).collect::<std::collections::HashSet<_>>().len() == processes.len();
+    let track = |p: &TracedProcess| if pids_unique { p.pid } else { p.session };
     // The job's first start, as Unix ns: each session's clock is moved onto it.
     let base_unix_ns = processes.iter().map(|p| p.started_ns + p.unix_offset_ns).min().unwrap_or(0);
     let mut w = TraceWriter::new(out)?;
     let mut total = EventCounts::default();
     for (order, p) in processes.iter().enumerate() {
-        let t = Timeline { pid: p.pid, started_ns: base_unix_ns - p.unix_offset_ns };
+        let t = Timeline { pid: track(p), started_ns: base_unix_ns - p.unix_offset_ns };
         w.event(&SortIndex {
             name: "process_sort_index",
             ph: "M",
-            pid: p.pid,
+            pid: track(p),
             args: SortArgs { sort_index: order as i64 },
         })?;
         let c = write_session(db, p, t, &mut w)?;
