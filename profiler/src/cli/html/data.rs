@@ -6,13 +6,16 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::super::report::{CapabilityRow, ProfileDb};
 
-/// Per-step energy of one label: (label, step) → joules and error bounds, by source.
+/// One source's energy per step: (label, step) → (J, ± J).
+pub type PerStep = HashMap<(String, i64), (f64, Option<f64>)>;
+
+/// Per-step energy by source.
 #[derive(Default)]
 pub struct StepEnergy {
-    /// GPU index → (label, step) → (J, ± J).
-    pub gpus: BTreeMap<i64, HashMap<(String, i64), (f64, Option<f64>)>>,
-    pub cpu: HashMap<(String, i64), (f64, Option<f64>)>,
-    pub dram: HashMap<(String, i64), (f64, Option<f64>)>,
+    /// By GPU index.
+    pub gpus: BTreeMap<i64, PerStep>,
+    pub cpu: PerStep,
+    pub dram: PerStep,
 }
 
 pub fn step_energy(db: &ProfileDb, session: i64) -> anyhow::Result<StepEnergy> {

@@ -178,7 +178,7 @@ pub fn stacked_bars(frame: &Frame, bars: &[Bar], warmup: Option<(f64, f64)>) -> 
             }
             if let Some(e) = b.error.filter(|e| *e > 0.0) {
                 let mid = (b.x.0 + b.x.1) / 2.0;
-                c.draw_series([ErrorBar::new_vertical(mid, bottom - e, bottom, bottom + e, &BLACK, 4)])?;
+                c.draw_series([ErrorBar::new_vertical(mid, bottom - e, bottom, bottom + e, BLACK, 4)])?;
             }
         }
         Ok(())
@@ -209,7 +209,12 @@ fn span(values: impl Iterator<Item = f64>) -> Option<Range<f64>> {
     let (lo, hi) = values
         .filter(|v| v.is_finite())
         .fold(None, |acc: Option<(f64, f64)>, v| Some(acc.map_or((v, v), |(lo, hi)| (lo.min(v), hi.max(v)))))?;
-    Some(if hi > lo { lo..hi } else { lo - 0.5..hi + 0.5 })
+    Some(match (hi > lo, lo == 0.0) {
+        (true, _) => lo..hi,
+        // All zero: the axis starts at zero, as every other does.
+        (false, true) => 0.0..1.0,
+        (false, false) => lo - 0.5..hi + 0.5,
+    })
 }
 
 /// A chart area of `x` × `y` with labelled axes, `body` drawn into it, as an

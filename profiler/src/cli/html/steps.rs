@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use super::{
-    data::{StepEnergy, why_missing},
+    data::{PerStep, StepEnergy, why_missing},
     downsample::{BUCKETS, chunks, min_max},
     page::Page,
     plots::{Bar, Figure, Frame, LegendEntry, Line, LineChart, Mark, Stroke, line_chart, look, stacked_bars},
@@ -137,7 +137,7 @@ impl LabelSteps<'_> {
         let id = format!("{}-energy", self.anchor);
         let title = format!("Energy per step by source ({})", self.figures.label);
         let label = &self.figures.label;
-        let mut sources: Vec<(String, &HashMap<(String, i64), (f64, Option<f64>)>)> = Vec::new();
+        let mut sources: Vec<(String, &PerStep)> = Vec::new();
         for (gpu, per_step) in &e.gpus {
             let name = self.gpu_names.iter().find(|(g, _)| g == gpu).map_or(String::new(), |(_, n)| format!(" {n}"));
             sources.push((format!("GPU {gpu}{name}"), per_step));
