@@ -239,7 +239,7 @@ mod tests {
         let slowest = &html[html.find("<figure id=\"job-train-slowest\"").expect("slowest")..];
         assert_eq!(slowest[..slowest.find("</figure>").expect("end")].matches("<circle").count(), 20);
         assert!(html.contains(&format!("id=\"s{a}\"")) && html.contains(&format!("id=\"s{b}\"")));
-        let e = render(&db, &args(&path, &["--job", "k"])).err().expect("no such job").to_string();
+        let e = render(&db, &args(&path, &["--job", "k"])).expect_err("no such job").to_string();
         assert!(e.contains("no job 'k'") && e.contains(": j"), "{e}");
     }
 
