@@ -260,7 +260,7 @@ fn a_million_step_session_stays_a_few_megabytes() {
     const LIMIT_BYTES: u64 = 5_000_000;
     let dir = workdir("html-large");
     let db = dir.join("p.db");
-    profile_into(&dir, &db, &["--steps", "3", "--launches", "2"], &[]);
+    profile_into(&dir, &db, &["--steps", "3", "--launches", "2", "--step-sleep-us", "20000"], &[]);
     let s = last_session(&db);
     // Steps every 36 ms for 10 h, the step time wandering with a spike every 100 000.
     open(&db)
