@@ -134,7 +134,8 @@ mod tests {
 
     use super::*;
 
-    /// A session with `n` steps of 10 ms (every 12 ms) from 1 ms on, GPU 0 and
+    /// A session with `n` steps of 10 ms (every 12 ms) from 1 ms on, 2 ms of
+    /// data wait and 3 ms of optimizer in each, GPU 0 and
     /// CPU energy per step, 2 GPU samples per step, RAPL package readings, two
     /// GEMM shapes; no DRAM readings (the capability says why).
     fn synthetic(path: &Path, n: i64) -> i64 {
@@ -145,9 +146,9 @@ mod tests {
         conn.execute_batch(&format!(
             "WITH RECURSIVE i(k) AS (SELECT 0 UNION ALL SELECT k + 1 FROM i WHERE k + 1 < {n})
              INSERT INTO steps(session_id, label, step, tid, start_ns, end_ns, duration_ns, inter_step_ns, launches,
-                               sync_wait_ns, flops)
+                               sync_wait_ns, flops, data_wait_ns, optimizer_ns)
                  SELECT {id}, 'train', k, 7, 1000000 + k * 12000000, 11000000 + k * 12000000, 10000000,
-                        CASE WHEN k > 0 THEN 2000000 END, 20 + k % 3, 1000000, 3000000000 FROM i;
+                        CASE WHEN k > 0 THEN 2000000 END, 20 + k % 3, 1000000, 3000000000, 2000000, 3000000 FROM i;
              INSERT INTO step_gpu(session_id, label, step, gpu, energy_j, energy_error_j)
                  SELECT {id}, label, step, 0, 3.0, 0.1 FROM steps WHERE session_id = {id};
              INSERT INTO step_energy(session_id, label, step, cpu_energy_j, cpu_energy_error_j)
@@ -207,6 +208,9 @@ mod tests {
         assert!(polylines(&html, &format!("{s}-launches")).contains(&50));
         assert!(polylines(&html, &format!("s{id}-gpu-util")).contains(&100));
         assert!(polylines(&html, &format!("s{id}-rapl-power")).contains(&49));
+        // Data wait, optimizer and the rest of each step stacked, and the warm-up shaded.
+        let phases = &html[html.find(&format!("<figure id=\"{s}-phases\"")).expect("phases")..];
+        assert_eq!(phases[..phases.find("</figure>").expect("end")].matches("<rect").count(), 3 * 50 + 1);
         for present in ["-energy", "-flops", "-sync-wait"] {
             assert!(html.contains(&format!("<figure id=\"{s}{present}\"")), "{present}");
         }
