@@ -107,7 +107,7 @@ fn spread_and_slowest(
     let frame = Frame { id: &id, title: &title, desc, x_label: "step number", y_label: "slowest rank" };
     let mut dots = line(0, "slowest rank", min_max(&slowest, BUCKETS));
     dots.stroke = Stroke::Points;
-    if let Some(svg) = line_chart(&frame, &LineChart { lines: vec![dots], ..Default::default() })? {
+    if let Some(svg) = line_chart(&frame, &LineChart { lines: vec![dots], whole_y: true, ..Default::default() })? {
         page.figure(&Figure { id, title, svg, legend: Vec::new(), note: None });
     }
     let mut times: BTreeMap<i64, usize> = BTreeMap::new();

@@ -100,6 +100,8 @@ pub struct LineChart {
     pub bands: Vec<(f64, f64)>,
     /// The x interval of the warm-up steps (`--skip`), marked and labelled.
     pub warmup: Option<(f64, f64)>,
+    /// The y values are whole numbers (ranks): ticks only there.
+    pub whole_y: bool,
 }
 
 type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
@@ -109,8 +111,8 @@ pub fn line_chart(frame: &Frame, chart: &LineChart) -> anyhow::Result<Option<Str
     let xs = chart.lines.iter().flat_map(|l| l.points.iter().map(|p| p.0));
     let ys = chart.lines.iter().flat_map(|l| l.points.iter().map(|p| p.1)).chain(chart.marks.iter().map(|m| m.value));
     let (Some(x), Some(y)) = (span(xs), span(ys.chain([0.0]))) else { return Ok(None) };
-    let y = y.start..y.end + (y.end - y.start) * 0.08;
-    draw(frame, x, y, |c, y| {
+    let y = if chart.whole_y { y.start - 0.5..y.end + 0.5 } else { y.start..y.end + (y.end - y.start) * 0.08 };
+    draw(frame, x, y, chart.whole_y, |c, y| {
         let y0 = y.start;
         let y1 = y.end;
         for &(a, b) in &chart.bands {
@@ -163,7 +165,7 @@ pub fn stacked_bars(frame: &Frame, bars: &[Bar], warmup: Option<(f64, f64)>) -> 
     let y = span(bars.iter().map(|b| total(b) + b.error.unwrap_or(0.0)).chain([0.0]));
     let (Some(x), Some(y)) = (x, y) else { return Ok(None) };
     let y = 0.0..y.end * 1.08;
-    draw(frame, x, y, |c, y| {
+    draw(frame, x, y, false, |c, y| {
         if let Some((a, b)) = warmup {
             c.draw_series([Rectangle::new([(a, y.start), (b, y.end)], RGBColor(200, 200, 200).mix(0.6).filled())])?;
             c.draw_series([Text::new("warm-up (--skip)", (a, y.end), ("sans-serif", 13).into_font().color(&GREY))])?;
@@ -191,7 +193,7 @@ pub fn stacked_bars(frame: &Frame, bars: &[Bar], warmup: Option<(f64, f64)>) -> 
 pub fn ranked_bars(frame: &Frame, values: &[f64], unit: &str) -> anyhow::Result<Option<String>> {
     let Some(max) = values.iter().copied().reduce(f64::max) else { return Ok(None) };
     let n = values.len() as f64;
-    draw(frame, 0.0..max * 1.25, 0.0..n, |c, _| {
+    draw(frame, 0.0..max * 1.25, 0.0..n, false, |c, _| {
         for (i, v) in values.iter().enumerate() {
             let top = n - i as f64;
             c.draw_series([Rectangle::new([(0.0, top - 0.85), (*v, top - 0.15)], COLOURS[0].filled())])?;
@@ -223,6 +225,7 @@ fn draw(
     frame: &Frame,
     x: Range<f64>,
     y: Range<f64>,
+    whole_y: bool,
     body: impl FnOnce(&mut Chart, Range<f64>) -> anyhow::Result<()>,
 ) -> anyhow::Result<String> {
     let mut svg = String::new();
@@ -237,11 +240,15 @@ fn draw(
         c.configure_mesh()
             .x_desc(frame.x_label)
             .y_desc(frame.y_label)
+            // Two light lines between labelled ones: a guide, not a third of the page's bytes.
+            .max_light_lines(2)
             .light_line_style(RGBColor(238, 238, 238))
             .bold_line_style(RGBColor(215, 215, 215))
             .axis_desc_style(("sans-serif", 14))
             .label_style(("sans-serif", 12))
-            .y_label_formatter(&|v| short(*v))
+            // Whole-number axes (ranks) have a tick per number and no fractions.
+            .y_labels(if whole_y { ((y.end - y.start).ceil() as usize + 1).min(21) } else { 10 })
+            .y_label_formatter(&|v| if whole_y && v.fract() != 0.0 { String::new() } else { short(*v) })
             .x_label_formatter(&|v| short(*v))
             .draw()
             .map_err(|e| anyhow!("drawing {}: {e}", frame.id))?;

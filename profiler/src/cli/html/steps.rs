@@ -89,7 +89,7 @@ impl LabelSteps<'_> {
         );
         let kept = steps.len();
         let lines = vec![line(0, "step time", steps), line(1, "inter-step gap", min_max(&gaps, BUCKETS))];
-        let chart = LineChart { lines, marks, bands: Vec::new(), warmup: self.warmup() };
+        let chart = LineChart { lines, marks, warmup: self.warmup(), ..Default::default() };
         match line_chart(&self.frame(&id, &title, "time (ms)", desc), &chart)? {
             Some(svg) => {
                 let mut legend = legend_of(&chart.lines);
