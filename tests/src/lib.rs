@@ -566,3 +566,39 @@ pub fn launches_outside_their_step(db: &Path, session: i64) -> i64 {
         session,
     )
 }
+
+/// The stand-in `libnvidia-ml.so.1` of the fixtures (two GPUs with known readings).
+pub fn stand_in_nvml() -> String {
+    fixtures().join("libnvidia-ml.so.1").display().to_string()
+}
+
+/// Profiles the trainer (run to completion) into `db` with the stand-in NVML.
+pub fn profile_into(dir: &Path, db: &Path, trainer_args: &[&str], extra: &[&str]) -> Truth {
+    // Each trainer gets its own go file and truth file: a go file left by an
+    // earlier run would let it start before the profiler is attached.
+    let own = dir.join(format!("trainer-{}", std::fs::read_dir(dir).expect("workdir").count()));
+    std::fs::create_dir(&own).expect("trainer dir");
+    let mut trainer = Trainer::spawn(&own, trainer_args);
+    let mut args = vec!["--step-symbol", "train_step", "--nvml-lib"];
+    let nvml = stand_in_nvml();
+    args.push(&nvml);
+    // No RAPL on any host, unless the caller names a powercap tree.
+    let no_rapl = no_rapl_root(dir);
+    if !extra.contains(&"--powercap-root") {
+        args.extend(["--powercap-root", &no_rapl]);
+    }
+    args.extend_from_slice(extra);
+    let agent = Agent::attach(trainer.pid(), db, &args);
+    trainer.go();
+    assert!(trainer.wait().success(), "trainer failed");
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "profiler failed: {stderr}");
+    trainer.truth()
+}
+
+/// An empty powercap root in `dir`: `--powercap-root` at it means no RAPL, on any host.
+pub fn no_rapl_root(dir: &Path) -> String {
+    let root = dir.join("no-rapl");
+    std::fs::create_dir_all(&root).expect("empty powercap root");
+    root.display().to_string()
+}

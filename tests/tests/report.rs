@@ -16,10 +16,6 @@ use serde_json::Value;
 
 const SKIP: i64 = 3;
 
-fn stand_in_nvml() -> String {
-    fixtures().join("libnvidia-ml.so.1").display().to_string()
-}
-
 /// Runs `profiler ARGS`; returns (exit code, stdout, stderr).
 fn run(args: &[&str]) -> (Option<i32>, String, String) {
     let out = Command::new(profiler_bin()).args(args).output().expect("run profiler");
@@ -35,37 +31,6 @@ fn stdout_of(args: &[&str]) -> String {
     let (code, out, err) = run(args);
     assert_eq!(code, Some(0), "profiler {args:?} failed: {err}");
     out
-}
-
-/// Profiles the trainer (run to completion) into `db` with the stand-in NVML.
-fn profile_into(dir: &Path, db: &Path, trainer_args: &[&str], extra: &[&str]) -> Truth {
-    // Each trainer gets its own go file and truth file: a go file left by an
-    // earlier run would let it start before the profiler is attached.
-    let own = dir.join(format!("trainer-{}", std::fs::read_dir(dir).expect("workdir").count()));
-    std::fs::create_dir(&own).expect("trainer dir");
-    let mut trainer = Trainer::spawn(&own, trainer_args);
-    let mut args = vec!["--step-symbol", "train_step", "--nvml-lib"];
-    let nvml = stand_in_nvml();
-    args.push(&nvml);
-    // No RAPL on any host, unless the caller names a powercap tree.
-    let no_rapl = no_rapl_root(dir);
-    if !extra.contains(&"--powercap-root") {
-        args.extend(["--powercap-root", &no_rapl]);
-    }
-    args.extend_from_slice(extra);
-    let agent = Agent::attach(trainer.pid(), db, &args);
-    trainer.go();
-    assert!(trainer.wait().success(), "trainer failed");
-    let (status, stderr) = agent.finish();
-    assert!(status.success(), "profiler failed: {stderr}");
-    trainer.truth()
-}
-
-/// An empty powercap root in `dir`: `--powercap-root` at it means no RAPL, on any host.
-fn no_rapl_root(dir: &Path) -> String {
-    let root = dir.join("no-rapl");
-    std::fs::create_dir_all(&root).expect("empty powercap root");
-    root.display().to_string()
 }
 
 /// A CTE of the measured steps: label 'train', after the first `skip` by

@@ -4,6 +4,7 @@ mod attach;
 mod bare_probe;
 mod doctor;
 mod export;
+mod html;
 mod merge;
 mod report;
 mod report_job;
@@ -34,7 +35,8 @@ enum Command {
     Attach(attach::AttachArgs),
     /// Start a command and trace it from its first instruction.
     Run(run::RunArgs),
-    /// Summarise a session: step time, inter-step time, launches, energy per step, top kernels.
+    /// Summarise a session: step time, inter-step time, launches, energy per step, top kernels
+    /// (--html: a page of plots for a session or a job).
     Report(report::ReportArgs),
     /// Export a session as a Perfetto/Chrome trace (--format perfetto) or a table as CSV (--format csv --table T).
     Export(export::ExportArgs),
@@ -185,6 +187,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Attach(a) => attach::main(a).await,
         Command::Run(a) => run::main(a).await,
+        Command::Report(a) if a.html => html::main(&a),
         Command::Report(a) => report::main(a).await,
         Command::Export(a) => export::main(a).await,
         Command::Merge(a) => merge::main(a).await,

@@ -39,23 +39,30 @@ const WIDTH: usize = 80;
 pub struct ReportArgs {
     /// The profile to read.
     #[arg(default_value = "profile.db")]
-    db: PathBuf,
+    pub(super) db: PathBuf,
     /// Session id (default: the latest).
     #[arg(long, value_name = "N")]
-    session: Option<i64>,
+    pub(super) session: Option<i64>,
     /// Only steps with this label (default: every label).
     #[arg(long, value_name = "L")]
-    label: Option<String>,
+    pub(super) label: Option<String>,
     /// Leave out the first K steps of each label (warm-up).
     #[arg(long, value_name = "K", default_value_t = 0)]
-    skip: u64,
+    pub(super) skip: u64,
     /// Output format.
     #[arg(long, value_enum, default_value_t = ReportFormat::Table)]
     format: ReportFormat,
     /// The ranks of a job side by side (default: the latest session's job):
     /// per step the slowest and fastest rank, the spread, each rank's wait share.
-    #[arg(long, value_name = "JOB", num_args = 0..=1, default_missing_value = "")]
-    job: Option<String>,
+    /// With --html: every process of the job, ranks side by side.
+    #[arg(long, value_name = "JOB", num_args = 0..=1, default_missing_value = "", conflicts_with = "session")]
+    pub(super) job: Option<String>,
+    /// Write one self-contained HTML page of plots (opens offline) instead.
+    #[arg(long, conflicts_with = "format")]
+    pub(super) html: bool,
+    /// Where --html writes its page.
+    #[arg(short, long, value_name = "FILE", default_value = "report.html", requires = "html")]
+    pub(super) output: PathBuf,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -471,18 +478,18 @@ pub struct KernelRow {
     pub share: f64,
 }
 
-/// One row of `steps`, as the report needs it.
-struct StepRow {
-    label: String,
-    step: i64,
-    start_ns: i64,
-    end_ns: Option<i64>,
-    duration_ns: Option<i64>,
-    inter_step_ns: Option<i64>,
-    launches: Option<i64>,
-    sync_wait_ns: Option<i64>,
-    data_wait_ns: Option<i64>,
-    optimizer_ns: Option<i64>,
+/// One row of `steps`, as the report (and its HTML page) needs it.
+pub(super) struct StepRow {
+    pub label: String,
+    pub step: i64,
+    pub start_ns: i64,
+    pub end_ns: Option<i64>,
+    pub duration_ns: Option<i64>,
+    pub inter_step_ns: Option<i64>,
+    pub launches: Option<i64>,
+    pub sync_wait_ns: Option<i64>,
+    pub data_wait_ns: Option<i64>,
+    pub optimizer_ns: Option<i64>,
 }
 
 /// Sums for one energy series over the measured steps.
@@ -688,7 +695,7 @@ fn session_info(db: &ProfileDb, session: i64) -> anyhow::Result<SessionInfo> {
 
 /// Every step of the session, each label's in start order (the order
 /// `--skip` counts in).
-fn load_steps(db: &ProfileDb, session: i64) -> anyhow::Result<Vec<StepRow>> {
+pub(super) fn load_steps(db: &ProfileDb, session: i64) -> anyhow::Result<Vec<StepRow>> {
     let mut q = db.conn.prepare(
         "SELECT label, step, start_ns, end_ns, duration_ns, inter_step_ns, launches, sync_wait_ns, data_wait_ns,
                 optimizer_ns

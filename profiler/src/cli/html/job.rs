@@ -1,0 +1,132 @@
+//! The job part of a page (`--job J`): the job's processes, each rank's step
+//! time side by side, the spread across ranks per step and the slowest rank
+//! per step, from the `job_steps` and `job_step_ranks` views.
+use std::collections::BTreeMap;
+
+use super::{
+    data::{JobMember, job_labels, job_rank_steps, job_steps},
+    downsample::{BUCKETS, min_max},
+    page::Page,
+    plots::{Figure, Frame, LineChart, Stroke, line_chart},
+    steps::{legend_of, line},
+};
+use crate::cli::report::ProfileDb;
+
+/// How a member is named on the page.
+fn who(m: &JobMember) -> String {
+    match m.rank {
+        Some(r) => format!("rank {r} (session {})", m.session),
+        None => format!("session {} (no rank)", m.session),
+    }
+}
+
+pub fn section(
+    page: &mut Page,
+    db: &ProfileDb,
+    job: &str,
+    members: &[JobMember],
+    label: Option<&str>,
+) -> anyhow::Result<()> {
+    page.heading(2, "job", &format!("Job {job}: {} processes", members.len()));
+    let rows: Vec<Vec<String>> = members
+        .iter()
+        .map(|m| vec![m.rank.map_or("–".into(), |r| r.to_string()), m.session.to_string(), m.pid.to_string()])
+        .collect();
+    page.table("job-members", "Processes of the job", &["rank", "session", "pid"], &rows);
+    let labels = job_labels(db, job)?;
+    let labels: Vec<&String> = labels.iter().filter(|l| label.is_none_or(|want| want == l.as_str())).collect();
+    if labels.is_empty() {
+        page.paragraph("No completed steps in this job.");
+    }
+    for l in labels {
+        let anchor = format!("job-{}", super::anchor(l));
+        page.heading(3, &anchor, &format!("Steps labelled {l} across the ranks"));
+        per_rank(page, db, job, l, members, &anchor)?;
+        spread_and_slowest(page, db, job, l, members, &anchor)?;
+    }
+    Ok(())
+}
+
+/// Each rank's step time per step number, one line per rank.
+fn per_rank(
+    page: &mut Page,
+    db: &ProfileDb,
+    job: &str,
+    label: &str,
+    members: &[JobMember],
+    anchor: &str,
+) -> anyhow::Result<()> {
+    let per_session = job_rank_steps(db, job, label)?;
+    let lines: Vec<_> = members
+        .iter()
+        .filter_map(|m| per_session.get(&m.session).map(|pts| (m, pts)))
+        .enumerate()
+        .map(|(i, (m, pts))| line(i, &who(m), min_max(pts, BUCKETS)))
+        .collect();
+    let id = format!("{anchor}-rank-step-time");
+    let title = format!("Step time per rank ({label})");
+    let desc = format!("{} ranks' step times by step number, one line each.", lines.len());
+    let frame = Frame { id: &id, title: &title, desc, x_label: "step number", y_label: "step time (ms)" };
+    let chart = LineChart { lines, ..Default::default() };
+    if let Some(svg) = line_chart(&frame, &chart)? {
+        page.figure(&Figure { id, title, svg, legend: legend_of(&chart.lines), note: None });
+    }
+    Ok(())
+}
+
+/// Spread (slowest − fastest) per step, the slowest rank per step, and how
+/// often each rank was the slowest.
+fn spread_and_slowest(
+    page: &mut Page,
+    db: &ProfileDb,
+    job: &str,
+    label: &str,
+    members: &[JobMember],
+    anchor: &str,
+) -> anyhow::Result<()> {
+    let steps = job_steps(db, job, label)?;
+    let shared: Vec<_> = steps.iter().filter(|s| s.ranks > 1).collect();
+    let spread: Vec<(f64, f64)> = shared.iter().map(|s| (s.step as f64, s.max_ms - s.min_ms)).collect();
+    let id = format!("{anchor}-spread");
+    let title = format!("Step-time spread across ranks ({label})");
+    let desc =
+        format!("Slowest minus fastest rank's step time for {} step numbers run by two or more ranks.", spread.len());
+    let frame = Frame { id: &id, title: &title, desc, x_label: "step number", y_label: "spread (ms)" };
+    let chart =
+        LineChart { lines: vec![line(0, "slowest − fastest", min_max(&spread, BUCKETS))], ..Default::default() };
+    match line_chart(&frame, &chart)? {
+        Some(svg) => page.figure(&Figure { id, title, svg, legend: Vec::new(), note: None }),
+        None => page.missing(&id, &title, "no step number was run by two or more ranks"),
+    }
+    // The slowest rank as a dot per step; a session without a rank by its id.
+    let slowest: Vec<(f64, f64)> =
+        shared.iter().map(|s| (s.step as f64, s.slowest_rank.unwrap_or(s.slowest_session) as f64)).collect();
+    let id = format!("{anchor}-slowest");
+    let title = format!("Slowest rank per step ({label})");
+    let desc = format!("One dot per step number at the rank that took longest, {} steps.", slowest.len());
+    let frame = Frame { id: &id, title: &title, desc, x_label: "step number", y_label: "slowest rank" };
+    let mut dots = line(0, "slowest rank", min_max(&slowest, BUCKETS));
+    dots.stroke = Stroke::Points;
+    if let Some(svg) = line_chart(&frame, &LineChart { lines: vec![dots], whole_y: true, ..Default::default() })? {
+        page.figure(&Figure { id, title, svg, legend: Vec::new(), note: None });
+    }
+    let mut times: BTreeMap<i64, usize> = BTreeMap::new();
+    for s in &shared {
+        *times.entry(s.slowest_session).or_default() += 1;
+    }
+    let rows: Vec<Vec<String>> = members
+        .iter()
+        .map(|m| {
+            let n = times.get(&m.session).copied().unwrap_or(0);
+            let share = if shared.is_empty() { 0.0 } else { 100.0 * n as f64 / shared.len() as f64 };
+            vec![who(m), n.to_string(), format!("{share:.1}%")]
+        })
+        .collect();
+    page.table(
+        &format!("{anchor}-slowest-count"),
+        "How often each rank was the slowest",
+        &["rank", "steps", "share"],
+        &rows,
+    );
+    Ok(())
+}
