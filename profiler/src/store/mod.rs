@@ -205,8 +205,6 @@ impl Store {
 }
 
 #[cfg(test)]
-pub(crate) use merge::testing as merge_testing;
-#[cfg(test)]
 pub(crate) use schema::history;
 
 #[cfg(test)]
