@@ -6,6 +6,7 @@
 mod finish;
 pub mod rows;
 mod schema;
+mod step_flops;
 mod writer;
 
 use std::{
@@ -17,8 +18,8 @@ use rusqlite::{Connection, DatabaseName, OpenFlags, backup::Backup, params};
 
 pub use self::{
     rows::{
-        AtFinish, Capability, GpuRow, GpuSampleRow, KernelRow, LaunchRow, Losses, ProbedFileRow, RaplSampleRow,
-        RegionRow, SessionEnd, SessionStart, StepPhases, StepRow, SyncRow, SystemSampleRow,
+        AtFinish, Capability, GpmReadings, GpuRow, GpuSampleRow, KernelRow, LaunchRow, Losses, ProbedFileRow,
+        RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepPhases, StepRow, SyncRow, SystemSampleRow,
     },
     schema::{SCHEMA_VERSION, quoted},
     writer::{RowSender, StoreMsg, StoreWriter},
