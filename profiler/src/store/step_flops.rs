@@ -60,9 +60,12 @@ pub(super) fn write(conn: &Connection, session: i64, gpus: &[u32], max_gap_ns: u
     Ok(())
 }
 
+/// (precision, FLOPs) of each group of a step's GEMM rows, by (label, step).
+type GemmGroups = HashMap<(String, i64), Vec<(Option<Precision>, i64)>>;
+
 /// Every step with its FLOPs and the precision of its GEMM rows (see [`dominant`]).
 fn load_steps(conn: &Connection, session: i64) -> rusqlite::Result<Vec<StepFlops>> {
-    let mut groups: HashMap<(String, i64), Vec<(Option<Precision>, i64)>> = HashMap::new();
+    let mut groups = GemmGroups::new();
     let mut stmt = conn.prepare(
         "SELECT label, step, data_type, compute_type, sum(flops) FROM gemms
          WHERE session_id = ?1 AND label IS NOT NULL AND step IS NOT NULL
