@@ -39,6 +39,8 @@ struct GpmGpu {
     /// Err: why the GPU has no GPM readings.
     support: Result<(), String>,
     held: Option<Held>,
+    /// The last tick that read this GPU: GPM after `held` up to it is not yet covered.
+    last_tick_ns: u64,
 }
 
 /// GPM state of the sampled GPUs, in the GPU sampler's order.
@@ -65,7 +67,7 @@ fn support(dev: &Device<'_>) -> Result<(), String> {
 impl GpmState {
     /// Adds the next sampled GPU (logical number `logical`).
     pub fn add(&mut self, dev: &Device<'_>, logical: u32) {
-        self.gpus.push(GpmGpu { logical, support: support(dev), held: None });
+        self.gpus.push(GpmGpu { logical, support: support(dev), held: None, last_tick_ns: 0 });
     }
 
     /// GPM readings of the `k`-th GPU (`dev`) over the interval since its
@@ -88,6 +90,7 @@ impl GpmState {
             }
             return None;
         }
+        g.last_tick_ns = now_ns;
         if g.held.as_ref().is_some_and(|h| now_ns.saturating_sub(h.ts_ns) < MIN_INTERVAL_NS) {
             return None;
         }
@@ -135,13 +138,14 @@ impl GpmState {
         })
     }
 
-    /// How long until every held sample is [`MIN_INTERVAL_NS`] old: a last
-    /// tick then closes an interval on every GPU, so the session's end is
-    /// covered. None when nothing is held.
+    /// How long until every held sample that the last tick could not close
+    /// (too soon) is [`MIN_INTERVAL_NS`] old: one more tick then closes an
+    /// interval on every GPU, so GPM covers the session up to its last tick.
+    /// None when every GPU's GPM is covered up to its last tick.
     pub fn wait_to_close_ns(&self, now_ns: u64) -> Option<u64> {
         self.gpus
             .iter()
-            .filter_map(|g| g.held.as_ref())
+            .filter_map(|g| g.held.as_ref().filter(|h| h.ts_ns < g.last_tick_ns))
             .map(|h| (h.ts_ns + MIN_INTERVAL_NS).saturating_sub(now_ns))
             .max()
     }
@@ -152,5 +156,29 @@ impl GpmState {
             // SAFETY: taken out of `held`, so wrapped (and freed) once.
             drop(unsafe { GpmSample::from_handle(nvml, h.handle) });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    /// A GPU whose last GPM sample was at `held_ms` and last tick at `tick_ms`.
+    fn state(held_ms: u64, tick_ms: u64) -> GpmState {
+        let held = Some(Held { handle: std::ptr::null_mut(), ts_ns: held_ms * MS });
+        GpmState { gpus: vec![GpmGpu { logical: 0, support: Ok(()), held, last_tick_ns: tick_ms * MS }] }
+    }
+
+    #[test]
+    fn the_end_is_waited_for_only_when_the_last_tick_closed_no_interval() {
+        // The last tick took the sample: covered to it, no wait.
+        assert_eq!(state(500, 500).wait_to_close_ns(510 * MS), None);
+        // The last tick came 30 ms after the sample: 70 ms more from then, 60 from now.
+        assert_eq!(state(500, 530).wait_to_close_ns(540 * MS), Some(60 * MS));
+        assert_eq!(state(500, 530).wait_to_close_ns(700 * MS), Some(0));
+        // Nothing held (no GPM, or not sampled yet): nothing to wait for.
+        assert_eq!(GpmState::default().wait_to_close_ns(0), None);
     }
 }

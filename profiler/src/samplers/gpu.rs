@@ -663,7 +663,7 @@ impl Sampler for GpuSampler {
 
     fn finish(&mut self) -> Option<AtFinish> {
         // One more tick once GPM's interval allows, so that GPM covers the session's end.
-        if let Some(wait) = self.gpm.wait_to_close_ns(crate::clock::monotonic_ns()).filter(|&w| w > 0) {
+        if let Some(wait) = self.gpm.wait_to_close_ns(crate::clock::monotonic_ns()) {
             std::thread::sleep(Duration::from_nanos(wait));
             self.tick(crate::clock::monotonic_ns());
         }
