@@ -294,7 +294,10 @@ fn id_list(ids: &[i64]) -> String {
 ///               "avg_power_w": 81.0, "below_resolution": 0 },   // RAPL package; null if not recorded
 ///     "dram": { … },                  // RAPL DRAM; null if not recorded
 ///     "energy_per_step_j": 69.6,      // sum of the per-step energies above that exist; null if none
-///     "energy_components": ["GPU 0", "CPU"]   // which ones that sum includes
+///     "energy_components": ["GPU 0", "CPU"],  // which ones that sum includes
+///     "tflops_per_s": { … },          // GEMM FLOPs (steps.flops) / step time, TFLOP/s; null without BLAS figures
+///     "mfu_pct": { … },               // per step, mean step_gpu.mfu_pct over its GPUs; null if none
+///     "mfu_gpm_pct": { … }            // the same for step_gpu.mfu_gpm_pct (an NVML GPM estimate)
 ///   } ],
 ///   "top_kernels": [ { "function": 1048576, "name": null, "demangled_name": null,
 ///                      "api": "cuLaunchKernel", "launches": 500, "share": 0.05 } ]
@@ -418,6 +421,12 @@ pub struct LabelReport {
     pub dram: Option<EnergyStat>,
     pub energy_per_step_j: Option<f64>,
     pub energy_components: Vec<String>,
+    /// GEMM TFLOP/s per step (`steps.flops` / step time); None without BLAS figures.
+    pub tflops_per_s: Option<Percentiles>,
+    /// Per step, the mean `step_gpu.mfu_pct` over its GPUs.
+    pub mfu_pct: Option<Percentiles>,
+    /// Per step, the mean `step_gpu.mfu_gpm_pct` over its GPUs (an estimate from NVML GPM).
+    pub mfu_gpm_pct: Option<Percentiles>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -580,6 +589,7 @@ pub fn build(db: &ProfileDb, session: i64, label: Option<&str>, skip: u64) -> an
         l.dram = dram_sums.as_ref().and_then(|m| m.get(&l.label)).and_then(EnergySum::stat);
         l.add_up_energy();
     }
+    flops_figures(db, session, &measured, &mut labels)?;
 
     let top_kernels = top_kernels(db, session, &info.launch_mode)?;
     let top_regions = top_regions(db, session)?;
@@ -751,7 +761,38 @@ fn label_figures(name: &str, rows: &[StepRow], used: &[&StepRow], skip: u64) -> 
         dram: None,
         energy_per_step_j: None,
         energy_components: Vec::new(),
+        tflops_per_s: None,
+        mfu_pct: None,
+        mfu_gpm_pct: None,
     }
+}
+
+/// Per-step TFLOP/s, MFU and its GPM estimate of the measured steps, into
+/// each label's figures.
+fn flops_figures(db: &ProfileDb, session: i64, measured: &Measured, labels: &mut [LabelReport]) -> anyhow::Result<()> {
+    let mut stmt = db.conn.prepare(
+        "SELECT s.label, s.step, s.flops, avg(g.mfu_pct), avg(g.mfu_gpm_pct)
+         FROM steps s LEFT JOIN step_gpu g ON g.session_id = s.session_id AND g.label = s.label AND g.step = s.step
+         WHERE s.session_id = ?1 GROUP BY s.label, s.step",
+    )?;
+    let mut per_label: HashMap<String, [Vec<f64>; 3]> = HashMap::new();
+    let mut rows = stmt.query([session])?;
+    while let Some(r) = rows.next()? {
+        let (label, step): (String, i64) = (r.get(0)?, r.get(1)?);
+        let Some(&duration_ns) = measured.get(&(label.clone(), step)) else { continue };
+        let figures = per_label.entry(label).or_default();
+        let tflops = r.get::<_, Option<i64>>(2)?.filter(|_| duration_ns > 0);
+        figures[0].extend(tflops.map(|f| f as f64 / (duration_ns as f64 / 1e9) / 1e12));
+        figures[1].extend(r.get::<_, Option<f64>>(3)?);
+        figures[2].extend(r.get::<_, Option<f64>>(4)?);
+    }
+    for l in labels {
+        if let Some([tflops, mfu, gpm]) = per_label.remove(&l.label) {
+            (l.tflops_per_s, l.mfu_pct, l.mfu_gpm_pct) =
+                (Percentiles::of(tflops), Percentiles::of(mfu), Percentiles::of(gpm));
+        }
+    }
+    Ok(())
 }
 
 /// GPU energy of the measured steps, per (label, gpu); None when the profile
@@ -1106,9 +1147,12 @@ fn render_label(o: &mut String, l: &LabelReport) {
         ("launches/step", &l.launches_per_step, 0),
         ("data wait (ms)", &l.data_wait_ms, 3),
         ("optimizer (ms)", &l.optimizer_ms, 3),
+        ("GEMM TFLOP/s", &l.tflops_per_s, 1),
+        ("MFU (%)", &l.mfu_pct, 1),
+        ("MFU est. GPM (%)", &l.mfu_gpm_pct, 1),
     ] {
-        if p.is_none() && matches!(name, "data wait (ms)" | "optimizer (ms)") {
-            continue; // PyTorch's phases: only steps from its markers have them
+        if p.is_none() && !matches!(name, "step time (ms)" | "inter-step (ms)" | "launches/step") {
+            continue; // PyTorch's phases, FLOPs and MFU: only some steps have them
         }
         let cell = |f: fn(&Percentiles) -> f64, decimals| num(p.as_ref().map(f), decimals);
         rows.push(vec![
@@ -1305,6 +1349,9 @@ mod tests {
             dram: None,
             energy_per_step_j: Some(69.6),
             energy_components: vec!["GPU 0".into(), "GPU 1".into(), "CPU".into()],
+            tflops_per_s: Some(p(1234.5)),
+            mfu_pct: Some(p(45.6)),
+            mfu_gpm_pct: Some(p(38.9)),
         };
         let gpu = |gpu: i64, name: &str| GpuEnergy { gpu, name: Some(name.into()), energy: stat(61.5) };
         let cap = |source: &str, metric: &str, reason: Option<&str>| CapabilityRow {
@@ -1520,6 +1567,42 @@ mod tests {
         assert!(table.contains("data wait (ms)") && table.contains("optimizer (ms)"), "{table}");
         assert!(table.contains("top PyTorch regions"), "{table}");
         assert!(table.lines().all(|line| line.width() <= WIDTH), "{table}");
+    }
+
+    #[test]
+    fn tflops_and_mfu_per_step() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("p.db");
+        let store = crate::store::Store::open(&path).expect("a profile");
+        let id = store.begin_session(&crate::store::testing::start()).expect("session");
+        drop(store);
+        let conn = Connection::open(&path).expect("open");
+        // Step 0: 2 TFLOP in 4 ms (500 TFLOP/s), MFU 40 % and 60 % on two GPUs; step 1: 3 TFLOP in 2 ms.
+        conn.execute_batch(&format!(
+            "INSERT INTO steps(session_id, label, step, tid, start_ns, end_ns, duration_ns, flops)
+                 VALUES ({id}, 'train', 0, 9, 0, 4000000, 4000000, 2000000000000),
+                        ({id}, 'train', 1, 9, 5000000, 7000000, 2000000, 3000000000000);
+             INSERT INTO step_gpu(session_id, label, step, gpu, mfu_pct, mfu_gpm_pct)
+                 VALUES ({id}, 'train', 0, 0, 40.0, 30.0), ({id}, 'train', 0, 1, 60.0, NULL),
+                        ({id}, 'train', 1, 0, 70.0, 50.0), ({id}, 'train', 1, 1, 90.0, NULL);"
+        ))
+        .expect("rows");
+        drop(conn);
+        let db = ProfileDb::open(&path).expect("a profile");
+        let r = build(&db, id, None, 0).expect("report");
+        let l = &r.labels[0];
+        let pm = |p: &Option<Percentiles>| p.as_ref().map(|p| (p.p50, p.max));
+        assert_eq!(pm(&l.tflops_per_s), Some((500.0, 1500.0)));
+        assert_eq!(pm(&l.mfu_pct), Some((50.0, 80.0)), "the mean over each step's GPUs");
+        assert_eq!(pm(&l.mfu_gpm_pct), Some((30.0, 50.0)));
+        let table = render_table(&r);
+        assert!(
+            table.contains("GEMM TFLOP/s") && table.contains("MFU (%)") && table.contains("MFU est. GPM"),
+            "{table}"
+        );
+        // Without FLOPs or MFU figures the rows are left out.
+        let r = build(&ProfileDb::open(&path).expect("again"), id, Some("train"), 2).expect("report");
+        assert!(!render_table(&r).contains("TFLOP/s"));
     }
 
     /// The columns are read once at open; a view that no longer compiles

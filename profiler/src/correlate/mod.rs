@@ -6,7 +6,10 @@
 //! Pure arithmetic on in-memory series: no I/O, unit-tested without root.
 //! The store reads the series at a session's end and writes what
 //! [`per_step`] derives from them.
+pub mod gpm;
+pub mod mfu;
 pub mod per_step;
+pub mod step_mfu;
 
 /// A cumulative counter (energy in J, wrap-corrected, non-decreasing) as the
 /// sampler saw it.

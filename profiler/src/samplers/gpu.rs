@@ -21,7 +21,7 @@ use nvml_wrapper::{
     structs::device::FieldId,
 };
 
-use super::{CapabilityLog, Sampler};
+use super::{CapabilityLog, Sampler, gpm::GpmState};
 use crate::store::{AtFinish, GpuRow, GpuSampleRow, RowSender, StoreMsg};
 
 /// NVML field ids (nvml.h).
@@ -378,6 +378,8 @@ pub struct GpuSampler {
     rows: Vec<GpuSampleRow>,
     /// `--prometheus`/`--otlp`: the live series each sample updates.
     pub live_metrics: Option<crate::metrics::MachineMetrics>,
+    /// NVML GPM of each GPU in `gpus`' order.
+    gpm: GpmState,
 }
 
 fn opt_f64(r: Result<f64, String>, caps: &mut CapabilityLog, metric: &str) -> Option<f64> {
@@ -480,6 +482,7 @@ impl GpuSampler {
         let mut gpus = Vec::new();
         let mut power_sources = Vec::new();
         let mut info_rows = Vec::new();
+        let mut gpm = GpmState::default();
         for sel in selected {
             let dev = nvml.device_by_index(sel.nvml_index).map_err(|e| GpuError::Unavailable(e.to_string()))?;
             let instant =
@@ -495,7 +498,9 @@ impl GpuSampler {
                 power_limit_w: dev.power_management_limit().ok().map(|mw| f64::from(mw) / 1000.0),
                 driver_version: driver.clone(),
                 power_source: if instant { "instant" } else { "average" },
+                max_sm_clock_mhz: facts[sel.nvml_index as usize].max_sm_clock_mhz.map(f64::from),
             });
+            gpm.add(&dev, sel.logical);
             gpus.push(GpuState { sel, first_energy_mj: None, instant_power: instant });
         }
         Ok(Self {
@@ -511,6 +516,7 @@ impl GpuSampler {
             ticks: 0,
             rows: Vec::new(),
             live_metrics: None,
+            gpm,
         })
     }
 
@@ -609,6 +615,7 @@ impl GpuSampler {
                     None
                 }
             },
+            gpm: None,
         }
     }
 
@@ -632,10 +639,11 @@ impl Sampler for GpuSampler {
     fn tick(&mut self, now_ns: u64) {
         let Some((_, caps)) = self.out.as_mut() else { return };
         let mut live = Vec::with_capacity(self.gpus.len());
-        for g in self.gpus.iter_mut() {
+        for (k, g) in self.gpus.iter_mut().enumerate() {
             match self.nvml.device_by_index(g.sel.nvml_index) {
                 Ok(dev) => {
-                    let row = Self::sample(&dev, g, caps, now_ns);
+                    let mut row = Self::sample(&dev, g, caps, now_ns);
+                    row.gpm = self.gpm.read(k, &self.nvml, &dev, now_ns, caps);
                     live.push((g.sel.logical, row.utilization_gpu_pct, row.power_w));
                     if let Some(m) = &mut self.live_metrics {
                         m.gpu_sample(&row);
@@ -660,12 +668,23 @@ impl Sampler for GpuSampler {
     }
 
     fn finish(&mut self) -> Option<AtFinish> {
+        // One more tick once GPM's interval allows, so that GPM covers the session's end.
+        if let Some(wait) = self.gpm.wait_to_close_ns(crate::clock::monotonic_ns()) {
+            std::thread::sleep(Duration::from_nanos(wait));
+            self.tick(crate::clock::monotonic_ns());
+        }
         self.flush();
         Some(AtFinish::StepGpu {
             gpus: self.logical_gpus(),
             max_gap_ns: 2 * self.interval.as_nanos() as u64 + 1,
             energy_resolution_j: ENERGY_RESOLUTION_J,
         })
+    }
+}
+
+impl Drop for GpuSampler {
+    fn drop(&mut self) {
+        self.gpm.release(&self.nvml);
     }
 }
 
@@ -927,6 +946,7 @@ mod tests {
                 sm_clock_mhz: Some(1500.0),
                 memory_clock_mhz: Some(5000.0),
                 clock_throttle_reasons: Some(0),
+                gpm: None,
             })
             .collect();
         writer.send(StoreMsg::GpuSamples(rows));

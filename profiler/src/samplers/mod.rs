@@ -2,6 +2,7 @@
 //! over the writer's channel. A sampler never blocks the event path, and a
 //! value it cannot read is stored as NULL with the reason recorded once in
 //! `capabilities`.
+pub mod gpm;
 pub mod gpu;
 pub mod rapl;
 pub mod system;

@@ -443,6 +443,7 @@ mod tests {
                 "cpu_usage_pct",
                 "disk_usage_gb",
                 "disk_usage_pct",
+                "flops",
                 "gpu_energy",
                 "gpu_memory_power",
                 "gpu_memory_usage_gb",
@@ -462,6 +463,16 @@ mod tests {
             (Some(30.0), Some(3.0), Some(40.0))
         );
         assert_eq!(value("cpu_energy"), None, "no step_energy row: NULL, not absent");
+        assert_eq!(value("flops"), None, "no BLAS library probed: NULL");
+        conn.execute("UPDATE steps SET flops = 123456789 WHERE session_id = ?1 AND step = 0", [id]).expect("flops");
+        let flops: Option<f64> = conn
+            .query_row(
+                "SELECT value FROM system_metrics WHERE session_id = ?1 AND step = 0 AND metric = 'flops'",
+                [id],
+                |r| r.get(0),
+            )
+            .expect("flops row");
+        assert_eq!(flops, Some(123456789.0), "steps.flops as prov4ml's `flops`");
     }
 
     #[test]

@@ -29,14 +29,13 @@ pub(super) fn finish_session(
         }
     };
     for w in work {
-        // A failed derivation loses its figures (rolled back), not the session.
-        let sp = tx.savepoint()?;
-        match derive(&sp, session_id, &steps, w) {
-            Ok(()) => sp.commit()?,
-            Err(e) => {
-                stats.first_error.get_or_insert_with(|| format!("computing per-step figures: {e}"));
-            }
-        }
+        saved(&mut tx, stats, |sp| derive(sp, session_id, &steps, w))?;
+    }
+    // Last: GPM and MFU read `step_gpu` rows and `steps.flops`, whichever work wrote them.
+    if let Some(AtFinish::StepGpu { gpus, max_gap_ns, .. }) =
+        work.iter().find(|w| matches!(w, AtFinish::StepGpu { .. }))
+    {
+        saved(&mut tx, stats, |sp| super::step_flops::write(sp, session_id, gpus, *max_gap_ns))?;
     }
     // One statement: it fails whole, losing those figures, not the session.
     if let Err(e) = super::collectives::write_step_collectives(&tx, session_id) {
@@ -61,6 +60,23 @@ pub(super) fn finish_session(
         "CREATE INDEX IF NOT EXISTS launches_by_step ON launches(session_id, label, step);
          PRAGMA wal_checkpoint(TRUNCATE);",
     )?;
+    Ok(())
+}
+
+/// Runs `f` in a savepoint: a failed derivation loses its figures (rolled
+/// back) and is recorded, not the session.
+fn saved(
+    tx: &mut rusqlite::Transaction<'_>,
+    stats: &mut WriterStats,
+    f: impl FnOnce(&Connection) -> rusqlite::Result<()>,
+) -> Result<(), StoreError> {
+    let sp = tx.savepoint()?;
+    match f(&sp) {
+        Ok(()) => sp.commit()?,
+        Err(e) => {
+            stats.first_error.get_or_insert_with(|| format!("computing per-step figures: {e}"));
+        }
+    }
     Ok(())
 }
 

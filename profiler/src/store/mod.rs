@@ -10,6 +10,7 @@ mod gemms;
 mod merge;
 pub mod rows;
 mod schema;
+mod step_flops;
 mod writer;
 
 use std::{
@@ -24,8 +25,9 @@ pub use self::{
     gemms::{GemmRow, StepGemms},
     merge::{MergeInput, MergeSummary, merge_into},
     rows::{
-        AtFinish, Capability, CollectiveRow, GpuRow, GpuSampleRow, KernelRow, LaunchRow, Losses, ProbedFileRow,
-        RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepPhases, StepRow, SyncRow, SystemSampleRow,
+        AtFinish, Capability, CollectiveRow, GpmReadings, GpuRow, GpuSampleRow, KernelRow, LaunchRow, Losses,
+        ProbedFileRow, RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepPhases, StepRow, SyncRow,
+        SystemSampleRow,
     },
     schema::{SCHEMA_VERSION, quoted},
     writer::{RowSender, StoreMsg, StoreWriter},

@@ -157,6 +157,7 @@ pub struct GpuRow {
     pub driver_version: Option<String>,
     /// `instant` (field 186) or `average` (1 s power usage).
     pub power_source: &'static str,
+    pub max_sm_clock_mhz: Option<f64>,
 }
 
 /// One reading of one GPU (a `gpu_samples` row); None where NVML could not say.
@@ -179,6 +180,27 @@ pub struct GpuSampleRow {
     pub sm_clock_mhz: Option<f64>,
     pub memory_clock_mhz: Option<f64>,
     pub clock_throttle_reasons: Option<i64>,
+    /// NVML GPM readings over the interval this row closes; None on rows that close none.
+    pub gpm: Option<GpmReadings>,
+}
+
+/// NVML GPM metrics (percent) over (`start_ns`, the row's `ts_ns`], each None
+/// where the GPU could not say (see `capabilities`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GpmReadings {
+    pub start_ns: u64,
+    /// ANY_TENSOR_UTIL
+    pub tensor_util_pct: Option<f64>,
+    /// HMMA_TENSOR_UTIL
+    pub hmma_util_pct: Option<f64>,
+    /// DFMA_TENSOR_UTIL
+    pub dfma_util_pct: Option<f64>,
+    /// SM_UTIL
+    pub sm_util_pct: Option<f64>,
+    /// SM_OCCUPANCY
+    pub sm_occupancy_pct: Option<f64>,
+    /// DRAM_BW_UTIL
+    pub dram_bw_util_pct: Option<f64>,
 }
 
 /// One RAPL domain's cumulative energy at one instant (a `rapl_samples` row).

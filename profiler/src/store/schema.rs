@@ -33,6 +33,7 @@ pub(super) const MIGRATIONS: &[Migration] = &[
     Migration::Sql(include_str!("migrations/0008_regions.sql")),
     Migration::Sql(include_str!("migrations/0009_jobs_and_collectives.sql")),
     Migration::Sql(include_str!("migrations/0010_flops.sql")),
+    Migration::Sql(include_str!("migrations/0011_gpm_and_flops_metric.sql")),
     Migration::Sql(include_str!("migrations/0012_gemm_types.sql")),
 ];
 

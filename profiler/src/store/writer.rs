@@ -285,7 +285,8 @@ fn write_probed_file(tx: &Transaction<'_>, session_id: i64, f: &ProbedFileRow) -
 fn write_gpus(tx: &Transaction<'_>, session_id: i64, rows: &[GpuRow]) -> rusqlite::Result<()> {
     let mut stmt = tx.prepare_cached(
         "INSERT INTO gpus(session_id, gpu, nvml_index, uuid, name, memory_total_mib, power_limit_w,
-                          driver_version, power_source) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                          driver_version, power_source, max_sm_clock_mhz)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
     )?;
     for g in rows {
         stmt.execute(params![
@@ -297,7 +298,8 @@ fn write_gpus(tx: &Transaction<'_>, session_id: i64, rows: &[GpuRow]) -> rusqlit
             g.memory_total_mib,
             g.power_limit_w,
             g.driver_version,
-            g.power_source
+            g.power_source,
+            g.max_sm_clock_mhz
         ])?;
     }
     Ok(())
@@ -307,8 +309,11 @@ fn write_gpu_samples(tx: &Transaction<'_>, session_id: i64, rows: &[GpuSampleRow
     let mut stmt = tx.prepare_cached(
         "INSERT INTO gpu_samples(session_id, gpu, ts_ns, utilization_gpu_pct, utilization_memory_pct,
              memory_used_mib, memory_free_mib, memory_total_mib, power_w, memory_power_w, energy_j, temperature_gpu_c,
-             temperature_memory_c, fan_speed_pct, sm_clock_mhz, memory_clock_mhz, clock_throttle_reasons)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
+             temperature_memory_c, fan_speed_pct, sm_clock_mhz, memory_clock_mhz, clock_throttle_reasons,
+             gpm_start_ns, tensor_util_pct, hmma_util_pct, dfma_util_pct, sm_util_pct, sm_occupancy_pct,
+             dram_bw_util_pct)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17,
+                 ?18, ?19, ?20, ?21, ?22, ?23, ?24)",
     )?;
     for r in rows {
         stmt.execute(params![
@@ -328,7 +333,14 @@ fn write_gpu_samples(tx: &Transaction<'_>, session_id: i64, rows: &[GpuSampleRow
             r.fan_speed_pct,
             r.sm_clock_mhz,
             r.memory_clock_mhz,
-            r.clock_throttle_reasons
+            r.clock_throttle_reasons,
+            r.gpm.map(|g| i(g.start_ns)),
+            r.gpm.and_then(|g| g.tensor_util_pct),
+            r.gpm.and_then(|g| g.hmma_util_pct),
+            r.gpm.and_then(|g| g.dfma_util_pct),
+            r.gpm.and_then(|g| g.sm_util_pct),
+            r.gpm.and_then(|g| g.sm_occupancy_pct),
+            r.gpm.and_then(|g| g.dram_bw_util_pct)
         ])?;
     }
     Ok(())
