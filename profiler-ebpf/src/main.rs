@@ -25,6 +25,7 @@
 #![no_std]
 #![no_main]
 
+mod frame_guard;
 mod frame_hook;
 mod python;
 mod torch;

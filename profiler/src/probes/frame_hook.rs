@@ -17,13 +17,13 @@ use std::{
     os::unix::fs::FileExt,
     path::{Path, PathBuf},
     sync::{
-        Arc, OnceLock,
+        Arc, Mutex, OnceLock,
         atomic::{AtomicBool, AtomicU32, Ordering},
     },
     time::Duration,
 };
 
-use super::cpython::CPythonBuild;
+use super::{cpython::CPythonBuild, frame_guard::Guard};
 
 /// How often the field is checked: `torch.compile` (dynamo) puts back the
 /// value it found when it set its own, which may be NULL.
@@ -293,9 +293,33 @@ struct Watched {
     wrote: AtomicBool,
     /// Writes after the first one.
     reapplied: AtomicU32,
+    /// The kernel-side guard on CPython's store into the field, where the kernel allows one.
+    guard: Mutex<Option<Guard>>,
 }
 
 impl Watched {
+    /// Records where the field is and arms the guard for it.
+    fn found(&self, site: HookSite) -> HookSite {
+        let site = *self.site.get_or_init(|| site);
+        if let Ok(mut guard) = self.guard.lock()
+            && let Some(g) = guard.as_mut()
+            && let Err(e) = g.arm(&site)
+        {
+            log::warn!("eval_frame guard not armed ({e}): the hook is re-written when found NULL");
+        }
+        site
+    }
+
+    /// Disarms the guard; returns how many NULL stores it turned into the hook.
+    fn disarm(&self, site: &HookSite) -> u64 {
+        let Ok(mut guard) = self.guard.lock() else { return 0 };
+        let Some(g) = guard.as_mut() else { return 0 };
+        if let Err(e) = g.disarm(site) {
+            log::warn!("eval_frame guard not disarmed: {e}");
+        }
+        g.hits()
+    }
+
     /// Writes the hook if the field is NULL, counting the write.
     fn write(&self, site: &HookSite) -> Result<FieldState, HookError> {
         let state = write_if_null(site)?;
@@ -315,7 +339,7 @@ impl Watched {
             let site = match self.site.get() {
                 Some(site) => *site,
                 None => match locator.locate() {
-                    Ok(site) => *self.site.get_or_init(|| site),
+                    Ok(site) => self.found(site),
                     Err(_) => {
                         let fast = started.elapsed() < FAST_LOCATE;
                         std::thread::sleep(if fast { Duration::from_millis(1) } else { RECHECK });
@@ -344,11 +368,14 @@ impl FrameHookWrite {
     /// Writes the hook (if the field is NULL) and starts watching it. A
     /// target that is not CPython yet (`run` mode, before the exec) or has
     /// no interpreter yet gets the write as soon as it has one: None then.
-    pub fn apply(locator: Locator) -> Result<(Self, Option<FieldState>), HookError> {
-        let shared = Arc::new(Watched::default());
+    ///
+    /// `guard`, where the kernel took its program, is armed once the field
+    /// is found and disarmed before the field is restored.
+    pub fn apply(locator: Locator, guard: Option<Guard>) -> Result<(Self, Option<FieldState>), HookError> {
+        let shared = Arc::new(Watched { guard: Mutex::new(guard), ..Watched::default() });
         let state = match locator.locate() {
             Ok(site) => {
-                let _ = shared.site.set(site);
+                let site = shared.found(site);
                 Some(shared.write(&site)?)
             }
             Err(HookError::NotMapped { .. } | HookError::NoInterpreter { .. }) => None,
@@ -364,6 +391,11 @@ impl FrameHookWrite {
         self.shared.reapplied.load(Ordering::Relaxed)
     }
 
+    /// NULL stores the guard has turned into the hook so far.
+    pub fn guard_hits(&self) -> u64 {
+        self.shared.guard.lock().ok().and_then(|g| g.as_ref().map(Guard::hits)).unwrap_or(0)
+    }
+
     /// Stops watching and puts NULL back if the field still holds our value
     /// (and this session wrote it).
     pub fn restore(mut self) -> Result<bool, HookError> {
@@ -376,7 +408,12 @@ impl FrameHookWrite {
             let _ = w.join();
         }
         let Some(site) = self.shared.site.get() else { return Ok(false) };
-        if !self.shared.wrote.swap(false, Ordering::Relaxed) {
+        // Disarmed first, so that nothing puts the hook back after it is taken back. A thread
+        // the guard changed a register for finishes that store before it can enter the ptrace
+        // stop `swap_if` waits for (the kernel holds signals until a uprobe's single-step is
+        // done), so the look below sees its store.
+        let guarded = self.shared.disarm(site) > 0;
+        if !self.shared.wrote.swap(false, Ordering::Relaxed) && !guarded {
             return Ok(false);
         }
         match swap_if(site, site.value, 0) {

@@ -159,7 +159,11 @@ fn attach_python(
                      _PyEval_EvalFrameDefault are not seen until it is NULL again"
                 );
             }
-            libraries.push(probe_row(path, "step", 2, build.to_string()));
+            if let Some(Err(why)) = &handle.kept_by {
+                say!(cfg.quiet, "eval_frame is re-written when found NULL (torch.compile resets it): {why}");
+            }
+            let how = format!("{build}{}", handle.kept_by_text());
+            libraries.push(probe_row(path, "step", handle.probes(), how));
             Ok(PythonStepProbes::FrameHook(handle))
         }
     }
