@@ -489,36 +489,6 @@ pub struct FrameStep {
 /// Entries of the `FRAME_STEPS` map: step calls open at once, all threads.
 pub const FRAME_STEPS_MAX: u32 = 4096;
 
-/// The frame hook's guard on CPython's one store into `eval_frame` (the
-/// `FRAME_GUARD` map's value): while `armed`, a thread about to store NULL
-/// there (`_PyInterpreterState_SetEvalFrameFunc`, which turns
-/// `_PyEval_EvalFrameDefault` into NULL on 3.11+) into the interpreter at
-/// `interp` stores `value` instead. Registers are `pt_regs` slots
-/// ([`pt_regs_slot`]).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct FrameGuard {
-    /// The interpreter whose field is guarded (the store's base register holds it).
-    pub interp: u64,
-    /// `&_PyEval_EvalFrameDefault` in the target: what is stored instead of NULL.
-    pub value: u64,
-    /// `pt_regs` slot of the store's base register.
-    pub base_slot: u32,
-    /// `pt_regs` slot of the register the store writes.
-    pub value_slot: u32,
-    /// 1 while the hook is written and the agent attached.
-    pub armed: u32,
-    pub _pad: u32,
-}
-
-/// The x86-64 `struct pt_regs` slot (8-byte word index) of a general
-/// register by name (`rax`, `r8`, …), as the frame guard addresses registers.
-pub fn pt_regs_slot(name: &str) -> Option<u32> {
-    const ORDER: [&str; 15] =
-        ["r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx", "rdx", "rsi", "rdi"];
-    ORDER.iter().position(|r| *r == name).map(|i| i as u32)
-}
-
 // The eBPF side reads these layouts; keep them in step with user space.
 const _: () = assert!(core::mem::size_of::<UsdtArgSpec>() == 32);
 const _: () = assert!(core::mem::size_of::<LaunchStage>() == 8 + 64 * STAGE_LEN);
@@ -527,7 +497,6 @@ const _: () = assert!(core::mem::size_of::<UsdtProbeSpec>() == 32 * USDT_MAX_ARG
 const _: () = assert!(core::mem::size_of::<PyTarget>() == 2 * PY_NAME_CAP + 16);
 const _: () = assert!(core::mem::size_of::<FrameLayout>() == 32);
 const _: () = assert!(core::mem::size_of::<FrameStep>() == 8);
-const _: () = assert!(core::mem::size_of::<FrameGuard>() == 32);
 
 /// Names of the read-only globals the agent sets at load time.
 pub mod globals {
@@ -587,10 +556,6 @@ pub mod maps {
     pub const FRAME_LAYOUT: &str = "FRAME_LAYOUT";
     /// `LruHashMap<u64, FrameStep>[FRAME_STEPS_MAX]`: open step calls by entry stack pointer.
     pub const FRAME_STEPS: &str = "FRAME_STEPS";
-    /// `Array<FrameGuard>[1]`: the frame guard's target and switch.
-    pub const FRAME_GUARD: &str = "FRAME_GUARD";
-    /// `Array<u64>[1]`: stores of NULL into `eval_frame` the frame guard turned into the hook.
-    pub const FRAME_GUARD_HITS: &str = "FRAME_GUARD_HITS";
 }
 
 /// Names of the programs that are not per launch layout.
@@ -623,9 +588,6 @@ pub mod programs {
     pub const FRAME_ENTER: &str = "frame_enter";
     /// Return of `_PyEval_EvalFrameDefault` (uretprobe; closes a step opened at the same stack depth).
     pub const FRAME_EXIT: &str = "frame_exit";
-    /// CPython's store into `eval_frame` (uprobe, kernel 6.17+: writes the
-    /// store's source register so that NULL becomes the hook).
-    pub const FRAME_GUARD: &str = "frame_guard";
     /// Raw tracepoint `sched_process_exit` (no tracefs needed): releases an
     /// exiting target thread's kernel-side state.
     pub const THREAD_EXIT: &str = "thread_exit";
@@ -649,8 +611,6 @@ mod user {
     unsafe impl aya::Pod for super::FrameLayout {}
     // SAFETY: as above (two u32).
     unsafe impl aya::Pod for super::FrameStep {}
-    // SAFETY: as above (two u64 then four u32).
-    unsafe impl aya::Pod for super::FrameGuard {}
 }
 
 /// Bytes of a `record_function` name kept in a [`RegionRecord`]. PyTorch's own

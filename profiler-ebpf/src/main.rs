@@ -25,7 +25,6 @@
 #![no_std]
 #![no_main]
 
-mod frame_guard;
 mod frame_hook;
 mod python;
 mod torch;

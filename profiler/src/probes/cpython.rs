@@ -149,13 +149,13 @@ pub fn inspect(data: &[u8]) -> Result<CPythonBuild, CPythonError> {
 }
 
 /// `len` bytes of the file's contents at link-time address `address`.
-pub(super) fn bytes_at<'d>(file: &object::File<'d>, address: u64, len: u64) -> Option<&'d [u8]> {
+fn bytes_at<'d>(file: &object::File<'d>, address: u64, len: u64) -> Option<&'d [u8]> {
     file.sections()
         .find(|s| s.address() <= address && address + len <= s.address() + s.size())
         .and_then(|s| s.data_range(address, len).ok().flatten())
 }
 
-pub(super) fn file_offset(file: &object::File<'_>, address: u64) -> Option<u64> {
+fn file_offset(file: &object::File<'_>, address: u64) -> Option<u64> {
     super::elf::load_segments(file).iter().find_map(|s| s.file_offset(address))
 }
 

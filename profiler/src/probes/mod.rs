@@ -3,7 +3,7 @@
 //! the step function.
 pub mod cpython;
 pub mod elf;
-pub mod frame_guard;
+pub mod frame_alias;
 pub mod frame_hook;
 pub mod maps;
 pub mod placement;

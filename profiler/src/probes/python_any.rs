@@ -15,7 +15,6 @@ use profiler_common::{FrameLayout, maps as map_names, programs};
 
 use super::{
     cpython::{self, CPythonBuild},
-    frame_guard::{self, Guard},
     frame_hook::{self, FieldState, FrameHookWrite, HookError},
     usdt::python::{
         PythonAttachError, PythonProbeError, PythonProbes, PythonSteps, PythonTarget, fill_targets, loaded_uprobe,
@@ -203,9 +202,6 @@ pub struct FrameHookSteps {
     /// What the field held when attached (None: not yet CPython, or no
     /// interpreter yet, in `run` mode; written as soon as there is one).
     pub found: Option<FieldState>,
-    /// How the hook is kept against CPython resetting the field (3.11+): the
-    /// guarded store, or why the watcher alone keeps it. None on 3.10.
-    pub kept_by: Option<Result<String, String>>,
 }
 
 impl FrameHookSteps {
@@ -234,23 +230,12 @@ impl FrameHookSteps {
         for name in [programs::FRAME_EXIT, programs::FRAME_ENTER] {
             links.push(attach_one(ebpf, name, &visible, at, pid)?);
         }
-        let mut steps = Self { write: None, links, found: None, kept_by: None };
+        let mut steps = Self { write: None, links, found: None };
         if build.needs_write() {
             let data = super::map_file(&visible)
                 .map_err(|source| FrameHookAttachError::Read { path: visible.clone(), source })?;
             let locator = frame_hook::Locator::new(pid.get(), path, &data, build)?;
-            let guard = match attach_guard(ebpf, pid, &visible, &data, build) {
-                Ok((guard, link, store)) => {
-                    steps.links.push(link);
-                    steps.kept_by = Some(Ok(store));
-                    Some(guard)
-                }
-                Err(why) => {
-                    steps.kept_by = Some(Err(why));
-                    None
-                }
-            };
-            let (write, state) = FrameHookWrite::apply(locator, guard)?;
+            let (write, state) = FrameHookWrite::apply(locator)?;
             steps.write = Some(write);
             steps.found = state;
         }
@@ -262,27 +247,22 @@ impl FrameHookSteps {
         self.write.as_ref().map_or(0, FrameHookWrite::reapplied)
     }
 
-    /// Uprobes placed: entry, return, and the guard where there is one.
-    pub fn probes(&self) -> u32 {
-        self.links.len() as u32
-    }
-
-    /// The `how` text's tail: what keeps the hook written against CPython's resets.
-    pub fn kept_by_text(&self) -> String {
-        match &self.kept_by {
+    /// The `how` text's tail: the alias written, where one was found at attach.
+    pub fn alias_text(&self) -> String {
+        match self.write.as_ref().and_then(FrameHookWrite::alias) {
+            Some(alias) => format!("; value written: {alias}, which torch.compile cannot reset to NULL"),
             None => String::new(),
-            Some(Ok(store)) => format!("; kept by a register guard on {store}"),
-            Some(Err(why)) => format!("; kept by re-writing it when found NULL (no register guard: {why})"),
         }
     }
 
     /// Restores `eval_frame` (if it still holds our value), then detaches the probes.
     pub fn detach(mut self) {
-        let (reapplied, guarded) = (self.reapplied(), self.write.as_ref().map_or(0, FrameHookWrite::guard_hits));
-        if reapplied > 0 || guarded > 0 {
+        let reapplied = self.reapplied();
+        if reapplied > 0 {
+            let alias = self.write.as_ref().and_then(FrameHookWrite::alias).map(|a| format!("; from then on {a}"));
             log::info!(
-                "eval_frame: {guarded} stores of NULL turned into the hook by the guard, found NULL and re-written \
-                 {reapplied} times (torch.compile?)"
+                "eval_frame was found NULL again and re-written {reapplied} times (torch.compile?){}",
+                alias.unwrap_or_default()
             );
         }
         if let Some(w) = self.write.take()
@@ -292,26 +272,6 @@ impl FrameHookSteps {
         }
         drop(std::mem::take(&mut self.links));
     }
-}
-
-/// Attaches `frame_guard` at CPython's store into `eval_frame` and takes its
-/// maps; an error says why the hook is kept by re-writing alone (no such
-/// store, or a kernel before 6.17 refusing a uprobe program that writes registers).
-fn attach_guard(
-    ebpf: &mut Ebpf,
-    pid: NonZeroU32,
-    visible: &Path,
-    data: &[u8],
-    build: &CPythonBuild,
-) -> Result<(Guard, UProbeLink, String), String> {
-    let store = frame_guard::find_store(data, build.eval_frame)?;
-    let link = attach_one(ebpf, programs::FRAME_GUARD, visible, store.file_offset, pid).map_err(|e| {
-        let e = anyhow::Error::from(e);
-        format!("the kernel refused the register-writing uprobe program (Linux 6.17+ allows it): {e:#}")
-    })?;
-    let text = store.to_string();
-    let guard = Guard::take(ebpf, store, build.eval_frame)?;
-    Ok((guard, link, text))
 }
 
 fn set_layout(ebpf: &mut Ebpf, layout: FrameLayout) -> Result<(), PythonAttachError> {

@@ -159,11 +159,7 @@ fn attach_python(
                      _PyEval_EvalFrameDefault are not seen until it is NULL again"
                 );
             }
-            if let Some(Err(why)) = &handle.kept_by {
-                say!(cfg.quiet, "eval_frame is re-written when found NULL (torch.compile resets it): {why}");
-            }
-            let how = format!("{build}{}", handle.kept_by_text());
-            libraries.push(probe_row(path, "step", handle.probes(), how));
+            libraries.push(probe_row(path, "step", 2, format!("{build}{}", handle.alias_text())));
             Ok(PythonStepProbes::FrameHook(handle))
         }
     }
