@@ -14,6 +14,10 @@
 //! `_PyEval_EvalFrameDefault` with the same arguments and return address (the
 //! entry is a `jmp [GOT]`), where the probes see it.
 //!
+//! The entry is restored to NULL on detach like the default would be; a
+//! profiler killed with SIGKILL leaves it in the field, which stays valid as
+//! long as the library is mapped (CPython never unloads extension modules).
+//!
 //! (A uprobe that rewrites the stored register would do the same without an
 //! alias, but needs a kernel that lets uprobe programs write their registers,
 //! 6.17+ without lockdown; this machine's 6.18 refuses every such write.)

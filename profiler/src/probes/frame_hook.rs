@@ -12,6 +12,10 @@
 //! kernel detaches a dead tracer's tracees); one killed later leaves
 //! `_PyEval_EvalFrameDefault` in the field, which is CPython's own default:
 //! calls then cost what a PEP 523 hook costs, nothing breaks.
+//!
+//! Where the target maps a PLT entry of `_PyEval_EvalFrameDefault`
+//! ([`super::frame_alias`]: PyTorch's), that entry's address is written
+//! instead, so that `torch.compile` cannot reset the field to NULL.
 use std::{
     fs::File,
     os::unix::fs::FileExt,
