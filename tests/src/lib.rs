@@ -453,6 +453,17 @@ pub fn api_counts(db: &Path, session: i64) -> BTreeMap<String, u64> {
         .expect("rows")
 }
 
+/// The PyTorch environments `cargo xtask` made (`PROFILER_TORCH_PYTHONS`:
+/// `name=python;…`, e.g. `python3.12=/var/cache/profiler/venvs/…/bin/python`);
+/// empty where none could be made.
+pub fn torch_pythons() -> Vec<(String, PathBuf)> {
+    std::env::var("PROFILER_TORCH_PYTHONS")
+        .unwrap_or_default()
+        .split(';')
+        .filter_map(|p| p.split_once('=').map(|(n, p)| (n.to_owned(), PathBuf::from(p))))
+        .collect()
+}
+
 /// How far a step's probe boundaries may lie from the trainer's own clock
 /// reads: the probe fires before the first and after the last, normally within
 /// microseconds (the tests print the p99: 10–13 µs at the start, 2–3 µs at the

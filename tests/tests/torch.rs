@@ -10,17 +10,8 @@ use std::{
 
 use integration_tests::*;
 
-/// The environments as `name=python;…`; empty where none could be made.
-fn pythons() -> Vec<(String, PathBuf)> {
-    std::env::var("PROFILER_TORCH_PYTHONS")
-        .unwrap_or_default()
-        .split(';')
-        .filter_map(|p| p.split_once('=').map(|(n, p)| (n.to_owned(), PathBuf::from(p))))
-        .collect()
-}
-
 fn python(name: &str) -> Option<PathBuf> {
-    let p = pythons().into_iter().find(|(n, _)| n == name).map(|(_, p)| p);
+    let p = torch_pythons().into_iter().find(|(n, _)| n == name).map(|(_, p)| p);
     if p.is_none() {
         skip(format!("no PyTorch environment for {name} (see `cargo xtask torch-env`)"));
     }

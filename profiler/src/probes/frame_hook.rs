@@ -12,6 +12,10 @@
 //! kernel detaches a dead tracer's tracees); one killed later leaves
 //! `_PyEval_EvalFrameDefault` in the field, which is CPython's own default:
 //! calls then cost what a PEP 523 hook costs, nothing breaks.
+//!
+//! Where the target maps a PLT entry of `_PyEval_EvalFrameDefault`
+//! ([`super::frame_alias`]: PyTorch's), that entry's address is written
+//! instead, so that `torch.compile` cannot reset the field to NULL.
 use std::{
     fs::File,
     os::unix::fs::FileExt,
@@ -23,7 +27,7 @@ use std::{
     time::Duration,
 };
 
-use super::cpython::CPythonBuild;
+use super::{cpython::CPythonBuild, frame_alias::Alias};
 
 /// How often the field is checked: `torch.compile` (dynamo) puts back the
 /// value it found when it set its own, which may be NULL.
@@ -86,12 +90,7 @@ impl Locator {
         let pid = self.pid;
         let not_mapped = || HookError::NotMapped { path: self.path.clone(), pid };
         let maps = procfs::process::Process::new(pid as i32).and_then(|p| p.maps()).map_err(|_| not_mapped())?;
-        let start = maps
-            .iter()
-            .find(|m| m.offset == 0 && matches!(&m.pathname, procfs::process::MMapPath::Path(p) if *p == self.path))
-            .map(|m| m.address.0)
-            .ok_or_else(not_mapped)?;
-        let bias = start.wrapping_sub(self.lowest_page);
+        let bias = load_bias(&maps, &self.path, self.lowest_page).ok_or_else(not_mapped)?;
         let mem = open_mem(pid, false)?;
         let interp = read_u64(&mem, pid, bias + self.runtime_head)?;
         if interp == 0 {
@@ -99,6 +98,22 @@ impl Locator {
         }
         Ok(HookSite { pid, field: interp + self.eval_frame, value: bias + self.eval_default_address })
     }
+}
+
+/// What to add to `path`'s link-time addresses for the target's: where its
+/// first page is mapped, less the page of its lowest loadable address.
+pub(super) fn load_bias(maps: &procfs::process::MemoryMaps, path: &Path, lowest: u64) -> Option<u64> {
+    let start = maps
+        .iter()
+        .find(|m| m.offset == 0 && matches!(&m.pathname, procfs::process::MMapPath::Path(p) if p == path))?
+        .address
+        .0;
+    Some(start.wrapping_sub(lowest & !0xfff))
+}
+
+/// One word of process `pid`'s memory.
+pub(super) fn read_target_u64(pid: u32, address: u64) -> Result<u64, HookError> {
+    read_u64(&open_mem(pid, false)?, pid, address)
 }
 
 fn read_u64(mem: &File, pid: u32, address: u64) -> Result<u64, HookError> {
@@ -120,31 +135,34 @@ fn open_mem(pid: u32, write: bool) -> Result<File, HookError> {
 pub enum FieldState {
     /// NULL: calls are inlined; written now.
     Written,
-    /// Already `_PyEval_EvalFrameDefault` (an earlier profiler killed before it could restore it).
+    /// Already `_PyEval_EvalFrameDefault` or the value being written (an
+    /// earlier profiler killed before it could restore it).
     AlreadyOurs,
     /// Another PEP 523 hook (a debugger, dynamo mid-call): left alone.
     Other(u64),
 }
 
-/// Writes `site.value` into the field if it is NULL, with the target's threads stopped.
-pub fn write_if_null(site: &HookSite) -> Result<FieldState, HookError> {
-    swap_if(site, 0, site.value).map(|old| match old {
+/// Writes `value` (`site.value` or an alias of it) into the field if it is
+/// NULL, with the target's threads stopped.
+pub fn write_if_null(site: &HookSite, value: u64) -> Result<FieldState, HookError> {
+    swap_if(site, &[0], value).map(|old| match old {
         0 => FieldState::Written,
-        v if v == site.value => FieldState::AlreadyOurs,
+        v if v == site.value || v == value => FieldState::AlreadyOurs,
         v => FieldState::Other(v),
     })
 }
 
-/// Writes `new` if the field holds `expect`; returns what it held.
-fn swap_if(site: &HookSite, expect: u64, new: u64) -> Result<u64, HookError> {
+/// Writes `new` if the field holds one of `expect`; returns what it held.
+fn swap_if(site: &HookSite, expect: &[u64], new: u64) -> Result<u64, HookError> {
     let mem = open_mem(site.pid, true)?;
     // Cheap look first: most checks find nothing to do and stop nobody.
-    if read_u64(&mem, site.pid, site.field)? != expect {
-        return read_u64(&mem, site.pid, site.field);
+    let held = read_u64(&mem, site.pid, site.field)?;
+    if !expect.contains(&held) {
+        return Ok(held);
     }
     let _stopped = StoppedThreads::stop(site.pid)?;
     let old = read_u64(&mem, site.pid, site.field)?;
-    if old == expect {
+    if expect.contains(&old) {
         mem.write_all_at(&new.to_le_bytes(), site.field).map_err(|source| HookError::Memory {
             pid: site.pid,
             address: site.field,
@@ -293,16 +311,36 @@ struct Watched {
     wrote: AtomicBool,
     /// Writes after the first one.
     reapplied: AtomicU32,
+    /// What is written instead of `_PyEval_EvalFrameDefault`, once found.
+    alias: OnceLock<Alias>,
 }
 
 impl Watched {
+    /// What goes into the field: the alias where there is one.
+    fn value(&self, site: &HookSite) -> u64 {
+        self.alias.get().map_or(site.value, |a| a.address)
+    }
+
     /// Writes the hook if the field is NULL, counting the write.
     fn write(&self, site: &HookSite) -> Result<FieldState, HookError> {
-        let state = write_if_null(site)?;
+        let state = write_if_null(site, self.value(site))?;
         if state == FieldState::Written && self.wrote.swap(true, Ordering::Relaxed) {
             self.reapplied.fetch_add(1, Ordering::Relaxed);
         }
         Ok(state)
+    }
+
+    /// Looks for an alias (see [`super::frame_alias`]) and, once found, puts it
+    /// in place of `_PyEval_EvalFrameDefault` if the field holds that.
+    fn look_for_alias(&self, site: &HookSite) {
+        if self.alias.get().is_some() {
+            return;
+        }
+        let Some(alias) = super::frame_alias::find(site.pid, site.value) else { return };
+        let address = self.alias.get_or_init(|| alias).address;
+        if swap_if(site, &[site.value], address).is_ok_and(|old| old == site.value) {
+            self.wrote.store(true, Ordering::Relaxed);
+        }
     }
 
     /// Finds the field (`run` mode: once the command has become CPython and
@@ -311,6 +349,7 @@ impl Watched {
     fn watch(&self, locator: &Locator) {
         let started = std::time::Instant::now();
         let mut last_reset = None;
+        let mut alias_looked: Option<std::time::Instant> = None;
         while !self.stop.load(Ordering::Relaxed) {
             let site = match self.site.get() {
                 Some(site) => *site,
@@ -325,6 +364,12 @@ impl Watched {
             };
             if !self.stop.load(Ordering::Relaxed) && matches!(self.write(&site), Ok(FieldState::Written)) {
                 last_reset = Some(std::time::Instant::now());
+                // Reset by something (dynamo, which loads with PyTorch): an alias may exist now.
+                // Looked for at most once a second: it reads the maps and opens libraries.
+                if alias_looked.is_none_or(|t| t.elapsed() > ALIAS_RELOOK) {
+                    alias_looked = Some(std::time::Instant::now());
+                    self.look_for_alias(&site);
+                }
             }
             // Something that resets the field once (dynamo: after every compiled call) does it again:
             // look every millisecond for a while, so that fewer calls are inlined unseen meanwhile.
@@ -333,6 +378,9 @@ impl Watched {
         }
     }
 }
+
+/// How often an alias is looked for at most, while the field keeps being reset.
+const ALIAS_RELOOK: Duration = Duration::from_secs(1);
 
 /// How long the field is looked at every millisecond after it was found reset.
 const FAST_AFTER_RESET: Duration = Duration::from_secs(2);
@@ -349,6 +397,8 @@ impl FrameHookWrite {
         let state = match locator.locate() {
             Ok(site) => {
                 let _ = shared.site.set(site);
+                // `attach` to a PyTorch process: its alias is there before the first write.
+                shared.look_for_alias(&site);
                 Some(shared.write(&site)?)
             }
             Err(HookError::NotMapped { .. } | HookError::NoInterpreter { .. }) => None,
@@ -362,6 +412,11 @@ impl FrameHookWrite {
     /// How often the field was found NULL again and re-written.
     pub fn reapplied(&self) -> u32 {
         self.shared.reapplied.load(Ordering::Relaxed)
+    }
+
+    /// The alias written instead of `_PyEval_EvalFrameDefault`, if one was found.
+    pub fn alias(&self) -> Option<&Alias> {
+        self.shared.alias.get()
     }
 
     /// Stops watching and puts NULL back if the field still holds our value
@@ -379,8 +434,9 @@ impl FrameHookWrite {
         if !self.shared.wrote.swap(false, Ordering::Relaxed) {
             return Ok(false);
         }
-        match swap_if(site, site.value, 0) {
-            Ok(old) => Ok(old == site.value),
+        let ours = [site.value, self.shared.value(site)];
+        match swap_if(site, &ours, 0) {
+            Ok(old) => Ok(ours.contains(&old)),
             // The target is gone: nothing left to restore.
             Err(HookError::Memory { source, .. } | HookError::Ptrace { source, .. })
                 if !Path::new(&format!("/proc/{}", site.pid)).exists()

@@ -4,6 +4,7 @@
 pub mod blas;
 pub mod cpython;
 pub mod elf;
+pub mod frame_alias;
 pub mod frame_hook;
 pub mod maps;
 pub mod nccl;

@@ -247,11 +247,23 @@ impl FrameHookSteps {
         self.write.as_ref().map_or(0, FrameHookWrite::reapplied)
     }
 
+    /// The `how` text's tail: the alias written, where one was found at attach.
+    pub fn alias_text(&self) -> String {
+        match self.write.as_ref().and_then(FrameHookWrite::alias) {
+            Some(alias) => format!("; value written: {alias}, which torch.compile cannot reset to NULL"),
+            None => String::new(),
+        }
+    }
+
     /// Restores `eval_frame` (if it still holds our value), then detaches the probes.
     pub fn detach(mut self) {
         let reapplied = self.reapplied();
         if reapplied > 0 {
-            log::info!("eval_frame was found NULL again and re-written {reapplied} times (torch.compile?)");
+            let alias = self.write.as_ref().and_then(FrameHookWrite::alias).map(|a| format!("; from then on {a}"));
+            log::info!(
+                "eval_frame was found NULL again and re-written {reapplied} times (torch.compile?){}",
+                alias.unwrap_or_default()
+            );
         }
         if let Some(w) = self.write.take()
             && let Err(e) = w.restore()

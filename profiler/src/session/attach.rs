@@ -159,7 +159,7 @@ fn attach_python(
                      _PyEval_EvalFrameDefault are not seen until it is NULL again"
                 );
             }
-            libraries.push(probe_row(path, "step", 2, build.to_string()));
+            libraries.push(probe_row(path, "step", 2, format!("{build}{}", handle.alias_text())));
             Ok(PythonStepProbes::FrameHook(handle))
         }
     }
