@@ -150,6 +150,7 @@ fn fixtures() -> Result<()> {
     gcc(&["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", &out("halfway/libcuda.so.1"), "halfway_cuda.S"])?;
     gcc(&[&common[..], &["-rdynamic", "-o", &out("trainer"), "trainer.c", "-ldl", "-lpthread"]].concat())?;
     gcc(&[&common[..], &["-o", &out("genuine_launch"), "genuine_launch.c", "-ldl"]].concat())?;
+    gcc(&[&common[..], &["-o", &out("launcher"), "launcher.c"]].concat())?;
     // A copy of the stand-in driver in a directory nobody's search path names:
     // found only by watching the target's maps.
     std::fs::create_dir_all(dir.join("hidden"))?;

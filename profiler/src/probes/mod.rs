@@ -4,6 +4,7 @@
 pub mod cpython;
 pub mod elf;
 pub mod frame_hook;
+mod job;
 pub mod maps;
 pub mod placement;
 pub mod python_any;
@@ -99,7 +100,10 @@ pub struct Rings {
 /// The loaded programs and their attachments to one target process.
 pub struct Probes {
     ebpf: Ebpf,
+    /// The first target: Python's step probes (USDT, frame hook) are its alone.
     pid: NonZeroU32,
+    /// Where the uprobes fire (see [`Probes::load_job`]).
+    scope: UProbeScope,
     /// The running kernel, for probe placement; None places every probe at
     /// its function's entry (`--probe-at-entry`).
     kernel: Option<placement::KernelVersion>,
@@ -186,10 +190,29 @@ impl Probes {
     /// Loads all programs, filtering on `pid`'s tgid, and attaches the
     /// thread-exit hook. Returns the probes and the rings.
     pub fn load(pid: NonZeroU32, emit_launches: bool, place_probes: bool) -> Result<(Self, Rings), ProbeError> {
+        Self::load_job(&[pid], false, emit_launches, place_probes)
+    }
+
+    /// Loads all programs, tracing the processes `pids` (the first is the
+    /// one Python's step probes go in) and, with `follow_children`, every
+    /// process they fork from now on. One process: the uprobes fire in it
+    /// alone (the kernel installs them in no other). Several, or children:
+    /// they are installed file-wide, in every process that maps a probed
+    /// file, and the programs drop what an untraced process does (`TRACED`);
+    /// that is what sees a child from its first instruction after `exec`.
+    pub fn load_job(
+        pids: &[NonZeroU32],
+        follow_children: bool,
+        emit_launches: bool,
+        place_probes: bool,
+    ) -> Result<(Self, Rings), ProbeError> {
         if EBPF_OBJECT.is_empty() {
             return Err(ProbeError::NoObject);
         }
-        let tgid = pid.get();
+        let Some(&pid) = pids.first() else { return Err(ProbeError::Missing("a target PID")) };
+        let scope =
+            if pids.len() == 1 && !follow_children { UProbeScope::OneProcess(pid) } else { UProbeScope::AllProcesses };
+        let follow: u32 = follow_children.into();
         let emit: u32 = emit_launches.into();
         // Tests set a handful of slots so that threads share them.
         let slots = thread_slots(
@@ -200,7 +223,7 @@ impl Probes {
         );
         let slot_mask = slots - 1;
         let mut ebpf = EbpfLoader::new()
-            .override_global(globals::TARGET_TGID, &tgid, true)
+            .override_global(globals::FOLLOW_CHILDREN, &follow, true)
             .override_global(globals::EMIT_LAUNCHES, &emit, true)
             .override_global(globals::THREAD_SLOT_MASK, &slot_mask, true)
             .map_max_entries(map_names::THREAD_SLOTS, slots)
@@ -227,6 +250,10 @@ impl Probes {
             .map_err(|source| ProbeError::Program { name, source })?;
         exit_hook.load().map_err(|source| ProbeError::Program { name, source })?;
         exit_hook.attach(programs::THREAD_EXIT_TRACEPOINT).map_err(|source| ProbeError::Program { name, source })?;
+        job::trace(&mut ebpf, pids)?;
+        if follow_children || pids.len() > 1 {
+            job::attach_process_hooks(&mut ebpf, follow_children)?;
+        }
         let mut ring = |name: &'static str| {
             RingBuf::try_from(take_map(&mut ebpf, name)?).map_err(|source| ProbeError::Map { name, source })
         };
@@ -244,8 +271,17 @@ impl Probes {
             .map_err(|source| ProbeError::Map { name: map_names::LAUNCH_STAGES, source })?;
         let kernel = if place_probes { placement::running_kernel_version() } else { None };
         let stages = StagedLaunches(stages);
-        let probes =
-            Self { ebpf, pid, kernel, probed: HashSet::new(), counters, stages, runtime_texts: 0, links: Vec::new() };
+        let probes = Self {
+            ebpf,
+            pid,
+            scope,
+            kernel,
+            probed: HashSet::new(),
+            counters,
+            stages,
+            runtime_texts: 0,
+            links: Vec::new(),
+        };
         Ok((probes, rings))
     }
 
@@ -259,10 +295,9 @@ impl Probes {
         let point = UProbeAttachPoint { location: UProbeAttachLocation::AbsoluteOffset(offset), cookie: Some(cookie) };
         // OneProcess: the kernel installs the breakpoints only in the target's
         // address space (all its threads), so other processes using the same
-        // library pay nothing.
-        let id = prog
-            .attach(point, path, UProbeScope::OneProcess(self.pid))
-            .map_err(|source| ProbeError::Program { name: program, source })?;
+        // library pay nothing. A job's are file-wide (see `load_job`).
+        let id =
+            prog.attach(point, path, self.scope).map_err(|source| ProbeError::Program { name: program, source })?;
         let link = prog.take_link(id).map_err(|source| ProbeError::Program { name: program, source })?;
         self.links.push(link);
         Ok(())

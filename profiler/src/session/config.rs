@@ -56,6 +56,10 @@ pub struct SessionConfig {
     pub step_mode: StepMode,
     /// `--step-region`s; their probe ids follow the PyTorch optimizer's (if any).
     pub step_regions: Vec<RegionStepSpec>,
+    /// `--job`: the job id of every session (see `job::job_name`).
+    pub job: Option<String>,
+    /// Trace the processes the targets start (`attach --children`; `run` unless `--no-children`).
+    pub follow_children: bool,
 }
 
 /// A process started by `profiler run`, held before `exec` until the probes are in.
@@ -69,6 +73,7 @@ pub struct LaunchedChild {
 }
 
 pub enum Target {
-    Attach(u32),
+    /// `attach`: the PIDs named, the first one first.
+    Attach(Vec<u32>),
     Run(Box<LaunchedChild>),
 }

@@ -280,7 +280,8 @@ fn run_traced(args: &[&str], specs: &[&str]) -> Traced {
             | Event::ThreadExit(_)
             | Event::RegionEnter(_)
             | Event::RegionExit(_)
-            | Event::LoaderChange { .. } => {}
+            | Event::LoaderChange { .. }
+            | Event::Process(_) => {}
         }
     }
     assert!(tracker.open_steps().is_empty(), "steps left open: {:?}", tracker.open_steps());
