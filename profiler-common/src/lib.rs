@@ -531,6 +531,9 @@ const _: () = assert!(core::mem::size_of::<FrameStep>() == 8);
 pub mod globals {
     /// Non-zero: processes forked by traced ones are traced too (`--children`).
     pub const FOLLOW_CHILDREN: &str = "FOLLOW_CHILDREN";
+    /// `u32`s: byte offsets of `pid` and `tgid` in the kernel's `struct task_struct`.
+    pub const TASK_PID_OFFSET: &str = "TASK_PID_OFFSET";
+    pub const TASK_TGID_OFFSET: &str = "TASK_TGID_OFFSET";
     /// `u32`: 1 to write a [`super::LaunchRecord`] per launch, 0 to only count.
     pub const EMIT_LAUNCHES: &str = "EMIT_LAUNCHES";
     /// `u32`: the length of the `THREAD_SLOTS` map less one (a power of two less one).
@@ -624,10 +627,9 @@ pub mod programs {
     pub const THREAD_EXIT: &str = "thread_exit";
     /// The tracepoint it is attached to.
     pub const THREAD_EXIT_TRACEPOINT: &str = "sched_process_exit";
-    /// kprobe and kretprobe on `kernel_clone`: a traced process's new child process.
-    pub const FORK_ENTER: &str = "fork_enter";
-    pub const FORK_EXIT: &str = "fork_exit";
-    pub const FORK_FUNCTION: &str = "kernel_clone";
+    /// Raw tracepoint `sched_process_fork`: a traced process's new child process.
+    pub const PROCESS_FORK: &str = "process_fork";
+    pub const PROCESS_FORK_TRACEPOINT: &str = "sched_process_fork";
     /// Raw tracepoint `sched_process_exec`: a traced process exec'ed.
     pub const PROCESS_EXEC: &str = "process_exec";
     pub const PROCESS_EXEC_TRACEPOINT: &str = "sched_process_exec";

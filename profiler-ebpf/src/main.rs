@@ -37,7 +37,7 @@ use aya_ebpf::{
         bpf_probe_read_user_str_bytes,
         generated::{bpf_get_attach_cookie, bpf_probe_read_user as probe_read_user_raw},
     },
-    macros::{kprobe, kretprobe, map, raw_tracepoint, uprobe, uretprobe},
+    macros::{map, raw_tracepoint, uprobe, uretprobe},
     maps::{Array, HashMap, PerCpuArray, RingBuf},
     programs::{ProbeContext, RawTracePointContext, RetProbeContext},
 };
@@ -56,6 +56,11 @@ static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
 /// compiler does not fold the initial value in.
 #[unsafe(no_mangle)]
 static FOLLOW_CHILDREN: u32 = 0;
+/// Byte offsets of `pid` and `tgid` in `struct task_struct` (from the kernel's BTF).
+#[unsafe(no_mangle)]
+static TASK_PID_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static TASK_TGID_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
 static EMIT_LAUNCHES: u32 = 1;
 /// `THREAD_SLOTS`' length less one (a power of two less one).
@@ -999,58 +1004,46 @@ fn emit_process(kind: RecordKind, tid: u32, pid: u32, parent: u32) {
     }
 }
 
-/// Threads of traced processes inside `kernel_clone` making a process (not a
-/// thread): tid -> their tgid, from the entry to the return.
-#[map]
-static FORKING: HashMap<u32, u32> = HashMap::with_max_entries(1024, 0);
-
-const CLONE_THREAD: u64 = 0x10000;
-
-/// `kernel_clone(struct kernel_clone_args *args)`'s entry, with
-/// `FOLLOW_CHILDREN`: notes a traced process's thread making a new process.
-/// `args` starts with `u64 flags` (since 5.3), so no type information is
-/// needed to tell a process from a thread (`CLONE_THREAD`).
-#[kprobe]
-pub fn fork_enter(ctx: ProbeContext) -> u32 {
+/// A task is being forked (`sched_process_fork(parent, child)`, in the
+/// parent, before the child first runs), with `FOLLOW_CHILDREN`: a new
+/// process (not a thread) of a traced one is traced from its first
+/// instruction, and the agent told. The child's pid and tgid are read at
+/// their offsets in `struct task_struct`, which the agent took from the
+/// kernel's BTF (`TASK_PID_OFFSET`, `TASK_TGID_OFFSET`): a raw tracepoint,
+/// where kprobes and tracefs may be missing.
+#[raw_tracepoint(tracepoint = "sched_process_fork")]
+pub fn process_fork(ctx: RawTracePointContext) -> i32 {
     // SAFETY: a plain read of a global the loader patched.
     if unsafe { core::ptr::read_volatile(&FOLLOW_CHILDREN) } == 0 || stopped() {
         return 0;
     }
     let pid_tgid = bpf_get_current_pid_tgid();
-    let tgid = (pid_tgid >> 32) as u32;
+    let parent = (pid_tgid >> 32) as u32;
     // SAFETY: a lookup whose value is not kept.
-    if unsafe { TRACED.get(&tgid) }.is_none() {
+    if unsafe { TRACED.get(&parent) }.is_none() {
         return 0;
     }
-    let Some(args) = ctx.arg::<*const u64>(0) else { return 0 };
+    let child: *const u8 = ctx.arg(1);
+    // SAFETY: plain reads of globals the loader patched.
+    let (pid_at, tgid_at) =
+        unsafe { (core::ptr::read_volatile(&TASK_PID_OFFSET), core::ptr::read_volatile(&TASK_TGID_OFFSET)) };
     // SAFETY: bpf_probe_read_kernel tolerates any address.
-    let Ok(flags) = (unsafe { bpf_probe_read_kernel(args) }) else { return 0 };
-    if flags & CLONE_THREAD == 0 && FORKING.insert(pid_tgid as u32, tgid, 0).is_err() {
-        map_failed();
-    }
-    0
-}
-
-/// `kernel_clone`'s return (the new process's pid, in the parent): the child
-/// is traced from now on, and the agent told. The child may already run on
-/// another CPU by then (it is woken inside `kernel_clone`); a child that
-/// execs first loads its program and libraries, which takes far longer.
-#[kretprobe]
-pub fn fork_exit(ctx: RetProbeContext) -> u32 {
-    let tid = bpf_get_current_pid_tgid() as u32;
-    // SAFETY: the value is copied out at once.
-    let Some(parent) = (unsafe { FORKING.get(&tid) }).copied() else { return 0 };
-    let _ = FORKING.remove(tid);
-    let child = ctx.ret::<i64>();
-    if child <= 0 || child > i64::from(u32::MAX) {
+    let (Ok(pid), Ok(tgid)) = (unsafe {
+        (
+            bpf_probe_read_kernel(child.wrapping_add(pid_at as usize).cast::<u32>()),
+            bpf_probe_read_kernel(child.wrapping_add(tgid_at as usize).cast::<u32>()),
+        )
+    }) else {
         return 0;
+    };
+    if pid != tgid || pid == 0 {
+        return 0; // a thread
     }
-    let child = child as u32;
-    if TRACED.insert(child, parent, 0).is_err() {
+    if TRACED.insert(pid, parent, 0).is_err() {
         map_failed();
         return 0;
     }
-    emit_process(RecordKind::ProcessFork, tid, child, parent);
+    emit_process(RecordKind::ProcessFork, pid_tgid as u32, pid, parent);
     0
 }
 

@@ -53,6 +53,11 @@ pub enum ProbeError {
     Read { path: PathBuf, source: std::io::Error },
     #[error("{path}: {source}")]
     Elf { path: PathBuf, source: elf::ElfError },
+    /// The kernel's type information, which following children needs.
+    #[error(
+        "cannot follow child processes: {0} (without --children, or with --no-children, the named processes are traced)"
+    )]
+    KernelTypes(String),
 }
 
 /// Where one probe went in a library, and why.
@@ -213,6 +218,7 @@ impl Probes {
         let scope =
             if pids.len() == 1 && !follow_children { UProbeScope::OneProcess(pid) } else { UProbeScope::AllProcesses };
         let follow: u32 = follow_children.into();
+        let (pid_at, tgid_at) = if follow_children { job::task_offsets()? } else { (0, 0) };
         let emit: u32 = emit_launches.into();
         // Tests set a handful of slots so that threads share them.
         let slots = thread_slots(
@@ -224,6 +230,8 @@ impl Probes {
         let slot_mask = slots - 1;
         let mut ebpf = EbpfLoader::new()
             .override_global(globals::FOLLOW_CHILDREN, &follow, true)
+            .override_global(globals::TASK_PID_OFFSET, &pid_at, true)
+            .override_global(globals::TASK_TGID_OFFSET, &tgid_at, true)
             .override_global(globals::EMIT_LAUNCHES, &emit, true)
             .override_global(globals::THREAD_SLOT_MASK, &slot_mask, true)
             .map_max_entries(map_names::THREAD_SLOTS, slots)

@@ -1,0 +1,211 @@
+//! Root integration tests of multi-process jobs: the launcher fixture (a torchrun stand-in)
+//! starting ranks of the synthetic trainer with RANK/LOCAL_RANK/WORLD_SIZE set, one of them
+//! slower, profiled with `run` (children followed) and with `attach --children`; every rank's
+//! steps against the ground truth it wrote, its rank read from its environment, and nothing from
+//! a foreign trainer (same binary, same libraries) running meanwhile.
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use integration_tests::*;
+
+const RANKS: u32 = 3;
+
+/// A session row of a job.
+#[derive(Debug)]
+struct JobSession {
+    id: i64,
+    pid: u32,
+    job: String,
+    rank: Option<i64>,
+    local_rank: Option<i64>,
+    world_size: Option<i64>,
+    parent_pid: Option<u32>,
+    end_reason: Option<String>,
+}
+
+fn job_sessions(db: &Path) -> Vec<JobSession> {
+    let conn = open(db);
+    let mut q = conn
+        .prepare("SELECT id, pid, job, rank, local_rank, world_size, parent_pid, end_reason FROM sessions ORDER BY id")
+        .expect("prepare");
+    q.query_map([], |r| {
+        Ok(JobSession {
+            id: r.get(0)?,
+            pid: r.get(1)?,
+            job: r.get(2)?,
+            rank: r.get(3)?,
+            local_rank: r.get(4)?,
+            world_size: r.get(5)?,
+            parent_pid: r.get(6)?,
+            end_reason: r.get(7)?,
+        })
+    })
+    .expect("query")
+    .collect::<Result<Vec<_>, _>>()
+    .expect("rows")
+}
+
+/// The launcher's own record: (rank, pid) of each rank it started.
+fn launched_ranks(dir: &Path) -> Vec<(i64, u32)> {
+    let file = TruthFile::read(&dir.join("launcher.txt"));
+    file.records("rank").map(|f| (file.num(&f, 0), file.num(&f, 1))).collect()
+}
+
+/// `launcher --ranks 3 --dir DIR [extra] -- trainer --steps 30 --launches 40`, rank 1 slower
+/// (each step 4 ms longer) and rank 2 dying in its step 20 when `with_death`.
+fn launcher_args(dir: &Path, extra: &[&str], with_death: bool) -> Vec<String> {
+    let mut a: Vec<String> = vec![
+        fixtures().join("launcher").display().to_string(),
+        "--ranks".into(),
+        RANKS.to_string(),
+        "--dir".into(),
+        dir.display().to_string(),
+        "--rank-args".into(),
+        "1".into(),
+        "--step-sleep-us 9000".into(),
+    ];
+    if with_death {
+        a.extend(["--rank-args".into(), "2".into(), "--die-in-step 20".into()]);
+    }
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a.push("--".into());
+    a.push(fixtures().join("trainer").display().to_string());
+    // Ranks live a while (≥ 150 ms), as real ones do: the agent reads a rank's environment from
+    // /proc after its exec, on its 20 ms tick.
+    a.extend(["--steps", "30", "--launches", "40", "--gap-us", "500", "--step-sleep-us", "5000"].map(String::from));
+    a
+}
+
+/// The step symbol in the trainer by path: the first target (the launcher) does not have it.
+fn step_symbol() -> String {
+    format!("{}:train_step", fixtures().join("trainer").display())
+}
+
+/// A trainer nobody traces, started from the test (not a child of the launcher), running the
+/// same binary with the same libraries while the job runs.
+fn foreign_trainer(dir: &Path) -> Trainer {
+    let t = Trainer::spawn(dir, &["--forever", "--launches", "20", "--gap-us", "1000"]);
+    t.go();
+    t
+}
+
+/// Every rank's session: one job, its rank from its environment, its parent the launcher, its
+/// steps and launches exactly its own ground truth; the dying rank's session ends
+/// `target-exited` with the steps it completed. No session or step of the foreign trainer.
+fn check_job(db: &Path, dir: &Path, launcher_pid: u32, foreign_pid: u32, died: Option<i64>) {
+    let sessions = job_sessions(db);
+    let launcher = sessions.iter().find(|s| s.pid == launcher_pid).expect("the launcher's session");
+    assert!(sessions.iter().all(|s| s.job == launcher.job), "one job: {sessions:?}");
+    assert!(sessions.iter().all(|s| s.pid != foreign_pid), "the foreign trainer has no session: {sessions:?}");
+    let ranks = launched_ranks(dir);
+    assert_eq!(ranks.len(), RANKS as usize);
+    let mut traced_steps = 0;
+    for (rank, pid) in ranks {
+        let s = sessions.iter().find(|s| s.pid == pid).unwrap_or_else(|| panic!("rank {rank}: no session"));
+        assert_eq!((s.rank, s.local_rank, s.world_size), (Some(rank), Some(rank), Some(i64::from(RANKS))), "{s:?}");
+        assert_eq!(s.parent_pid, Some(launcher_pid), "{s:?}");
+        assert_eq!(s.end_reason.as_deref(), Some("target-exited"), "{s:?}");
+        let truth = Truth::read(&dir.join(format!("rank{rank}.txt")));
+        let done: Vec<DbStep> = steps(db, s.id).into_iter().filter(|s| s.end_ns.is_some()).collect();
+        assert_steps_match(&truth.steps, &done, STEP_TOLERANCE_NS);
+        let expected = if died == Some(rank) { 20 } else { 30 };
+        assert_eq!(truth.steps.len(), expected, "rank {rank}'s own count");
+        let launches = count(db, "SELECT count(*) FROM launches WHERE session_id = ?1", s.id);
+        // A dying rank's last step launched before it died: those launches are its too.
+        let in_steps = count(
+            db,
+            "SELECT count(*) FROM launches WHERE session_id = ?1 AND step IN (SELECT step FROM steps WHERE session_id = ?1 AND end_ns IS NOT NULL)",
+            s.id,
+        );
+        assert_eq!(in_steps as u64, truth.steps.iter().map(|t| t.launches).sum::<u64>(), "rank {rank}");
+        assert!(launches >= in_steps);
+        traced_steps += done.len();
+    }
+    // Nothing else has steps: not the launcher, not the foreign trainer.
+    let all: i64 =
+        open(db).query_row("SELECT count(*) FROM steps WHERE end_ns IS NOT NULL", [], |r| r.get(0)).expect("count");
+    assert_eq!(all as usize, traced_steps, "steps outside the ranks' sessions");
+    assert_eq!(count(db, "SELECT count(*) FROM steps WHERE session_id = ?1", launcher.id), 0);
+}
+
+fn profiler_cmd(args: &[String]) -> Command {
+    let mut c = Command::new(profiler_bin());
+    c.args(args).env("LD_LIBRARY_PATH", fixtures());
+    c
+}
+
+#[test]
+fn run_follows_every_rank_of_a_launcher() {
+    let dir = workdir("mp_run");
+    let db = dir.join("p.db");
+    let foreign = foreign_trainer(&workdir("mp_run_foreign"));
+    wait_for_probe_removal();
+    let mut args: Vec<String> =
+        ["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--step-symbol", &step_symbol(), "--"]
+            .map(String::from)
+            .to_vec();
+    args.extend(launcher_args(&dir, &[], true));
+    let out = profiler_cmd(&args).output().expect("run profiler");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // Rank 2 died (exit 3): the launcher says so, and `run` passes its status on.
+    assert_eq!(out.status.code(), Some(1), "the launcher's exit code: {stderr}");
+    let launcher_pid = job_sessions(&db).first().expect("a session").pid;
+    check_job(&db, &dir, launcher_pid, foreign.pid(), Some(2));
+    let job = &job_sessions(&db)[0].job;
+    assert!(stderr.contains(&format!("job {job}")), "{stderr}");
+}
+
+#[test]
+fn attach_children_follows_ranks_started_after_it() {
+    let dir = workdir("mp_attach");
+    let db = dir.join("p.db");
+    let go = dir.join("go");
+    let foreign = foreign_trainer(&workdir("mp_attach_foreign"));
+    let args = launcher_args(&dir, &["--wait-file", go.to_str().expect("utf-8"), "--late-rank-after-ms", "300"], false);
+    let mut launcher =
+        Command::new(&args[0]).args(&args[1..]).env("LD_LIBRARY_PATH", fixtures()).spawn().expect("launcher");
+    let agent = Agent::attach(
+        launcher.id(),
+        &db,
+        &["--children", "--no-gpu", "--step-symbol", &step_symbol(), "--job", "mp-test"],
+    );
+    std::fs::write(&go, b"").expect("go");
+    assert!(launcher.wait().expect("wait launcher").success(), "launcher failed");
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "profiler failed: {stderr}");
+    check_job(&db, &dir, launcher.id(), foreign.pid(), None);
+    assert!(job_sessions(&db).iter().all(|s| s.job == "mp-test"));
+}
+
+#[test]
+fn attach_several_pids_names_a_bad_one_once_and_traces_the_others() {
+    let dirs: Vec<PathBuf> = (0..2).map(|i| workdir(&format!("mp_pids{i}"))).collect();
+    let db = dirs[0].join("p.db");
+    let mut trainers: Vec<Trainer> =
+        dirs.iter().map(|d| Trainer::spawn(d, &["--steps", "20", "--launches", "30"])).collect();
+    // Past any pid_max: no such process.
+    let bad = "4294967295";
+    let mut args: Vec<String> =
+        vec!["attach".into(), trainers[0].pid().to_string(), bad.into(), trainers[1].pid().to_string()];
+    args.extend(["-o", db.to_str().expect("utf-8"), "--no-gpu", "--step-symbol", "train_step"].map(String::from));
+    let agent = Agent::start(&args, true);
+    for t in &trainers {
+        t.go();
+    }
+    for t in &mut trainers {
+        assert!(t.wait().success(), "trainer failed");
+    }
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "profiler failed: {stderr}");
+    assert_eq!(stderr.matches(&format!("no process with PID {bad}")).count(), 1, "{stderr}");
+    let sessions = job_sessions(&db);
+    assert_eq!(sessions.len(), 2, "{sessions:?}");
+    for t in &trainers {
+        let s = sessions.iter().find(|s| s.pid == t.pid()).expect("a session per PID");
+        assert_eq!((s.rank, s.parent_pid), (None, None), "no RANK in its environment, named on the command line");
+        assert_eq!(s.end_reason.as_deref(), Some("target-exited"));
+        assert_steps_match(&t.truth().steps, &steps(&db, s.id), STEP_TOLERANCE_NS);
+    }
+}
