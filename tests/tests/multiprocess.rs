@@ -209,3 +209,78 @@ fn attach_several_pids_names_a_bad_one_once_and_traces_the_others() {
         assert_steps_match(&t.truth().steps, &steps(&db, s.id), STEP_TOLERANCE_NS);
     }
 }
+
+/// The PyTorch environment's python (`cargo xtask torch-env`), or None (said once).
+fn torch_python() -> Option<PathBuf> {
+    let all = std::env::var("PROFILER_TORCH_PYTHONS").unwrap_or_default();
+    let found = all.split(';').filter_map(|p| p.split_once('=')).find(|(n, _)| *n == "python3.11");
+    if found.is_none() {
+        skip("no PyTorch environment for python3.11 (see `cargo xtask torch-env`)");
+    }
+    found.map(|(_, p)| PathBuf::from(p))
+}
+
+/// `python -m torch.distributed.run --nproc-per-node 2 torch_loop.py …`: two CPU ranks, each
+/// writing its own ground truth to DIR/truth<RANK>.txt.
+fn torchrun_args(python: &Path, dir: &Path, port: u32) -> Vec<String> {
+    let loop_py = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/torch_loop.py");
+    [
+        python.display().to_string(),
+        "-m".into(),
+        "torch.distributed.run".into(),
+        "--nproc-per-node".into(),
+        "2".into(),
+        "--master-port".into(),
+        port.to_string(),
+        loop_py.display().to_string(),
+        "--steps".into(),
+        "15".into(),
+        "--truth".into(),
+        format!("{}/truth{{rank}}.txt", dir.display()),
+    ]
+    .to_vec()
+}
+
+/// Two rank sessions, their ranks from their environment, each with its own optimizer steps
+/// (PyTorch's markers), on the threads its ground truth names.
+fn check_torch_ranks(db: &Path, dir: &Path) {
+    let sessions = job_sessions(db);
+    assert!(sessions.iter().all(|s| s.job == sessions[0].job), "one job: {sessions:?}");
+    let ranks: Vec<&JobSession> = sessions.iter().filter(|s| s.rank.is_some()).collect();
+    assert_eq!(ranks.len(), 2, "{sessions:?}");
+    for s in ranks {
+        let rank = s.rank.expect("a rank");
+        assert_eq!((s.local_rank, s.world_size), (Some(rank), Some(2)), "{s:?}");
+        let truth = TruthFile::read(&dir.join(format!("truth{rank}.txt")));
+        let truth_tids: Vec<u32> = truth.records("step").map(|f| truth.num(&f, 1)).collect();
+        let done: Vec<DbStep> = steps(db, s.id).into_iter().filter(|s| s.end_ns.is_some()).collect();
+        assert_eq!(done.len(), truth_tids.len(), "rank {rank}'s optimizer steps");
+        assert!(done.iter().all(|d| truth_tids.contains(&d.tid) && d.label == "train"), "rank {rank}: {done:?}");
+    }
+}
+
+#[test]
+fn torchrun_ranks_on_cpu_with_run_and_attach_children() {
+    let Some(python) = torch_python() else { return };
+    // `run`: torchrun's workers followed from their start.
+    let dir = workdir("mp_torchrun");
+    let db = dir.join("p.db");
+    let mut args: Vec<String> = ["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--"].map(String::from).to_vec();
+    args.extend(torchrun_args(&python, &dir, 29500 + std::process::id() % 500));
+    wait_for_probe_removal();
+    let out = Command::new(profiler_bin()).args(&args).output().expect("run profiler");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    check_torch_ranks(&db, &dir);
+    // `attach --children` right after torchrun starts: the workers it has started by then are
+    // found in /proc, the later ones by the fork hook.
+    let dir = workdir("mp_torchrun_attach");
+    let db = dir.join("p.db");
+    let a = torchrun_args(&python, &dir, 30000 + std::process::id() % 500);
+    let mut torchrun = Command::new(&a[0]).args(&a[1..]).spawn().expect("torchrun");
+    let agent = Agent::attach(torchrun.id(), &db, &["--children", "--no-gpu"]);
+    assert!(torchrun.wait().expect("wait torchrun").success(), "torchrun failed");
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "profiler failed: {stderr}");
+    check_torch_ranks(&db, &dir);
+}

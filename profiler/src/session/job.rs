@@ -86,11 +86,12 @@ impl Job {
         &self.ctx.template.job
     }
 
-    /// The further PIDs named on the command line: a session each, their
-    /// CUDA libraries probed now. Returns how many there are.
-    pub fn add_named(&mut self, pids: &[u32], probes: &mut Probes) -> usize {
-        for &pid in pids {
-            self.adopt(pid, None, "attach");
+    /// The further PIDs named on the command line, and with `--children` the
+    /// live descendants of all of them (with their parents): a session each,
+    /// their CUDA libraries probed now. Returns how many there are.
+    pub fn add_named(&mut self, pids: &[(u32, Option<u32>)], probes: &mut Probes) -> usize {
+        for &(pid, parent) in pids {
+            self.adopt(pid, parent, if parent.is_some() { "child" } else { "attach" });
             if let Some(m) = self.members.get_mut(&pid)
                 && let Some(c) = m.consumer.as_mut()
             {
@@ -457,6 +458,35 @@ pub(super) fn existing(pids: &[u32], first: u32) -> Vec<u32> {
     out
 }
 
+/// The live descendants of `roots` (children, theirs, …), each with its
+/// parent, from /proc: `attach --children` traces those already started too.
+pub(super) fn descendants(roots: &[u32]) -> Vec<(u32, u32)> {
+    let parents: Vec<(u32, u32)> = procfs::process::all_processes()
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|p| p.stat().ok())
+        .filter(|st| st.state != 'Z' && st.state != 'X')
+        .filter_map(|st| Some((u32::try_from(st.pid).ok()?, u32::try_from(st.ppid).ok()?)))
+        .collect();
+    tree_below(roots, &parents)
+}
+
+/// Of `(pid, parent)` pairs, those below `roots`, parents before children.
+fn tree_below(roots: &[u32], parents: &[(u32, u32)]) -> Vec<(u32, u32)> {
+    let mut out: Vec<(u32, u32)> = Vec::new();
+    let mut frontier: Vec<u32> = roots.to_vec();
+    while let Some(parent) = frontier.pop() {
+        for &(pid, ppid) in parents {
+            if ppid == parent && !roots.contains(&pid) && !out.iter().any(|(p, _)| *p == pid) {
+                out.push((pid, ppid));
+                frontier.push(pid);
+            }
+        }
+    }
+    out
+}
+
 /// An environment map's variable, as a `var` function for [`ranks`].
 pub(super) fn env_var(env: &HashMap<OsString, OsString>, key: &str) -> Option<String> {
     env.get(OsStr::new(key)).map(|v| v.to_string_lossy().into_owned())
@@ -494,6 +524,17 @@ mod tests {
         assert_eq!(rank_gpus(&all, Some(9), None, None), all.to_vec());
         assert_eq!(rank_gpus(&all, None, None, None), all.to_vec());
         assert_eq!(rank_gpus(&[], Some(0), None, None), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn descendants_are_children_and_theirs_parents_first() {
+        let parents = [(10, 1), (11, 10), (12, 10), (13, 11), (20, 1), (21, 20), (30, 99)];
+        let mut below = tree_below(&[10], &parents);
+        below.sort_unstable();
+        assert_eq!(below, vec![(11, 10), (12, 10), (13, 11)]);
+        // A named PID below another is not listed twice.
+        assert_eq!(tree_below(&[10, 11], &parents).iter().filter(|(p, _)| *p == 11).count(), 0);
+        assert!(tree_below(&[30], &parents).is_empty());
     }
 
     #[test]

@@ -43,8 +43,14 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     // The step functions and NVML before anything is attached: a typo costs nothing.
     let steps = setup::resolve_steps(&cfg, &target)?;
     let gpu = setup::open_gpu(&cfg, &target)?;
-    let others = job::existing(&target.others, target.pid);
-    let pids: Vec<_> = std::iter::once(target.nz_pid).chain(others.iter().filter_map(|&p| p.try_into().ok())).collect();
+    let mut others: Vec<(u32, Option<u32>)> =
+        job::existing(&target.others, target.pid).into_iter().map(|p| (p, None)).collect();
+    if cfg.follow_children && target.mode == "attach" {
+        let roots: Vec<u32> = std::iter::once(target.pid).chain(others.iter().map(|o| o.0)).collect();
+        others.extend(job::descendants(&roots).into_iter().map(|(p, parent)| (p, Some(parent))));
+    }
+    let pids: Vec<_> =
+        std::iter::once(target.nz_pid).chain(others.iter().filter_map(|&(p, _)| p.try_into().ok())).collect();
     let emit = cfg.launch_mode == LaunchMode::All;
     let (mut probes, mut rings) = Probes::load_job(&pids, cfg.follow_children, emit, cfg.place_probes)?;
     let host = setup::read_trimmed("/proc/sys/kernel/hostname");
