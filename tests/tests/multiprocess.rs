@@ -222,7 +222,7 @@ fn torch_python() -> Option<PathBuf> {
 
 /// `python -m torch.distributed.run --nproc-per-node 2 torch_loop.py …`: two CPU ranks, each
 /// writing its own ground truth to DIR/truth<RANK>.txt.
-fn torchrun_args(python: &Path, dir: &Path, port: u32) -> Vec<String> {
+fn torchrun_args(python: &Path, dir: &Path, port: u32, wait_file: Option<&Path>) -> Vec<String> {
     let loop_py = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/torch_loop.py");
     [
         python.display().to_string(),
@@ -238,7 +238,9 @@ fn torchrun_args(python: &Path, dir: &Path, port: u32) -> Vec<String> {
         "--truth".into(),
         format!("{}/truth{{rank}}.txt", dir.display()),
     ]
-    .to_vec()
+    .into_iter()
+    .chain(wait_file.into_iter().flat_map(|w| ["--wait-file".to_string(), w.display().to_string()]))
+    .collect()
 }
 
 /// Two rank sessions, their ranks from their environment, each with its own optimizer steps
@@ -266,19 +268,20 @@ fn torchrun_ranks_on_cpu_with_run_and_attach_children() {
     let dir = workdir("mp_torchrun");
     let db = dir.join("p.db");
     let mut args: Vec<String> = ["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--"].map(String::from).to_vec();
-    args.extend(torchrun_args(&python, &dir, 29500 + std::process::id() % 500));
+    args.extend(torchrun_args(&python, &dir, 29500 + std::process::id() % 500, None));
     wait_for_probe_removal();
     let out = Command::new(profiler_bin()).args(&args).output().expect("run profiler");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     check_torch_ranks(&db, &dir);
     // `attach --children` right after torchrun starts: the workers it has started by then are
-    // found in /proc, the later ones by the fork hook.
+    // found in /proc, the later ones by the fork hook. They train once the agent is in.
     let dir = workdir("mp_torchrun_attach");
-    let db = dir.join("p.db");
-    let a = torchrun_args(&python, &dir, 30000 + std::process::id() % 500);
+    let (db, go) = (dir.join("p.db"), dir.join("go"));
+    let a = torchrun_args(&python, &dir, 30000 + std::process::id() % 500, Some(&go));
     let mut torchrun = Command::new(&a[0]).args(&a[1..]).spawn().expect("torchrun");
     let agent = Agent::attach(torchrun.id(), &db, &["--children", "--no-gpu"]);
+    std::fs::write(&go, b"").expect("go");
     assert!(torchrun.wait().expect("wait torchrun").success(), "torchrun failed");
     let (status, stderr) = agent.finish();
     assert!(status.success(), "profiler failed: {stderr}");

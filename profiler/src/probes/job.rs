@@ -66,3 +66,15 @@ pub(super) fn task_offsets() -> Result<(u32, u32), ProbeError> {
     };
     Ok((offset("pid")?, offset("tgid")?))
 }
+
+#[cfg(test)]
+mod tests {
+    /// This kernel's BTF (every kernel this profiler supports has it: see
+    /// `doctor`) gives `pid` and `tgid`, adjacent `pid_t`s in `task_struct`.
+    #[test]
+    fn task_struct_pid_and_tgid_offsets_come_from_the_kernels_btf() {
+        let (pid, tgid) = super::task_offsets().expect("offsets from /sys/kernel/btf/vmlinux");
+        assert_eq!(tgid, pid + 4, "pid_t pid; pid_t tgid;");
+        assert!(pid > 0);
+    }
+}

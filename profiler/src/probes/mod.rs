@@ -311,6 +311,20 @@ impl Probes {
         Ok(())
     }
 
+    /// Whether `path` (by device and inode) is looked at for the first time
+    /// by a job whose probes are file-wide, and is marked as looked at: one
+    /// attach serves every process of the job that maps it. Always true for
+    /// one process's probes.
+    pub fn first_look(&mut self, path: &Path) -> bool {
+        if matches!(self.scope, UProbeScope::OneProcess(_)) {
+            return true;
+        }
+        match std::fs::metadata(path) {
+            Ok(meta) => self.probed.insert((meta.dev(), meta.ino())),
+            Err(_) => true,
+        }
+    }
+
     /// Probes the launch entry points, host synchronisation calls and (for
     /// the driver) kernel-naming calls `path` exports; returns where each probe
     /// went (empty when the file exports none), or None when this file (by

@@ -31,10 +31,19 @@ pub(super) async fn run(
 ) -> anyhow::Result<(String, Option<i32>)> {
     let mut stop_signals = stop_signals::listen().context("cannot catch SIGINT/SIGTERM")?;
     let deadline = cfg.duration.map(|d| Instant::now() + d);
+    // None: the first target exited while the probes went in (the job's
+    // other processes, if any, go on).
     let exit_fd = target_exit(pid)?;
     let mut ticks = Ticks::new(cfg, job.watcher.loader_hooked);
     // Set when the first target has exited: (its `run` status).
     let mut first_exited: Option<Option<i32>> = None;
+    if exit_fd.is_none() {
+        let code = match child.as_mut() {
+            Some((c, _)) => Some(stop_signals::shell_status(c.wait().await.context("waiting for the command")?)),
+            None => None,
+        };
+        first_exited = Some(code);
+    }
     if let Some((_, release)) = child.as_ref() {
         release_command(release)?;
     }
@@ -61,8 +70,8 @@ pub(super) async fn run(
                 return Ok((stop.end_reason().into(), None));
             }
             _ = sleep_until(deadline) => return Ok(("duration".into(), None)),
-            r = exit_fd.readable(), if first_exited.is_none() => {
-                let _ = r?;
+            r = first_target_exit(exit_fd.as_ref()), if first_exited.is_none() => {
+                r?;
                 let code = match child.as_mut() {
                     Some((c, _)) => Some(stop_signals::shell_status(c.wait().await.context("waiting for the command")?)),
                     None => None,
@@ -105,15 +114,25 @@ impl Ticks {
     }
 }
 
-/// Becomes readable when the target exits.
-fn target_exit(pid: u32) -> anyhow::Result<AsyncFd<OwnedFd>> {
+/// Becomes readable when the target exits; None when it already has.
+fn target_exit(pid: u32) -> anyhow::Result<Option<AsyncFd<OwnedFd>>> {
     let pid = rustix::process::Pid::from_raw(pid as i32).context("pidfd_open on the target: not a PID")?;
-    let pidfd =
-        rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).context("pidfd_open on the target")?;
+    let pidfd = match rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()) {
+        Err(rustix::io::Errno::SRCH) => return Ok(None),
+        r => r.context("pidfd_open on the target")?,
+    };
     // SAFETY: an OwnedFd keeps its fd open and unchanged for its lifetime.
     let exit_fd = unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
         .map_err(|e| e.into_parts().1)?;
-    Ok(exit_fd)
+    Ok(Some(exit_fd))
+}
+
+/// The first target's exit (see `target_exit`).
+async fn first_target_exit(exit_fd: Option<&AsyncFd<OwnedFd>>) -> anyhow::Result<()> {
+    match exit_fd {
+        Some(fd) => fd.readable().await.map(drop).map_err(Into::into),
+        None => std::future::pending().await,
+    }
 }
 
 /// Lets the `run` command, held at its exec gate, go on.
