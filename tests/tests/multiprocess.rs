@@ -142,12 +142,14 @@ fn run_follows_every_rank_of_a_launcher() {
     let db = dir.join("p.db");
     let foreign = foreign_trainer(&workdir("mp_run_foreign"));
     wait_for_probe_removal();
+    // Three stand-in GPUs, sampled once for the job.
+    let nvml = fixtures().join("libnvidia-ml.so.1").display().to_string();
     let mut args: Vec<String> =
-        ["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--step-symbol", &step_symbol(), "--"]
+        ["run", "-o", db.to_str().expect("utf-8"), "--nvml-lib", &nvml, "--step-symbol", &step_symbol(), "--"]
             .map(String::from)
             .to_vec();
     args.extend(launcher_args(&dir, &[], true));
-    let out = profiler_cmd(&args).output().expect("run profiler");
+    let out = profiler_cmd(&args).env("STANDIN_NVML_GPUS", "3").output().expect("run profiler");
     let stderr = String::from_utf8_lossy(&out.stderr);
     // Rank 2 died (exit 3): the launcher says so, and `run` passes its status on.
     assert_eq!(out.status.code(), Some(1), "the launcher's exit code: {stderr}");
@@ -155,6 +157,29 @@ fn run_follows_every_rank_of_a_launcher() {
     check_job(&db, &dir, launcher_pid, foreign.pid(), Some(2));
     let job = &job_sessions(&db)[0].job;
     assert!(stderr.contains(&format!("job {job}")), "{stderr}");
+    // Each rank's steps get the GPU its LOCAL_RANK names (the same visible GPUs as the launcher),
+    // from the one series of samples, stored with the launcher's session.
+    let conn = open(&db);
+    for s in job_sessions(&db).iter().filter(|s| s.rank.is_some()) {
+        let gpus: Vec<i64> = conn
+            .prepare("SELECT DISTINCT gpu FROM step_gpu WHERE session_id = ?1")
+            .expect("prepare")
+            .query_map([s.id], |r| r.get(0))
+            .expect("query")
+            .collect::<Result<_, _>>()
+            .expect("rows");
+        assert_eq!(gpus, vec![s.local_rank.expect("a local rank")], "{s:?}");
+        let rows = count(&db, "SELECT count(*) FROM step_gpu WHERE session_id = ?1 AND energy_j IS NOT NULL", s.id);
+        let steps = count(&db, "SELECT count(*) FROM steps WHERE session_id = ?1 AND end_ns IS NOT NULL", s.id);
+        assert_eq!(rows, steps, "{s:?}: a GPU energy per completed step");
+        assert_eq!(count(&db, "SELECT count(*) FROM gpu_samples WHERE session_id = ?1", s.id), 0);
+    }
+    assert!(count(&db, "SELECT count(*) FROM gpu_samples WHERE session_id = ?1", launcher_pid_session(&db)) > 0);
+}
+
+/// The job's first session (the launcher's, which holds the machine's samples).
+fn launcher_pid_session(db: &Path) -> i64 {
+    job_sessions(db)[0].id
 }
 
 #[test]
@@ -245,12 +270,17 @@ fn torchrun_args(python: &Path, dir: &Path, port: u32, wait_file: Option<&Path>)
 
 /// Two rank sessions, their ranks from their environment, each with its own optimizer steps
 /// (PyTorch's markers), on the threads its ground truth names.
-fn check_torch_ranks(db: &Path, dir: &Path) {
+/// `attempts`: how many workers each rank had (torchrun restarts); only the last one's trained.
+fn check_torch_ranks(db: &Path, dir: &Path, attempts: usize) {
     let sessions = job_sessions(db);
     assert!(sessions.iter().all(|s| s.job == sessions[0].job), "one job: {sessions:?}");
     let ranks: Vec<&JobSession> = sessions.iter().filter(|s| s.rank.is_some()).collect();
-    assert_eq!(ranks.len(), 2, "{sessions:?}");
-    for s in ranks {
+    assert_eq!(ranks.len(), 2 * attempts, "{sessions:?}");
+    let (failed, trained): (Vec<&JobSession>, Vec<&JobSession>) =
+        ranks.into_iter().partition(|s| steps(db, s.id).is_empty());
+    assert_eq!(failed.len(), 2 * (attempts - 1), "{sessions:?}");
+    assert!(failed.iter().all(|s| s.end_reason.as_deref() == Some("target-exited")), "{failed:?}");
+    for s in trained {
         let rank = s.rank.expect("a rank");
         assert_eq!((s.local_rank, s.world_size), (Some(rank), Some(2)), "{s:?}");
         let truth = TruthFile::read(&dir.join(format!("truth{rank}.txt")));
@@ -273,7 +303,7 @@ fn torchrun_ranks_on_cpu_with_run_and_attach_children() {
     let out = Command::new(profiler_bin()).args(&args).output().expect("run profiler");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    check_torch_ranks(&db, &dir);
+    check_torch_ranks(&db, &dir, 1);
     // `attach --children` right after torchrun starts: the workers it has started by then are
     // found in /proc, the later ones by the fork hook. They train once the agent is in.
     let dir = workdir("mp_torchrun_attach");
@@ -285,5 +315,25 @@ fn torchrun_ranks_on_cpu_with_run_and_attach_children() {
     assert!(torchrun.wait().expect("wait torchrun").success(), "torchrun failed");
     let (status, stderr) = agent.finish();
     assert!(status.success(), "profiler failed: {stderr}");
-    check_torch_ranks(&db, &dir);
+    check_torch_ranks(&db, &dir, 1);
+}
+
+/// An elastic restart: torchrun's first workers fail (once the agent is in), torchrun starts new
+/// ones, which `attach --children` follows: their sessions have their ranks and their steps, and
+/// the failed workers' sessions ended `target-exited` with none.
+#[test]
+fn torchrun_restarted_workers_are_traced() {
+    let Some(python) = torch_python() else { return };
+    let dir = workdir("mp_torchrun_restart");
+    let (db, go) = (dir.join("p.db"), dir.join("go"));
+    let mut a = torchrun_args(&python, &dir, 30500 + std::process::id() % 500, Some(&go));
+    a.splice(3..3, ["--max-restarts".to_string(), "1".to_string()]);
+    a.push("--fail-first-attempt".into());
+    let mut torchrun = Command::new(&a[0]).args(&a[1..]).spawn().expect("torchrun");
+    let agent = Agent::attach(torchrun.id(), &db, &["--children", "--no-gpu"]);
+    std::fs::write(&go, b"").expect("go");
+    assert!(torchrun.wait().expect("wait torchrun").success(), "torchrun failed");
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "profiler failed: {stderr}");
+    check_torch_ranks(&db, &dir, 2);
 }
