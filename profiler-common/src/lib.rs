@@ -42,6 +42,13 @@ pub enum RecordKind {
     Collective = 11,
     /// A [`BlasRecord`]: a cuBLAS/cuBLASLt call (a GEMM, or a cuBLASLt descriptor's life).
     Blas = 12,
+    /// A [`ProcessRecord`]: a traced process forked a process (`pid`, its
+    /// `parent`), now traced too (`--children`).
+    ProcessFork = 20,
+    /// A [`ProcessRecord`]: a traced process (`pid`) exec'ed a new program.
+    ProcessExec = 21,
+    /// A [`ProcessRecord`]: a traced process (`pid`) exited (its main thread did).
+    ProcessExit = 22,
 }
 
 impl RecordKind {
@@ -59,6 +66,9 @@ impl RecordKind {
             10 => Some(Self::RegionExit),
             11 => Some(Self::Collective),
             12 => Some(Self::Blas),
+            20 => Some(Self::ProcessFork),
+            21 => Some(Self::ProcessExec),
+            22 => Some(Self::ProcessExit),
             _ => None,
         }
     }
@@ -262,6 +272,24 @@ pub struct RecordHeader {
     pub tid: u32,
     /// `bpf_ktime_get_ns()`: CLOCK_MONOTONIC nanoseconds.
     pub ts_ns: u64,
+    /// The process (tgid) of the thread that fired: the agent keeps one
+    /// session per traced process and routes each record by it.
+    pub tgid: u32,
+    pub _pad: u32,
+}
+
+/// A process traced, or about to be, as the kernel saw it: the header's
+/// `tid`/`tgid` are the thread that forked, exec'ed or exited.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(feature = "user", derive(FromBytes, IntoBytes, KnownLayout, Immutable))]
+pub struct ProcessRecord {
+    pub header: RecordHeader,
+    /// The process (tgid) the record is about: the new child for
+    /// `ProcessFork`, else the header's own tgid.
+    pub pid: u32,
+    /// The traced process it was forked from (`ProcessFork`), else 0.
+    pub parent: u32,
 }
 
 /// One kernel or graph launch.
@@ -367,10 +395,11 @@ pub struct KernelNameRecord {
 }
 
 // The decoder reads these sizes; keep them in step with the eBPF side.
-const _: () = assert!(core::mem::size_of::<RecordHeader>() == 16);
-const _: () = assert!(core::mem::size_of::<LaunchRecord>() == 64);
-const _: () = assert!(core::mem::size_of::<OrderedRecord>() == 40);
-const _: () = assert!(core::mem::size_of::<KernelNameRecord>() == 40 + KERNEL_NAME_CAP);
+const _: () = assert!(core::mem::size_of::<RecordHeader>() == 24);
+const _: () = assert!(core::mem::size_of::<LaunchRecord>() == 72);
+const _: () = assert!(core::mem::size_of::<OrderedRecord>() == 48);
+const _: () = assert!(core::mem::size_of::<ProcessRecord>() == 32);
+const _: () = assert!(core::mem::size_of::<KernelNameRecord>() == 48 + KERNEL_NAME_CAP);
 
 /// What a [`UsdtArgSpec`] reads. Stored as `u32` in [`UsdtArgSpec::kind`].
 #[repr(u32)]
@@ -497,7 +526,7 @@ pub const FRAME_STEPS_MAX: u32 = 4096;
 
 // The eBPF side reads these layouts; keep them in step with user space.
 const _: () = assert!(core::mem::size_of::<UsdtArgSpec>() == 32);
-const _: () = assert!(core::mem::size_of::<LaunchStage>() == 8 + 64 * STAGE_LEN);
+const _: () = assert!(core::mem::size_of::<LaunchStage>() == 8 + 72 * STAGE_LEN);
 const _: () = assert!(STAGES.is_power_of_two());
 const _: () = assert!(core::mem::size_of::<UsdtProbeSpec>() == 32 * USDT_MAX_ARGS + 8);
 const _: () = assert!(core::mem::size_of::<PyTarget>() == 2 * PY_NAME_CAP + 16);
@@ -506,8 +535,11 @@ const _: () = assert!(core::mem::size_of::<FrameStep>() == 8);
 
 /// Names of the read-only globals the agent sets at load time.
 pub mod globals {
-    /// `u32`: the target's tgid (process id); every other process is ignored.
-    pub const TARGET_TGID: &str = "TARGET_TGID";
+    /// Non-zero: processes forked by traced ones are traced too (`--children`).
+    pub const FOLLOW_CHILDREN: &str = "FOLLOW_CHILDREN";
+    /// `u32`s: byte offsets of `pid` and `tgid` in the kernel's `struct task_struct`.
+    pub const TASK_PID_OFFSET: &str = "TASK_PID_OFFSET";
+    pub const TASK_TGID_OFFSET: &str = "TASK_TGID_OFFSET";
     /// `u32`: 1 to write a [`super::LaunchRecord`] per launch, 0 to only count.
     pub const EMIT_LAUNCHES: &str = "EMIT_LAUNCHES";
     /// `u32`: the length of the `THREAD_SLOTS` map less one (a power of two less one).
@@ -526,6 +558,8 @@ pub const ORDERED_EVENTS_BYTES: u32 = 8 * 1024 * 1024;
 pub mod maps {
     /// `RingBuf` carrying launch and kernel-name records.
     pub const EVENTS: &str = "EVENTS";
+    /// tgid -> the traced process it was forked from (0 for one named by the user).
+    pub const TRACED: &str = "TRACED";
     /// `Array<u32>` of one: set to 1 when the session stops; every program then returns at once.
     pub const STOPPED: &str = "STOPPED";
     /// `RingBuf` carrying [`super::OrderedRecord`]s (steps, syncs, thread exits)
@@ -599,6 +633,12 @@ pub mod programs {
     pub const THREAD_EXIT: &str = "thread_exit";
     /// The tracepoint it is attached to.
     pub const THREAD_EXIT_TRACEPOINT: &str = "sched_process_exit";
+    /// Raw tracepoint `sched_process_fork`: a traced process's new child process.
+    pub const PROCESS_FORK: &str = "process_fork";
+    pub const PROCESS_FORK_TRACEPOINT: &str = "sched_process_fork";
+    /// Raw tracepoint `sched_process_exec`: a traced process exec'ed.
+    pub const PROCESS_EXEC: &str = "process_exec";
+    pub const PROCESS_EXEC_TRACEPOINT: &str = "sched_process_exec";
 }
 
 #[cfg(feature = "user")]
@@ -607,6 +647,8 @@ mod user {
     unsafe impl aya::Pod for super::LaunchRecord {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::OrderedRecord {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::ProcessRecord {}
     // SAFETY: as above (two u32 then 8-byte-aligned records).
     unsafe impl aya::Pod for super::LaunchStage {}
     // SAFETY: as above (USDT_ARGS values).
@@ -648,7 +690,7 @@ pub struct RegionRecord {
     pub name: [u8; REGION_NAME_CAP],
 }
 
-const _: () = assert!(core::mem::size_of::<RegionRecord>() == 48 + REGION_NAME_CAP);
+const _: () = assert!(core::mem::size_of::<RegionRecord>() == 56 + REGION_NAME_CAP);
 const _: () = assert!(REGION_NAME_CAP.is_power_of_two());
 
 /// Names of the region programs .
@@ -771,7 +813,7 @@ pub struct CollectiveRecord {
     pub result: u32,
 }
 
-const _: () = assert!(core::mem::size_of::<CollectiveRecord>() == 80);
+const _: () = assert!(core::mem::size_of::<CollectiveRecord>() == 88);
 
 /// Names of the collective programs.
 pub mod nccl_programs {
@@ -921,7 +963,7 @@ pub struct BlasRecord {
 }
 
 // The decoder reads this size; `ret` and `stack` are read in one copy, so they stay adjacent.
-const _: () = assert!(core::mem::size_of::<BlasRecord>() == 16 + 8 + 48 + 8 + 8 * BLAS_STACK_ARGS + 8);
+const _: () = assert!(core::mem::size_of::<BlasRecord>() == 24 + 8 + 48 + 8 + 8 * BLAS_STACK_ARGS + 8);
 const _: () = assert!(core::mem::offset_of!(BlasRecord, stack) == core::mem::offset_of!(BlasRecord, ret) + 8);
 
 /// Names of the BLAS programs and maps.

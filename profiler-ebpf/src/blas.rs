@@ -16,12 +16,12 @@
 //! handle and writes the record. Creates are rare next to the work they
 //! describe, so the return probe is affordable.
 use aya_ebpf::{
-    helpers::{bpf_ktime_get_ns, bpf_probe_read_user, generated::bpf_probe_read_user as probe_read_user_raw},
+    helpers::{bpf_probe_read_user, generated::bpf_probe_read_user as probe_read_user_raw},
     macros::{map, uprobe, uretprobe},
     maps::{Array, HashMap, PerCpuArray},
     programs::{ProbeContext, RetProbeContext},
 };
-use profiler_common::{BLAS_STACK_ARGS, BLAS_TEXTS, BlasCall, BlasRecord, RecordHeader, RecordKind};
+use profiler_common::{BLAS_STACK_ARGS, BLAS_TEXTS, BlasCall, BlasRecord, RecordKind};
 
 use crate::{EVENTS, LOST, bump, cookie, map_failed, submit_flags, target_tid};
 
@@ -79,8 +79,7 @@ fn fill(ctx: &ProbeContext, tid: u32, r: &mut BlasRecord) -> bool {
     if in_blas_text(r.ret) {
         return false;
     }
-    // SAFETY: a helper without preconditions.
-    r.header = RecordHeader { kind: RecordKind::Blas as u32, tid, ts_ns: unsafe { bpf_ktime_get_ns() } };
+    r.header = crate::header(RecordKind::Blas, tid);
     r.call = c as u32;
     r.status = 0;
     r.args = [arg(ctx, 0), arg(ctx, 1), arg(ctx, 2), arg(ctx, 3), arg(ctx, 4), arg(ctx, 5)];

@@ -1,4 +1,5 @@
-//! The profiler's eBPF programs, all filtered on one tgid: entry probes on
+//! The profiler's eBPF programs, all filtered on a set of traced processes
+//! (`TRACED`, grown by the fork hook when following children): entry probes on
 //! the CUDA launch entry points, entry/return probes on the host
 //! synchronisation calls, the kernel-naming calls and the step function, and
 //! (in `python`) CPython's USDT function probes; (in `blas`) cuBLAS/cuBLASLt GEMM calls.
@@ -34,7 +35,8 @@ mod torch;
 use aya_ebpf::{
     EbpfContext,
     helpers::{
-        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, bpf_probe_read_user_str_bytes,
+        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_user,
+        bpf_probe_read_user_str_bytes,
         generated::{bpf_get_attach_cookie, bpf_probe_read_user as probe_read_user_raw},
     },
     macros::{map, raw_tracepoint, uprobe, uretprobe},
@@ -43,7 +45,7 @@ use aya_ebpf::{
 };
 use profiler_common::{
     ApiLayer, EVENTS_BYTES, KernelNameRecord, LaunchApi, LaunchRecord, LaunchStage, ORDERED_EVENTS_BYTES,
-    OrderedRecord, RUNTIME_TEXTS, RecordHeader, RecordKind, STAGE_LEN, STAGES, name_call,
+    OrderedRecord, ProcessRecord, RUNTIME_TEXTS, RecordHeader, RecordKind, STAGE_LEN, STAGES, name_call,
 };
 
 /// bpf_probe_read_user and bpf_get_attach_cookie are GPL-only helpers.
@@ -55,7 +57,12 @@ static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
 /// (`EbpfLoader::override_global`) and read with `read_volatile`, so that the
 /// compiler does not fold the initial value in.
 #[unsafe(no_mangle)]
-static TARGET_TGID: u32 = 0;
+static FOLLOW_CHILDREN: u32 = 0;
+/// Byte offsets of `pid` and `tgid` in `struct task_struct` (from the kernel's BTF).
+#[unsafe(no_mangle)]
+static TASK_PID_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static TASK_TGID_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
 static EMIT_LAUNCHES: u32 = 1;
 /// `THREAD_SLOTS`' length less one (a power of two less one).
@@ -213,19 +220,59 @@ fn submit_flags() -> u64 {
 #[map]
 static STOPPED: Array<u32> = Array::with_max_entries(1, 0);
 
+/// The traced processes: tgid -> the traced process it was forked from (0
+/// for one the user named). The agent fills it before any probe is attached;
+/// the fork hook adds children (`FOLLOW_CHILDREN`); a process's exit removes it.
+#[map]
+static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(4096, 0);
+
+/// The calling thread if its process is traced. A thread holding its
+/// `THREAD_SLOTS` slot is one of a traced process (slots are claimed only
+/// past this check and released when their thread exits): an array lookup the
+/// verifier inlines answers for it, and only other threads (a first record, a
+/// fallback thread, and every thread of an untraced process that maps a probed
+/// file) pay the `TRACED` hash lookup.
+/// Whether the agent has stopped the session. An array lookup the verifier
+/// inlines (no helper call).
+#[inline(always)]
+fn stopped() -> bool {
+    STOPPED.get(0).is_some_and(|s| *s != 0)
+}
+
 #[inline(always)]
 fn target_tid() -> Option<u32> {
     let pid_tgid = bpf_get_current_pid_tgid();
-    // SAFETY: a plain read of a global the loader patched.
-    let target = unsafe { core::ptr::read_volatile(&TARGET_TGID) };
-    if (pid_tgid >> 32) as u32 != target {
+    let tid = pid_tgid as u32;
+    let held = THREAD_SLOTS.get(slot_index(tid)).is_some_and(|s| s.tid == tid);
+    // SAFETY: a lookup whose value is not kept.
+    if !held && unsafe { TRACED.get((pid_tgid >> 32) as u32) }.is_none() {
         return None;
     }
-    // An array lookup the verifier inlines (no helper call).
-    if STOPPED.get(0).is_some_and(|s| *s != 0) {
+    if stopped() {
         return None;
     }
-    Some(pid_tgid as u32)
+    Some(tid)
+}
+
+/// A record header for the calling thread (`tid`), stamped now.
+#[inline(always)]
+pub(crate) fn header(kind: RecordKind, tid: u32) -> RecordHeader {
+    let mut h = RecordHeader { kind: kind as u32, tid, ts_ns: 0, tgid: 0, _pad: 0 };
+    write_header(&mut h, kind, tid);
+    h
+}
+
+/// Writes a header in place (map or ring memory), each helper's result
+/// stored as soon as it returns: nothing is kept across a helper call, which
+/// would take the launch programs' stack past 64 bytes (see `stack_words`).
+#[inline(always)]
+fn write_header(h: &mut RecordHeader, kind: RecordKind, tid: u32) {
+    h.kind = kind as u32;
+    h.tid = tid;
+    h._pad = 0;
+    h.tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    // SAFETY: a helper without preconditions.
+    h.ts_ns = unsafe { bpf_ktime_get_ns() };
 }
 
 #[inline(always)]
@@ -431,8 +478,7 @@ fn emit_launch(tid: u32, api: u32, fill: impl FnOnce(&mut LaunchRecord)) -> bool
 /// Writes a launch record: the header and `api` here, the rest by `fill`.
 #[inline(always)]
 fn write_launch(tid: u32, api: u32, record: &mut LaunchRecord, fill: impl FnOnce(&mut LaunchRecord)) {
-    // SAFETY: a helper without preconditions.
-    record.header = RecordHeader { kind: RecordKind::Launch as u32, tid, ts_ns: unsafe { bpf_ktime_get_ns() } };
+    write_header(&mut record.header, RecordKind::Launch, tid);
     record.api = api;
     fill(record);
 }
@@ -811,7 +857,7 @@ pub fn name_exit(ctx: RetProbeContext) -> u32 {
     // SAFETY: `p` points at the reserved record; every field is written
     // before submit (the name by the helper, or its first byte here).
     unsafe {
-        (*p).header = RecordHeader { kind: RecordKind::KernelName as u32, tid, ts_ns: bpf_ktime_get_ns() };
+        write_header(&mut (*p).header, RecordKind::KernelName, tid);
         (*p).which = pending.which;
         (*p)._pad = 0;
         (*p).handle = handle;
@@ -876,15 +922,7 @@ fn next_seq(seq: u32) -> u32 {
 fn write_ordered_record(tid: u32, kind: RecordKind, probe: u32, seq: u32, depth: u32, thread_launches: u64) {
     match ORDERED_EVENTS.reserve::<OrderedRecord>(0) {
         Some(mut entry) => {
-            entry.write(OrderedRecord {
-                // SAFETY: a helper without preconditions.
-                header: RecordHeader { kind: kind as u32, tid, ts_ns: unsafe { bpf_ktime_get_ns() } },
-                probe,
-                seq,
-                thread_launches,
-                depth,
-                _pad: 0,
-            });
+            entry.write(OrderedRecord { header: header(kind, tid), probe, seq, thread_launches, depth, _pad: 0 });
             entry.submit(submit_flags());
         }
         None => bump(&LOST_ORDERED),
@@ -909,6 +947,13 @@ fn release_claim(claims: &HashMap<u32, u32>, index: u32) {
 #[raw_tracepoint(tracepoint = "sched_process_exit")]
 pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
     let Some(tid) = target_tid() else { return 0 };
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    // The main thread's exit is the process's, for the agent: it ends that
+    // process's session, and the tgid, which may come back as another
+    // process, is no longer traced.
+    if tid == tgid && TRACED.remove(tgid).is_ok() {
+        emit_process(RecordKind::ProcessExit, tid, tgid, 0);
+    }
     if let Some(stage) = thread_stage(tid, false) {
         // SAFETY: a valid array element; only its holder, this thread, writes it.
         let stage = unsafe { &mut *stage };
@@ -944,6 +989,76 @@ pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
     0
 }
 
+/// Writes a [`ProcessRecord`] on the ordered ring (rare: a fork, exec or exit).
+#[inline(always)]
+fn emit_process(kind: RecordKind, tid: u32, pid: u32, parent: u32) {
+    match ORDERED_EVENTS.reserve::<ProcessRecord>(0) {
+        Some(mut entry) => {
+            entry.write(ProcessRecord { header: header(kind, tid), pid, parent });
+            entry.submit(submit_flags());
+        }
+        None => bump(&LOST_ORDERED),
+    }
+}
+
+/// A task is being forked (`sched_process_fork(parent, child)`, in the
+/// parent, before the child first runs), with `FOLLOW_CHILDREN`: a new
+/// process (not a thread) of a traced one is traced from its first
+/// instruction, and the agent told. The child's pid and tgid are read at
+/// their offsets in `struct task_struct`, which the agent took from the
+/// kernel's BTF (`TASK_PID_OFFSET`, `TASK_TGID_OFFSET`): a raw tracepoint,
+/// where kprobes and tracefs may be missing.
+#[raw_tracepoint(tracepoint = "sched_process_fork")]
+pub fn process_fork(ctx: RawTracePointContext) -> i32 {
+    // SAFETY: a plain read of a global the loader patched.
+    if unsafe { core::ptr::read_volatile(&FOLLOW_CHILDREN) } == 0 || stopped() {
+        return 0;
+    }
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let parent = (pid_tgid >> 32) as u32;
+    // SAFETY: a lookup whose value is not kept.
+    if unsafe { TRACED.get(parent) }.is_none() {
+        return 0;
+    }
+    let child: *const u8 = ctx.arg(1);
+    // SAFETY: plain reads of globals the loader patched.
+    let (pid_at, tgid_at) =
+        unsafe { (core::ptr::read_volatile(&TASK_PID_OFFSET), core::ptr::read_volatile(&TASK_TGID_OFFSET)) };
+    // SAFETY: bpf_probe_read_kernel tolerates any address.
+    let (Ok(pid), Ok(tgid)) = (unsafe {
+        (
+            bpf_probe_read_kernel(child.wrapping_add(pid_at as usize).cast::<u32>()),
+            bpf_probe_read_kernel(child.wrapping_add(tgid_at as usize).cast::<u32>()),
+        )
+    }) else {
+        return 0;
+    };
+    if pid != tgid || pid == 0 {
+        return 0; // a thread
+    }
+    if TRACED.insert(pid, parent, 0).is_err() {
+        map_failed();
+        return 0;
+    }
+    emit_process(RecordKind::ProcessFork, pid_tgid as u32, pid, parent);
+    0
+}
+
+/// A traced process exec'ed (`sched_process_exec` runs in it, after the new
+/// program is in place): the agent reads its new command, environment and
+/// libraries.
+#[raw_tracepoint(tracepoint = "sched_process_exec")]
+pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: a lookup whose value is not kept.
+    if stopped() || unsafe { TRACED.get(tgid) }.is_none() {
+        return 0;
+    }
+    emit_process(RecordKind::ProcessExec, pid_tgid as u32, tgid, 0);
+    0
+}
+
 /// Entry of the step function. Nesting is resolved in user space, which sees
 /// every entry and return in per-thread order.
 #[uprobe]
@@ -974,12 +1089,7 @@ pub fn loader_change(_ctx: ProbeContext) -> u32 {
     // On the ordered ring: rare, and not to be crowded out by launches.
     match ORDERED_EVENTS.reserve::<RecordHeader>(0) {
         Some(mut entry) => {
-            // SAFETY: a helper without preconditions.
-            entry.write(RecordHeader {
-                kind: RecordKind::LoaderChange as u32,
-                tid,
-                ts_ns: unsafe { bpf_ktime_get_ns() },
-            });
+            entry.write(header(RecordKind::LoaderChange, tid));
             entry.submit(submit_flags());
         }
         None => bump(&LOST_ORDERED),

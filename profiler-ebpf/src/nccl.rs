@@ -18,7 +18,7 @@ use aya_ebpf::{
     maps::HashMap,
     programs::{ProbeContext, RetProbeContext},
 };
-use profiler_common::{CollectiveOp, CollectiveRecord, NO_PEER, RecordHeader, RecordKind};
+use profiler_common::{CollectiveOp, CollectiveRecord, NO_PEER, RecordKind};
 
 use crate::{
     LOST_ORDERED, ORDERED_EVENTS, bump, cookie, entry_sp, map_failed, ordered_state, stack_words, submit_flags,
@@ -76,7 +76,7 @@ pub fn nccl_enter(ctx: ProbeContext) -> u32 {
             (0, u32::MAX, NO_PEER, 0, 0)
         };
     let rec = CollectiveRecord {
-        header: RecordHeader { kind: RecordKind::Collective as u32, tid, ts_ns: 0 },
+        header: crate::header(RecordKind::Collective, tid),
         seq: 0,
         depth: 0,
         // SAFETY: a helper without preconditions.

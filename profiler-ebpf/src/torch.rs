@@ -20,14 +20,14 @@
 //! The records go to the ordered ring with the thread's sequence (they make
 //! steps, so launches must not crowd them out, and a gap must show).
 use aya_ebpf::{
-    helpers::{bpf_ktime_get_ns, bpf_probe_read_user, bpf_probe_read_user_buf},
+    helpers::{bpf_probe_read_user, bpf_probe_read_user_buf},
     macros::{map, uprobe, uretprobe},
     maps::{HashMap, PerCpuArray},
     programs::{ProbeContext, RetProbeContext},
 };
-use profiler_common::{REGION_NAME_CAP, RecordHeader, RecordKind, RegionRecord, torch_programs};
+use profiler_common::{REGION_NAME_CAP, RecordKind, RegionRecord, torch_programs};
 
-use crate::{LOST_ORDERED, ORDERED_EVENTS, bump, cookie, map_failed, ordered_state, submit_flags, target_tid};
+use crate::{LOST_ORDERED, ORDERED_EVENTS, bump, cookie, header, map_failed, ordered_state, submit_flags, target_tid};
 
 /// The entry's half of a `RegionEnter`, per thread, until the function
 /// returns (`key` holds the hidden return pointer until then). The function
@@ -54,8 +54,7 @@ pub fn torch_region_enter(ctx: ProbeContext) -> u32 {
     let Some(rec) = TORCH_SCRATCH.get_ptr_mut(0) else { return 0 };
     // SAFETY: the per-CPU value, ours for the program's run.
     let rec = unsafe { &mut *rec };
-    // SAFETY: a helper without preconditions.
-    rec.header = RecordHeader { kind: RecordKind::RegionEnter as u32, tid, ts_ns: unsafe { bpf_ktime_get_ns() } };
+    rec.header = header(RecordKind::RegionEnter, tid);
     rec.key = ret_slot;
     rec.name = [0; REGION_NAME_CAP];
     // SAFETY: bpf_probe_read_user tolerates any address.
@@ -110,8 +109,7 @@ pub fn torch_region_exit(ctx: ProbeContext) -> u32 {
         unsafe { bpf_probe_read_user(rdi as *const u64) }.unwrap_or(0)
     };
     submit(RegionRecord {
-        // SAFETY: a helper without preconditions.
-        header: RecordHeader { kind: RecordKind::RegionExit as u32, tid, ts_ns: unsafe { bpf_ktime_get_ns() } },
+        header: header(RecordKind::RegionExit, tid),
         seq: 0,
         depth: 0,
         key,

@@ -6,13 +6,15 @@ use zerocopy::FromBytes;
 
 use profiler_common::{
     BLAS_STACK_ARGS, BlasCall, BlasRecord, CollectiveOp, CollectiveRecord, KernelNameRecord, LaunchApi, LaunchRecord,
-    OrderedRecord, REGION_NAME_CAP, RecordHeader, RecordKind, RegionRecord,
+    OrderedRecord, ProcessRecord, REGION_NAME_CAP, RecordHeader, RecordKind, RegionRecord,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchEvent {
     pub ts_ns: u64,
     pub tid: u32,
+    /// The thread's process: which session the record belongs to.
+    pub tgid: u32,
     pub api: LaunchApi,
     pub function: u64,
     pub stream: u64,
@@ -26,6 +28,8 @@ pub struct LaunchEvent {
 pub struct OrderedEvent {
     pub ts_ns: u64,
     pub tid: u32,
+    /// The thread's process: which session the record belongs to.
+    pub tgid: u32,
     pub probe: u32,
     /// The thread's launch count when the probe fired.
     pub thread_launches: u64,
@@ -49,7 +53,10 @@ pub enum Event {
     /// The dynamic loader changed the target's libraries.
     LoaderChange {
         ts_ns: u64,
+        tgid: u32,
     },
+    /// A traced process forked, exec'ed or exited.
+    Process(ProcessEvent),
     /// A PyTorch `record_function` region began.
     RegionEnter(RegionEvent),
     /// A region ended (`name` empty).
@@ -66,6 +73,7 @@ pub enum Event {
 pub struct BlasEvent {
     pub ts_ns: u64,
     pub tid: u32,
+    pub tgid: u32,
     pub call: BlasCall,
     pub status: u32,
     pub args: [u64; 6],
@@ -90,6 +98,7 @@ fn blas(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> {
     Ok(Event::Blas(Box::new(BlasEvent {
         ts_ns: header.ts_ns,
         tid: header.tid,
+        tgid: header.tgid,
         call,
         status: r.status,
         args: r.args,
@@ -104,6 +113,7 @@ pub struct CollectiveEvent {
     /// The return's time (the record's place in its thread's order).
     pub ts_ns: u64,
     pub tid: u32,
+    pub tgid: u32,
     pub op: CollectiveOp,
     pub start_ns: u64,
     pub count: u64,
@@ -124,6 +134,7 @@ impl CollectiveEvent {
         OrderedEvent {
             ts_ns: self.ts_ns,
             tid: self.tid,
+            tgid: self.tgid,
             probe: u32::MAX,
             thread_launches: self.thread_launches,
             seq: self.seq,
@@ -139,6 +150,7 @@ fn collective(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> 
     Ok(Event::Collective(CollectiveEvent {
         ts_ns: header.ts_ns,
         tid: header.tid,
+        tgid: header.tgid,
         op,
         start_ns: r.start_ns,
         count: r.count,
@@ -152,11 +164,32 @@ fn collective(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> 
     }))
 }
 
+/// What happened to a traced process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProcessChange {
+    /// Forked from `parent` (a traced process), and traced from then on.
+    Forked { parent: u32 },
+    /// Exec'ed a new program.
+    Exec,
+    /// Its main thread exited.
+    Exited,
+}
+
+/// A [`profiler_common::ProcessRecord`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcessEvent {
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub change: ProcessChange,
+}
+
 /// An ordered record of a `record_function` region.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RegionEvent {
     pub ts_ns: u64,
     pub tid: u32,
+    /// The thread's process: which session the record belongs to.
+    pub tgid: u32,
     /// The region's `PythonRecordFunction*`: pairs an end with its begin.
     pub key: u64,
     pub thread_launches: u64,
@@ -175,6 +208,7 @@ impl RegionEvent {
         OrderedEvent {
             ts_ns: self.ts_ns,
             tid: self.tid,
+            tgid: self.tgid,
             probe: u32::MAX,
             thread_launches: self.thread_launches,
             seq: self.seq,
@@ -190,6 +224,7 @@ fn region(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> {
     let e = RegionEvent {
         ts_ns: header.ts_ns,
         tid: header.tid,
+        tgid: header.tgid,
         key: r.key,
         thread_launches: r.thread_launches,
         seq: r.seq,
@@ -204,6 +239,8 @@ fn region(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KernelNameEvent {
     pub ts_ns: u64,
+    /// The process that named the kernel.
+    pub tgid: u32,
     /// A `profiler_common::name_call` constant.
     pub which: u32,
     pub handle: u64,
@@ -221,10 +258,27 @@ impl Event {
                 s.ts_ns
             }
             Self::KernelName(k) => k.ts_ns,
-            Self::LoaderChange { ts_ns } => *ts_ns,
+            Self::LoaderChange { ts_ns, .. } => *ts_ns,
             Self::RegionEnter(r) | Self::RegionExit(r) => r.ts_ns,
             Self::Blas(b) => b.ts_ns,
             Self::Collective(c) => c.ts_ns,
+            Self::Process(p) => p.ts_ns,
+        }
+    }
+
+    /// The process the event belongs to (for a process event, the one it is about).
+    pub fn tgid(&self) -> u32 {
+        match self {
+            Self::Launch(l) => l.tgid,
+            Self::StepEnter(s) | Self::StepExit(s) | Self::SyncEnter(s) | Self::SyncExit(s) | Self::ThreadExit(s) => {
+                s.tgid
+            }
+            Self::KernelName(k) => k.tgid,
+            Self::LoaderChange { tgid, .. } => *tgid,
+            Self::RegionEnter(r) | Self::RegionExit(r) => r.tgid,
+            Self::Blas(b) => b.tgid,
+            Self::Collective(c) => c.tgid,
+            Self::Process(p) => p.pid,
         }
     }
 }
@@ -269,6 +323,7 @@ pub fn launch(r: &LaunchRecord) -> Result<Event, DecodeError> {
     Ok(Event::Launch(LaunchEvent {
         ts_ns: r.header.ts_ns,
         tid: r.header.tid,
+        tgid: r.header.tgid,
         api,
         function: r.function,
         stream: r.stream,
@@ -294,6 +349,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             let e = OrderedEvent {
                 ts_ns: header.ts_ns,
                 tid: header.tid,
+                tgid: header.tgid,
                 probe: r.probe,
                 thread_launches: r.thread_launches,
                 seq: r.seq,
@@ -312,6 +368,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             let len = r.name.iter().position(|b| *b == 0).unwrap_or(r.name.len());
             Ok(Event::KernelName(KernelNameEvent {
                 ts_ns: header.ts_ns,
+                tgid: header.tgid,
                 which: r.which,
                 handle: r.handle,
                 kernel: r.kernel,
@@ -320,11 +377,20 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         }
         Some(RecordKind::LoaderChange) => {
             exact::<RecordHeader>(bytes, header.kind)?;
-            Ok(Event::LoaderChange { ts_ns: header.ts_ns })
+            Ok(Event::LoaderChange { ts_ns: header.ts_ns, tgid: header.tgid })
         }
         Some(RecordKind::RegionEnter | RecordKind::RegionExit) => region(bytes, header),
         Some(RecordKind::Blas) => blas(bytes, header),
         Some(RecordKind::Collective) => collective(bytes, header),
+        Some(kind @ (RecordKind::ProcessFork | RecordKind::ProcessExec | RecordKind::ProcessExit)) => {
+            let r: ProcessRecord = exact(bytes, header.kind)?;
+            let change = match kind {
+                RecordKind::ProcessFork => ProcessChange::Forked { parent: r.parent },
+                RecordKind::ProcessExec => ProcessChange::Exec,
+                _ => ProcessChange::Exited,
+            };
+            Ok(Event::Process(ProcessEvent { ts_ns: header.ts_ns, pid: r.pid, change }))
+        }
         None => Err(DecodeError::Kind(header.kind)),
     }
 }
@@ -437,9 +503,40 @@ mod tests {
     }
 
     #[test]
+    fn decodes_process_records_and_every_records_process() {
+        let header = |kind: RecordKind| RecordHeader { kind: kind as u32, tid: 11, ts_ns: 9, tgid: 10, _pad: 0 };
+        let fork = ProcessRecord { header: header(RecordKind::ProcessFork), pid: 12, parent: 10 };
+        let e = decode(&bytes_of(&fork)).expect("decodes");
+        assert_eq!(e, Event::Process(ProcessEvent { ts_ns: 9, pid: 12, change: ProcessChange::Forked { parent: 10 } }));
+        // A process event belongs to the process it is about, not the one that wrote it.
+        assert_eq!(e.tgid(), 12);
+        let exit = ProcessRecord { header: header(RecordKind::ProcessExit), pid: 10, parent: 0 };
+        assert!(matches!(
+            decode(&bytes_of(&exit)),
+            Ok(Event::Process(ProcessEvent { change: ProcessChange::Exited, .. }))
+        ));
+        let exec = ProcessRecord { header: header(RecordKind::ProcessExec), pid: 10, parent: 0 };
+        assert!(matches!(
+            decode(&bytes_of(&exec)),
+            Ok(Event::Process(ProcessEvent { change: ProcessChange::Exec, .. }))
+        ));
+        let loader = header(RecordKind::LoaderChange);
+        assert_eq!(decode(&bytes_of(&loader)).expect("decodes").tgid(), 10);
+        let ordered = OrderedRecord {
+            header: header(RecordKind::StepEnter),
+            probe: 0,
+            seq: 1,
+            thread_launches: 0,
+            depth: 1,
+            _pad: 0,
+        };
+        assert_eq!(decode(&bytes_of(&ordered)).expect("decodes").tgid(), 10);
+    }
+
+    #[test]
     fn decodes_launch() {
         let r = LaunchRecord {
-            header: RecordHeader { kind: RecordKind::Launch as u32, tid: 7, ts_ns: 123 },
+            header: RecordHeader { kind: RecordKind::Launch as u32, tid: 7, ts_ns: 123, tgid: 0, _pad: 0 },
             api: LaunchApi::CuLaunchKernelEx as u32,
             shared_mem_bytes: 4096,
             function: 0xdead,
@@ -453,6 +550,7 @@ mod tests {
             Event::Launch(LaunchEvent {
                 ts_ns: 123,
                 tid: 7,
+                tgid: 0,
                 api: LaunchApi::CuLaunchKernelEx,
                 function: 0xdead,
                 stream: 0xbeef,
@@ -465,17 +563,17 @@ mod tests {
 
     #[test]
     fn decodes_loader_change() {
-        let h = RecordHeader { kind: RecordKind::LoaderChange as u32, tid: 3, ts_ns: 77 };
-        assert_eq!(decode(&bytes_of(&h)), Ok(Event::LoaderChange { ts_ns: 77 }));
+        let h = RecordHeader { kind: RecordKind::LoaderChange as u32, tid: 3, ts_ns: 77, tgid: 0, _pad: 0 };
+        assert_eq!(decode(&bytes_of(&h)), Ok(Event::LoaderChange { ts_ns: 77, tgid: 0 }));
         let mut long = bytes_of(&h);
         long.extend([0u8; 8]);
-        assert_eq!(decode(&long), Err(DecodeError::Length { kind: 7, len: 24, expected: 16 }));
+        assert_eq!(decode(&long), Err(DecodeError::Length { kind: 7, len: 32, expected: 24 }));
     }
 
     #[test]
     fn decodes_step_records_at_odd_alignment() {
         let r = OrderedRecord {
-            header: RecordHeader { kind: RecordKind::StepExit as u32, tid: 9, ts_ns: 55 },
+            header: RecordHeader { kind: RecordKind::StepExit as u32, tid: 9, ts_ns: 55, tgid: 0, _pad: 0 },
             probe: 2,
             seq: 7,
             thread_launches: 1000,
@@ -487,7 +585,15 @@ mod tests {
         let e = decode(&buf[1..]).expect("decodes");
         assert_eq!(
             e,
-            Event::StepExit(OrderedEvent { ts_ns: 55, tid: 9, probe: 2, thread_launches: 1000, seq: 7, depth: 3 })
+            Event::StepExit(OrderedEvent {
+                ts_ns: 55,
+                tid: 9,
+                tgid: 0,
+                probe: 2,
+                thread_launches: 1000,
+                seq: 7,
+                depth: 3
+            })
         );
         let exit = OrderedRecord { header: RecordHeader { kind: RecordKind::ThreadExit as u32, ..r.header }, ..r };
         assert!(matches!(decode(&bytes_of(&exit)), Ok(Event::ThreadExit(OrderedEvent { seq: 7, tid: 9, .. }))));
@@ -496,7 +602,7 @@ mod tests {
     #[test]
     fn decodes_region_records_and_says_when_a_name_was_cut() {
         let mut r = RegionRecord {
-            header: RecordHeader { kind: RecordKind::RegionEnter as u32, tid: 4, ts_ns: 9 },
+            header: RecordHeader { kind: RecordKind::RegionEnter as u32, tid: 4, ts_ns: 9, tgid: 0, _pad: 0 },
             seq: 3,
             depth: 0,
             key: 0xabc,
@@ -522,12 +628,12 @@ mod tests {
     #[test]
     fn rejects_bad_records() {
         assert_eq!(decode(&[0u8; 4]), Err(DecodeError::Short(4)));
-        let mut h = bytes_of(&RecordHeader { kind: 99, tid: 1, ts_ns: 1 });
+        let mut h = bytes_of(&RecordHeader { kind: 99, tid: 1, ts_ns: 1, tgid: 0, _pad: 0 });
         assert_eq!(decode(&h), Err(DecodeError::Kind(99)));
-        h = bytes_of(&RecordHeader { kind: RecordKind::Launch as u32, tid: 1, ts_ns: 1 });
-        assert_eq!(decode(&h), Err(DecodeError::Length { kind: 1, len: 16, expected: 64 }));
+        h = bytes_of(&RecordHeader { kind: RecordKind::Launch as u32, tid: 1, ts_ns: 1, tgid: 0, _pad: 0 });
+        assert_eq!(decode(&h), Err(DecodeError::Length { kind: 1, len: 24, expected: 72 }));
         let mut r = LaunchRecord {
-            header: RecordHeader { kind: RecordKind::Launch as u32, tid: 7, ts_ns: 123 },
+            header: RecordHeader { kind: RecordKind::Launch as u32, tid: 7, ts_ns: 123, tgid: 0, _pad: 0 },
             api: 55,
             shared_mem_bytes: 0,
             function: 0,
@@ -541,13 +647,13 @@ mod tests {
         // A launch record with trailing bytes is not a launch record.
         let mut long = bytes_of(&r);
         long.extend([0u8; 8]);
-        assert_eq!(decode(&long), Err(DecodeError::Length { kind: 1, len: 72, expected: 64 }));
+        assert_eq!(decode(&long), Err(DecodeError::Length { kind: 1, len: 80, expected: 72 }));
     }
 
     #[test]
     fn a_staged_run_splits_into_its_launches_and_nothing_else_does() {
         let launch = |i: u32| LaunchRecord {
-            header: RecordHeader { kind: RecordKind::Launch as u32, tid: 7, ts_ns: u64::from(i) },
+            header: RecordHeader { kind: RecordKind::Launch as u32, tid: 7, ts_ns: u64::from(i), tgid: 0, _pad: 0 },
             api: LaunchApi::CuLaunchKernel as u32,
             shared_mem_bytes: 0,
             function: u64::from(i),
@@ -561,7 +667,7 @@ mod tests {
         assert!(events.iter().enumerate().all(|(i, e)| e.ts_ns() == i as u64));
         // One record of another kind, or a single launch, is one record.
         let step = bytes_of(&OrderedRecord {
-            header: RecordHeader { kind: RecordKind::StepEnter as u32, tid: 7, ts_ns: 1 },
+            header: RecordHeader { kind: RecordKind::StepEnter as u32, tid: 7, ts_ns: 1, tgid: 0, _pad: 0 },
             probe: 0,
             seq: 1,
             thread_launches: 0,
@@ -578,11 +684,12 @@ mod tests {
     #[test]
     fn step_events_go_before_the_launches_that_follow_them() {
         let step = |kind: fn(OrderedEvent) -> Event, tid, ts| {
-            kind(OrderedEvent { ts_ns: ts, tid, probe: 0, thread_launches: 0, seq: 0, depth: 0 })
+            kind(OrderedEvent { ts_ns: ts, tid, tgid: 0, probe: 0, thread_launches: 0, seq: 0, depth: 0 })
         };
         let launch = |tid, ts| LaunchEvent {
             ts_ns: ts,
             tid,
+            tgid: 0,
             api: LaunchApi::CuLaunchKernel,
             function: 0,
             stream: 0,
@@ -595,8 +702,8 @@ mod tests {
         q.push(step(Event::StepEnter, 1, 10), &mut out);
         q.push(step(Event::StepExit, 1, 30), &mut out);
         q.push(step(Event::StepEnter, 2, 15), &mut out);
-        q.push(Event::LoaderChange { ts_ns: 5 }, &mut out);
-        assert_eq!(out, vec![Event::LoaderChange { ts_ns: 5 }], "only ordered-ring events are held");
+        q.push(Event::LoaderChange { ts_ns: 5, tgid: 0 }, &mut out);
+        assert_eq!(out, vec![Event::LoaderChange { ts_ns: 5, tgid: 0 }], "only ordered-ring events are held");
         out.clear();
         // Thread 1's launch at 20 follows its entry at 10, precedes its exit at 30.
         let l = launch(1, 20);

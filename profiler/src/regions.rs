@@ -325,7 +325,17 @@ mod tests {
     use super::*;
 
     fn ev(tid: u32, ts_ns: u64, key: u64, name: &str) -> RegionEvent {
-        RegionEvent { ts_ns, tid, key, thread_launches: ts_ns, seq: 0, depth: 0, name: name.into(), truncated: false }
+        RegionEvent {
+            ts_ns,
+            tid,
+            tgid: 0,
+            key,
+            thread_launches: ts_ns,
+            seq: 0,
+            depth: 0,
+            name: name.into(),
+            truncated: false,
+        }
     }
 
     const NEXT: &str = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__";

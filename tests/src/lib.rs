@@ -393,10 +393,13 @@ pub fn open(db: &Path) -> rusqlite::Connection {
     rusqlite::Connection::open(db).expect("open db")
 }
 
+/// The session of the last profiler run's first target (its job's first session).
 pub fn last_session(db: &Path) -> Session {
     open(db)
         .query_row(
-            "SELECT id, pid, end_reason, lost_events, total_launches, started_ns, ended_ns FROM sessions ORDER BY id DESC LIMIT 1",
+            // The last run's first target: `run` follows the command's children, whose sessions come after.
+            "SELECT id, pid, end_reason, lost_events, total_launches, started_ns, ended_ns FROM sessions
+             WHERE id = (SELECT min(id) FROM sessions WHERE job = (SELECT job FROM sessions ORDER BY id DESC LIMIT 1))",
             [],
             |r| {
                 Ok(Session {

@@ -160,6 +160,7 @@ fn fixtures() -> Result<()> {
     let lt_dir = format!("-L{}", dir.display());
     so("libcublas.so.13", "fake_cublas.c", &[&lt_dir, "-l:libcublasLt.so.13", "-Wl,-rpath,$ORIGIN"])?;
     gcc(&[&common[..], &["-rdynamic", "-o", &out("gemm_trainer"), "gemm_trainer.c", "-ldl"]].concat())?;
+    gcc(&[&common[..], &["-o", &out("launcher"), "launcher.c"]].concat())?;
     // A copy of the stand-in driver in a directory nobody's search path names:
     // found only by watching the target's maps.
     std::fs::create_dir_all(dir.join("hidden"))?;

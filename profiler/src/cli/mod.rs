@@ -127,6 +127,10 @@ pub struct TraceArgs {
     disk: Option<PathBuf>,
     #[command(flatten)]
     live: crate::metrics::LiveArgs,
+    /// The job id every session of this profile gets (default: the first
+    /// target's TORCHELASTIC_RUN_ID, else HOST-UNIXTIME-PID).
+    #[arg(long, value_name = "NAME")]
+    job: Option<String>,
 }
 
 fn parse_python_step(s: &str) -> Result<PythonStepSpec, String> {
@@ -179,6 +183,8 @@ impl TraceArgs {
             step_mode: self.steps,
             step_regions: self.step_region,
             live: self.live.into(),
+            job: self.job,
+            follow_children: false,
         }
     }
 }
@@ -217,7 +223,8 @@ mod tests {
         ])
         .expect("parses");
         let Command::Attach(a) = cli.command else { panic!("attach expected") };
-        assert_eq!(a.pid, 42);
+        assert_eq!(a.pids, vec![42]);
+        assert!(!a.children);
         let c = a.trace.into_config();
         assert_eq!(c.output, PathBuf::from("x.db"));
         assert_eq!(c.launch_mode, LaunchMode::Count);
@@ -247,6 +254,20 @@ mod tests {
         assert!(Cli::try_parse_from(["profiler", "attach", "1", "--maps-interval", "99999999999999999999"]).is_err());
         assert!(Cli::try_parse_from(["profiler", "attach", "1", "--launches", "some"]).is_err());
         assert!(Cli::try_parse_from(["profiler", "run"]).is_err());
+    }
+
+    #[test]
+    fn attach_takes_several_pids_and_children() {
+        let cli =
+            Cli::try_parse_from(["profiler", "attach", "7", "8", "9", "--children", "--job", "j1"]).expect("parses");
+        let Command::Attach(a) = cli.command else { panic!("attach expected") };
+        assert_eq!(a.pids, vec![7, 8, 9]);
+        assert!(a.children);
+        assert_eq!(a.trace.into_config().job.as_deref(), Some("j1"));
+        assert!(Cli::try_parse_from(["profiler", "attach"]).is_err());
+        let cli = Cli::try_parse_from(["profiler", "run", "--no-children", "--", "t"]).expect("parses");
+        let Command::Run(r) = cli.command else { panic!("run expected") };
+        assert!(r.no_children);
     }
 
     #[test]

@@ -18,6 +18,10 @@ use crate::{
 pub struct RunArgs {
     #[command(flatten)]
     pub trace: TraceArgs,
+    /// Trace the command's process alone, not the processes it starts (by
+    /// default its children are traced too, e.g. torchrun's ranks).
+    #[arg(long)]
+    pub no_children: bool,
     /// The command to run, after `--`.
     #[arg(required = true, last = true, value_name = "CMD")]
     pub command: Vec<String>,
@@ -75,7 +79,9 @@ pub async fn main(args: RunArgs) -> anyhow::Result<ExitCode> {
     let child = cmd.spawn().with_context(|| format!("cannot start {}", exe.display()))?;
     drop(gate_read);
     let launched = LaunchedChild { child, release: gate_write, exe, command: args.command.join(" ") };
-    let summary = session::profile(args.trace.into_config(), Target::Run(Box::new(launched))).await?;
+    let mut cfg = args.trace.into_config();
+    cfg.follow_children = !args.no_children;
+    let summary = session::profile(cfg, Target::Run(Box::new(launched))).await?;
     summary.report_failure();
     Ok(summary.exit_code())
 }

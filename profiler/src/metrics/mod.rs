@@ -10,7 +10,7 @@ mod session;
 #[cfg(test)]
 mod tests;
 
-use std::{net::SocketAddr, path::Path, sync::Arc, time::Duration};
+use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 pub use machine::MachineMetrics;
 use prometheus_client::registry::Registry;
@@ -71,12 +71,10 @@ pub struct SeriesLabels {
 }
 
 impl SeriesLabels {
-    /// Until sessions know their job and rank: the job is the target's
-    /// executable name, the rank unknown.
-    pub fn placeholder(exe: &Path) -> Self {
-        let job = exe.file_name().map_or_else(|| "profiler".into(), |n| n.to_string_lossy().into_owned());
+    /// A process's labels: its job, this machine's name, its `RANK` when set.
+    pub fn of_process(job: &str, rank: Option<i64>) -> Self {
         let host = rustix::system::uname().nodename().to_string_lossy().into_owned();
-        Self { job, host, rank: None }
+        Self { job: job.to_owned(), host, rank: rank.and_then(|r| u32::try_from(r).ok()) }
     }
 
     /// `job`, `host`, `rank` (when known), then `extra`.
@@ -170,6 +168,17 @@ impl Families {
     }
 }
 
+/// Registers a process's series with the agent's families.
+#[derive(Clone)]
+pub struct LiveSessions(Arc<Families>);
+
+impl LiveSessions {
+    /// A session's series, one set per step label.
+    pub fn session(&self, labels: &SeriesLabels, step_labels: &[&'static str]) -> SessionMetrics {
+        SessionMetrics::new(self.0.clone(), labels, step_labels)
+    }
+}
+
 /// The agent's live metrics: one per agent, shared by its sessions (each
 /// registers its own labelled series) and its samplers. Inert without
 /// `--prometheus` and `--otlp`.
@@ -197,9 +206,10 @@ impl Live {
         Ok(Self { families: Some(families), server, pusher })
     }
 
-    /// A session's series, one set per step label; None when nothing is exported.
-    pub fn session(&self, labels: &SeriesLabels, step_labels: &[&'static str]) -> Option<SessionMetrics> {
-        self.families.as_ref().map(|f| SessionMetrics::new(f.clone(), labels, step_labels))
+    /// What registers each process's series (the job's processes come and
+    /// go); None when nothing is exported.
+    pub fn sessions(&self) -> Option<LiveSessions> {
+        self.families.clone().map(LiveSessions)
     }
 
     /// The machine's GPU and RAPL series, for the samplers.

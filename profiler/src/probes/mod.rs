@@ -6,6 +6,7 @@ pub mod cpython;
 pub mod elf;
 pub mod frame_alias;
 pub mod frame_hook;
+mod job;
 pub mod maps;
 pub mod nccl;
 pub mod placement;
@@ -55,6 +56,11 @@ pub enum ProbeError {
     Read { path: PathBuf, source: std::io::Error },
     #[error("{path}: {source}")]
     Elf { path: PathBuf, source: elf::ElfError },
+    /// The kernel's type information, which following children needs.
+    #[error(
+        "cannot follow child processes: {0} (without --children, or with --no-children, the named processes are traced)"
+    )]
+    KernelTypes(String),
 }
 
 /// Where one probe went in a library, and why.
@@ -102,7 +108,10 @@ pub struct Rings {
 /// The loaded programs and their attachments to one target process.
 pub struct Probes {
     ebpf: Ebpf,
+    /// The first target: Python's step probes (USDT, frame hook) are its alone.
     pid: NonZeroU32,
+    /// Where the uprobes fire (see [`Probes::load_job`]).
+    scope: UProbeScope,
     /// The running kernel, for probe placement; None places every probe at
     /// its function's entry (`--probe-at-entry`).
     kernel: Option<placement::KernelVersion>,
@@ -189,10 +198,30 @@ impl Probes {
     /// Loads all programs, filtering on `pid`'s tgid, and attaches the
     /// thread-exit hook. Returns the probes and the rings.
     pub fn load(pid: NonZeroU32, emit_launches: bool, place_probes: bool) -> Result<(Self, Rings), ProbeError> {
+        Self::load_job(&[pid], false, emit_launches, place_probes)
+    }
+
+    /// Loads all programs, tracing the processes `pids` (the first is the
+    /// one Python's step probes go in) and, with `follow_children`, every
+    /// process they fork from now on. One process: the uprobes fire in it
+    /// alone (the kernel installs them in no other). Several, or children:
+    /// they are installed file-wide, in every process that maps a probed
+    /// file, and the programs drop what an untraced process does (`TRACED`);
+    /// that is what sees a child from its first instruction after `exec`.
+    pub fn load_job(
+        pids: &[NonZeroU32],
+        follow_children: bool,
+        emit_launches: bool,
+        place_probes: bool,
+    ) -> Result<(Self, Rings), ProbeError> {
         if EBPF_OBJECT.is_empty() {
             return Err(ProbeError::NoObject);
         }
-        let tgid = pid.get();
+        let Some(&pid) = pids.first() else { return Err(ProbeError::Missing("a target PID")) };
+        let scope =
+            if pids.len() == 1 && !follow_children { UProbeScope::OneProcess(pid) } else { UProbeScope::AllProcesses };
+        let follow: u32 = follow_children.into();
+        let (pid_at, tgid_at) = if follow_children { job::task_offsets()? } else { (0, 0) };
         let emit: u32 = emit_launches.into();
         // Tests set a handful of slots so that threads share them.
         let slots = thread_slots(
@@ -203,7 +232,9 @@ impl Probes {
         );
         let slot_mask = slots - 1;
         let mut ebpf = EbpfLoader::new()
-            .override_global(globals::TARGET_TGID, &tgid, true)
+            .override_global(globals::FOLLOW_CHILDREN, &follow, true)
+            .override_global(globals::TASK_PID_OFFSET, &pid_at, true)
+            .override_global(globals::TASK_TGID_OFFSET, &tgid_at, true)
             .override_global(globals::EMIT_LAUNCHES, &emit, true)
             .override_global(globals::THREAD_SLOT_MASK, &slot_mask, true)
             .map_max_entries(map_names::THREAD_SLOTS, slots)
@@ -230,6 +261,10 @@ impl Probes {
             .map_err(|source| ProbeError::Program { name, source })?;
         exit_hook.load().map_err(|source| ProbeError::Program { name, source })?;
         exit_hook.attach(programs::THREAD_EXIT_TRACEPOINT).map_err(|source| ProbeError::Program { name, source })?;
+        job::trace(&mut ebpf, pids)?;
+        if follow_children || pids.len() > 1 {
+            job::attach_process_hooks(&mut ebpf, follow_children)?;
+        }
         let mut ring = |name: &'static str| {
             RingBuf::try_from(take_map(&mut ebpf, name)?).map_err(|source| ProbeError::Map { name, source })
         };
@@ -247,8 +282,17 @@ impl Probes {
             .map_err(|source| ProbeError::Map { name: map_names::LAUNCH_STAGES, source })?;
         let kernel = if place_probes { placement::running_kernel_version() } else { None };
         let stages = StagedLaunches(stages);
-        let probes =
-            Self { ebpf, pid, kernel, probed: HashSet::new(), counters, stages, runtime_texts: 0, links: Vec::new() };
+        let probes = Self {
+            ebpf,
+            pid,
+            scope,
+            kernel,
+            probed: HashSet::new(),
+            counters,
+            stages,
+            runtime_texts: 0,
+            links: Vec::new(),
+        };
         Ok((probes, rings))
     }
 
@@ -262,13 +306,26 @@ impl Probes {
         let point = UProbeAttachPoint { location: UProbeAttachLocation::AbsoluteOffset(offset), cookie: Some(cookie) };
         // OneProcess: the kernel installs the breakpoints only in the target's
         // address space (all its threads), so other processes using the same
-        // library pay nothing.
-        let id = prog
-            .attach(point, path, UProbeScope::OneProcess(self.pid))
-            .map_err(|source| ProbeError::Program { name: program, source })?;
+        // library pay nothing. A job's are file-wide (see `load_job`).
+        let id =
+            prog.attach(point, path, self.scope).map_err(|source| ProbeError::Program { name: program, source })?;
         let link = prog.take_link(id).map_err(|source| ProbeError::Program { name: program, source })?;
         self.links.push(link);
         Ok(())
+    }
+
+    /// Whether `path` (by device and inode) is looked at for the first time
+    /// by a job whose probes are file-wide, and is marked as looked at: one
+    /// attach serves every process of the job that maps it. Always true for
+    /// one process's probes.
+    pub fn first_look(&mut self, path: &Path) -> bool {
+        if matches!(self.scope, UProbeScope::OneProcess(_)) {
+            return true;
+        }
+        match std::fs::metadata(path) {
+            Ok(meta) => self.probed.insert((meta.dev(), meta.ino())),
+            Err(_) => true,
+        }
     }
 
     /// Probes the launch entry points, host synchronisation calls and (for

@@ -149,6 +149,11 @@ pub(crate) mod testing {
                 unix_offset_ns: 0,
                 hostname: None,
                 kernel_release: None,
+                job: "job-1".into(),
+                rank: None,
+                local_rank: None,
+                world_size: None,
+                parent_pid: None,
             })
             .expect("session");
         (store, id)

@@ -58,6 +58,10 @@ pub struct SessionConfig {
     pub step_regions: Vec<RegionStepSpec>,
     /// `--prometheus`, `--otlp`: live metrics while tracing.
     pub live: crate::metrics::LiveConfig,
+    /// `--job`: the job id of every session (see `job::job_name`).
+    pub job: Option<String>,
+    /// Trace the processes the targets start (`attach --children`; `run` unless `--no-children`).
+    pub follow_children: bool,
 }
 
 /// A process started by `profiler run`, held before `exec` until the probes are in.
@@ -71,6 +75,7 @@ pub struct LaunchedChild {
 }
 
 pub enum Target {
-    Attach(u32),
+    /// `attach`: the PIDs named, the first one first.
+    Attach(Vec<u32>),
     Run(Box<LaunchedChild>),
 }

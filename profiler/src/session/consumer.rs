@@ -11,10 +11,9 @@ use profiler_common::SyncApi;
 use super::kernels::KernelNames;
 use crate::{
     events::{self, Event, OrderedEvent},
-    probes,
     regions::RegionSteps,
     steps::{DepthChange, OpenStep, StepTracker},
-    store::{LaunchRow, ProbedFileRow, StepRow, StoreMsg, StoreWriter, SyncRow},
+    store::{LaunchRow, ProbedFileRow, RowSender, StepRow, StoreMsg, SyncRow},
 };
 
 /// A synchronisation call in progress: (SyncApi id, start ns, the step its thread was in).
@@ -22,12 +21,10 @@ type OpenSync = (u32, u64, Option<(&'static str, u64)>);
 
 const BATCH: usize = 16 * 1024;
 
-/// Launch-ring records read before the step ring is read again (see `drain`).
-const DRAIN_CHUNK: usize = 1024;
-
 /// Turns records into rows, in batches.
 pub(super) struct Consumer {
-    writer: StoreWriter,
+    /// To this process's session.
+    writer: RowSender,
     tracker: StepTracker,
     launches: Vec<LaunchRow>,
     steps: Vec<StepRow>,
@@ -45,11 +42,6 @@ pub(super) struct Consumer {
     pub cutoff_ns: Option<u64>,
     /// The dynamic loader changed the target's libraries since the last look.
     pub loader_changed: bool,
-    /// Step-ring events waiting for their place among the launches.
-    step_queue: events::OrderedQueue,
-    /// Launch-ring events read and not yet taken; step events handed on.
-    chunk: Vec<Result<Event, events::DecodeError>>,
-    released: Vec<Event>,
     /// (label, step) of the steps stored as incomplete (`steps.incomplete`).
     incomplete_steps: Vec<(&'static str, u64)>,
     /// PyTorch `record_function` regions in flight and rows not yet sent.
@@ -72,7 +64,7 @@ pub(super) struct ConsumerTotals {
 
 impl Consumer {
     /// `labels`: every step source's label, by probe id; `sources`: the ones regions make.
-    pub fn new(writer: StoreWriter, labels: Vec<&'static str>, sources: RegionSteps, pid: u32) -> Self {
+    pub fn new(writer: RowSender, labels: Vec<&'static str>, sources: RegionSteps, pid: u32) -> Self {
         Self {
             writer,
             tracker: StepTracker::new(labels),
@@ -88,9 +80,6 @@ impl Consumer {
             last_step_ns: None,
             cutoff_ns: None,
             loader_changed: false,
-            step_queue: events::OrderedQueue::default(),
-            chunk: Vec::new(),
-            released: Vec::new(),
             incomplete_steps: Vec::new(),
             regions: regions::RegionState::new(sources),
             live: None,
@@ -99,68 +88,8 @@ impl Consumer {
         }
     }
 
-    /// Drains both rings: the launch ring a chunk at a time, and after each
-    /// chunk the step ring, so that every step event before a launch of the
-    /// chunk is in when that launch is taken (see `events::OrderedQueue`).
-    pub fn drain(&mut self, rings: &mut probes::Rings) {
-        let mut chunk = std::mem::take(&mut self.chunk);
-        let mut steps = std::mem::take(&mut self.released);
-        loop {
-            let mut read = 0;
-            while read < DRAIN_CHUNK {
-                let Some(item) = rings.launches.next() else { break };
-                read += 1;
-                chunk.extend(events::records(&item).map(events::decode));
-            }
-            while let Some(item) = rings.ordered.next() {
-                match events::decode(&item) {
-                    Ok(e) => self.step_queue.push(e, &mut steps),
-                    Err(e) => self.take(Err(e)),
-                }
-            }
-            for event in chunk.drain(..) {
-                match &event {
-                    Ok(Event::Launch(l)) => self.step_queue.before_launch(l.tid, l.ts_ns, &mut steps),
-                    Ok(Event::Blas(b)) => self.step_queue.before_launch(b.tid, b.ts_ns, &mut steps),
-                    _ => {}
-                }
-                for s in steps.drain(..) {
-                    self.take(Ok(s));
-                }
-                self.take(event);
-            }
-            if read < DRAIN_CHUNK {
-                break;
-            }
-        }
-        self.step_queue.end_drain(&mut steps);
-        for s in steps.drain(..) {
-            self.take(Ok(s));
-        }
-        self.chunk = chunk;
-        self.released = steps;
-    }
-
-    /// Takes the step events still held: the probes are gone and both rings
-    /// drained, so nothing can come before them any more.
-    pub fn release_held_steps(&mut self) {
-        let mut steps = std::mem::take(&mut self.released);
-        self.step_queue.release_all(&mut steps);
-        for s in steps.drain(..) {
-            self.take(Ok(s));
-        }
-        self.released = steps;
-    }
-
-    /// Launch records the threads still had staged when tracing stopped:
-    /// each thread's come after everything it wrote to the ring buffer.
-    pub fn take_staged(&mut self, staged: &[profiler_common::LaunchRecord]) {
-        for r in staged {
-            self.take(events::launch(r));
-        }
-    }
-
-    fn take(&mut self, event: Result<Event, events::DecodeError>) {
+    /// One decoded record of this process (see `drain::RingDrain`).
+    pub fn take(&mut self, event: Result<Event, events::DecodeError>) {
         if let (Some(cutoff), Ok(e)) = (self.cutoff_ns, &event)
             && e.ts_ns() > cutoff
         {
@@ -169,6 +98,8 @@ impl Consumer {
         match event {
             Ok(Event::Launch(l)) => self.launch(l),
             Ok(Event::LoaderChange { .. }) => self.loader_changed = true,
+            // Handled by the job (see `job::Job`), which never passes them on.
+            Ok(Event::Process(_)) => {}
             Ok(Event::StepEnter(e)) => {
                 self.sequence(&e, DepthChange::Enter);
                 self.tracker.enter(e.tid, e.probe, e.ts_ns, e.thread_launches);
@@ -348,8 +279,8 @@ impl Consumer {
     }
 
     /// Names the runtime launches' kernels, stores the steps still open (end
-    /// NULL), flushes, and hands back the writer, to finish the session.
-    pub fn close(mut self) -> (StoreWriter, ConsumerTotals) {
+    /// NULL), flushes, and returns its totals, to finish the session.
+    pub fn close(mut self) -> ConsumerTotals {
         self.kernels.name_runtime_stubs(self.pid);
         for s in self.tracker.open_steps() {
             self.store_open_step(s);
@@ -358,12 +289,11 @@ impl Consumer {
         self.flush();
         // After the last step row: the sums update them.
         self.finish_gemms();
-        let totals = ConsumerTotals {
+        ConsumerTotals {
             completed_steps: self.completed_steps,
             step_ns_total: self.step_ns_total,
             decode_errors: self.decode_errors,
             unmatched_returns: self.tracker.unmatched_returns,
-        };
-        (self.writer, totals)
+        }
     }
 }

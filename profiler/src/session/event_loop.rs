@@ -8,7 +8,7 @@ use tokio::{
     time::{Instant, Interval, MissedTickBehavior},
 };
 
-use super::{config::SessionConfig, consumer::Consumer, status::StatusLine, watcher::LibraryWatcher};
+use super::{config::SessionConfig, job::Job, status::StatusLine};
 use crate::{
     probes::{self, Probes},
     stop_signals,
@@ -18,22 +18,32 @@ use crate::{
 const LOADER_SAFETY_NET: Duration = Duration::from_secs(2);
 
 /// Traces until told to stop; returns the session's `end_reason` and, when
-/// the `run` command exited, its status.
-#[expect(clippy::too_many_arguments, reason = "the session's parts, borrowed separately so each can be finished after")]
+/// the `run` command exited, its status. The first target's exit ends it
+/// once the job's other processes have ended too.
 pub(super) async fn run(
     cfg: &SessionConfig,
     pid: u32,
     child: &mut Option<(tokio::process::Child, OwnedFd)>,
     probes: &mut Probes,
     rings: &mut probes::Rings,
-    consumer: &mut Consumer,
-    watcher: &mut LibraryWatcher,
+    job: &mut Job,
     status: &mut StatusLine,
 ) -> anyhow::Result<(String, Option<i32>)> {
     let mut stop_signals = stop_signals::listen().context("cannot catch SIGINT/SIGTERM")?;
     let deadline = cfg.duration.map(|d| Instant::now() + d);
+    // None: the first target exited while the probes went in (the job's
+    // other processes, if any, go on).
     let exit_fd = target_exit(pid)?;
-    let mut ticks = Ticks::new(cfg, watcher.loader_hooked);
+    let mut ticks = Ticks::new(cfg, job.watcher.loader_hooked);
+    // Set when the first target has exited: (its `run` status).
+    let mut first_exited: Option<Option<i32>> = None;
+    if exit_fd.is_none() {
+        let code = match child.as_mut() {
+            Some((c, _)) => Some(stop_signals::shell_status(c.wait().await.context("waiting for the command")?)),
+            None => None,
+        };
+        first_exited = Some(code);
+    }
     if let Some((_, release)) = child.as_ref() {
         release_command(release)?;
     }
@@ -43,22 +53,23 @@ pub(super) async fn run(
     loop {
         tokio::select! {
             _ = ticks.flush.tick() => {
-                consumer.drain(rings);
-                if std::mem::take(&mut consumer.loader_changed) {
-                    watcher.scan(probes, consumer, cfg.quiet, "dlopen");
+                job.tick(rings, probes);
+                if let Some(code) = first_exited && job.live_members() == 0 {
+                    return Ok(("target-exited".into(), code));
                 }
-                consumer.flush();
             }
-            _ = ticks.status.tick(), if status.enabled || consumer.live.is_some() => {
+            _ = ticks.status.tick(), if status.enabled || job.first.live.is_some() => {
                 let kc = probes.counters();
-                if let Some(live) = &mut consumer.live {
+                // The kernel's counters are the job's: on the first process's series.
+                if let Some(live) = &mut job.first.live {
                     live.kernel_counters(&kc);
                 }
                 if status.enabled {
-                    status.show(consumer.completed_steps, consumer.last_step_ns, kc);
+                    let ranks = job.ranks_status();
+                    status.show(job.completed_steps(), job.first.last_step_ns, kc, ranks);
                 }
             }
-            _ = ticks.maps.tick() => watcher.scan(probes, consumer, cfg.quiet, "maps"),
+            _ = ticks.maps.tick() => job.scan_maps(probes),
             Some(stop) = stop_signals.recv() => {
                 if forward_to_child && stop.needs_forwarding(own_pgid, stop_signals::process_group(pid)) {
                     stop_signals::forward(pid, stop.signal);
@@ -66,13 +77,16 @@ pub(super) async fn run(
                 return Ok((stop.end_reason().into(), None));
             }
             _ = sleep_until(deadline) => return Ok(("duration".into(), None)),
-            r = exit_fd.readable() => {
-                let _ = r?;
+            r = first_target_exit(exit_fd.as_ref()), if first_exited.is_none() => {
+                r?;
                 let code = match child.as_mut() {
                     Some((c, _)) => Some(stop_signals::shell_status(c.wait().await.context("waiting for the command")?)),
                     None => None,
                 };
-                return Ok(("target-exited".into(), code));
+                if job.live_members() == 0 {
+                    return Ok(("target-exited".into(), code));
+                }
+                first_exited = Some(code);
             }
         }
     }
@@ -107,15 +121,25 @@ impl Ticks {
     }
 }
 
-/// Becomes readable when the target exits.
-fn target_exit(pid: u32) -> anyhow::Result<AsyncFd<OwnedFd>> {
+/// Becomes readable when the target exits; None when it already has.
+fn target_exit(pid: u32) -> anyhow::Result<Option<AsyncFd<OwnedFd>>> {
     let pid = rustix::process::Pid::from_raw(pid as i32).context("pidfd_open on the target: not a PID")?;
-    let pidfd =
-        rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).context("pidfd_open on the target")?;
+    let pidfd = match rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()) {
+        Err(rustix::io::Errno::SRCH) => return Ok(None),
+        r => r.context("pidfd_open on the target")?,
+    };
     // SAFETY: an OwnedFd keeps its fd open and unchanged for its lifetime.
     let exit_fd = unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
         .map_err(|e| e.into_parts().1)?;
-    Ok(exit_fd)
+    Ok(Some(exit_fd))
+}
+
+/// The first target's exit (see `target_exit`).
+async fn first_target_exit(exit_fd: Option<&AsyncFd<OwnedFd>>) -> anyhow::Result<()> {
+    match exit_fd {
+        Some(fd) => fd.readable().await.map(drop).map_err(Into::into),
+        None => std::future::pending().await,
+    }
 }
 
 /// Lets the `run` command, held at its exec gate, go on.

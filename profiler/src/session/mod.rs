@@ -15,7 +15,9 @@ mod attach;
 mod blas;
 mod config;
 mod consumer;
+mod drain;
 mod event_loop;
+mod job;
 mod kernels;
 mod nccl;
 mod setup;
@@ -27,6 +29,7 @@ mod watcher;
 
 pub use config::{LaunchMode, LaunchedChild, SessionConfig, Target};
 use consumer::Consumer;
+use job::{Job, JobContext};
 use setup::TargetProcess;
 use status::StatusLine;
 pub use teardown::Summary;
@@ -38,38 +41,69 @@ use crate::{probes::Probes, store::Store};
 /// one-line errors; after that, everything collected is flushed whatever happens.
 pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summary> {
     let mut target = TargetProcess::open(target)?;
-    // The one place a session's job, host and rank are decided, for its live series.
-    let labels = crate::metrics::SeriesLabels::placeholder(&target.exe);
+    let host = setup::read_trimmed("/proc/sys/kernel/hostname");
+    let job_name = job::name_for(&cfg, target.var("TORCHELASTIC_RUN_ID"), host.as_deref(), target.pid);
+    let first_rank = job::ranks(&|k| target.var(k)).0;
+    // The first target's labels; every other process's come from its own session row.
+    let labels = crate::metrics::SeriesLabels::of_process(&job_name, first_rank);
     let live = crate::metrics::Live::start(&cfg.live, &labels).await?;
     let store = Store::open(&cfg.output)?;
     // The step functions and NVML before anything is attached: a typo costs nothing.
     let steps = setup::resolve_steps(&cfg, &target)?;
     let gpu = setup::open_gpu(&cfg, &target)?;
-    let (mut probes, mut rings) = Probes::load(target.nz_pid, cfg.launch_mode == LaunchMode::All, cfg.place_probes)?;
-    let (session, writer) = setup::begin_session(&cfg, &target, store, &steps.regions)?;
+    let mut others: Vec<(u32, Option<u32>)> =
+        job::existing(&target.others, target.pid).into_iter().map(|p| (p, None)).collect();
+    if cfg.follow_children && target.mode == "attach" {
+        let roots: Vec<u32> = std::iter::once(target.pid).chain(others.iter().map(|o| o.0)).collect();
+        others.extend(job::descendants(&roots).into_iter().map(|(p, parent)| (p, Some(parent))));
+    }
+    let pids: Vec<_> =
+        std::iter::once(target.nz_pid).chain(others.iter().filter_map(|&(p, _)| p.try_into().ok())).collect();
+    let emit = cfg.launch_mode == LaunchMode::All;
+    let (mut probes, mut rings) = Probes::load_job(&pids, cfg.follow_children, emit, cfg.place_probes)?;
+    let (session, writer) = setup::begin_session(&cfg, &target, store, &steps.regions, job_name)?;
+    let sampled = gpu.as_ref().map(|g| g.logical_gpus()).unwrap_or_default();
     let (samplers, gpu_live) = setup::start_samplers(&cfg, target.pid, gpu, &writer, live.machine(&labels))?;
 
     // From here on, whatever happens, the session is finished and flushed.
-    let mut consumer = Consumer::new(writer, steps.labels.clone(), steps.regions.clone(), target.pid);
-    consumer.live = live.session(&labels, &steps.labels);
+    let mut consumer = Consumer::new(writer.sender(), steps.labels.clone(), steps.regions.clone(), target.pid);
+    let live_sessions = live.sessions();
+    consumer.live = live_sessions.as_ref().map(|l| l.session(&labels, &steps.labels));
     consumer.keep_gemm_rows(cfg.launch_mode == LaunchMode::All);
-    let mut watcher = LibraryWatcher::new(target.pid, torch::TorchWatch::new(&cfg, &steps.regions));
+    let watcher = LibraryWatcher::new(target.pid, torch::TorchWatch::new(&cfg, &steps.regions));
+    let ctx = JobContext {
+        cfg: cfg.clone(),
+        template: session.start.clone(),
+        sender: writer.sender(),
+        labels: steps.labels.clone(),
+        regions: steps.regions.clone(),
+        gpus: sampled,
+        sampler_cvd: target.var("CUDA_VISIBLE_DEVICES"),
+        live: live_sessions,
+    };
+    let mut job = Job::new(ctx, target.pid, consumer, watcher);
     let mut python = None;
-    let outcome = match attach::attach_all(&cfg, &target, &mut probes, &mut watcher, &steps) {
+    let outcome = match attach::attach_all(&cfg, &target, &mut probes, &mut job.watcher, &steps) {
         Ok((libraries, py)) => {
             python = py;
-            consumer.store_libraries(libraries);
+            job.first.store_libraries(libraries);
             let (id, pid, output) = (session.id, target.pid, session.output.display());
-            say!(cfg.quiet, "session {id}: tracing PID {pid} into {output} (Ctrl-C to stop)");
+            let named = job.add_named(&others, &mut probes);
+            let how = match (named, cfg.follow_children) {
+                (0, false) => String::new(),
+                (_, true) => format!(" and its children (job {})", job.name()),
+                (n, false) => format!(" and {n} more (job {})", job.name()),
+            };
+            say!(cfg.quiet, "session {id}: tracing PID {pid}{how} into {output} (Ctrl-C to stop)");
             let mut status = StatusLine::new(cfg.status_line, gpu_live);
-            let (child, consumer, watcher) = (&mut target.child, &mut consumer, &mut watcher);
-            let r = event_loop::run(&cfg, pid, child, &mut probes, &mut rings, consumer, watcher, &mut status).await;
+            let child = &mut target.child;
+            let r = event_loop::run(&cfg, pid, child, &mut probes, &mut rings, &mut job, &mut status).await;
             status.clear();
             r
         }
         Err(e) => Err(e),
     };
-    let traced = teardown::Traced { probes, rings, python, consumer, samplers };
+    let traced = teardown::Traced { probes, rings, python, job, samplers, writer };
     let summary = teardown::finish(&cfg, &session, target.child.take(), traced, outcome).await;
     live.shutdown().await;
     summary

@@ -26,7 +26,8 @@ impl NcclWatch {
         how: &str,
     ) {
         for f in maps::mapped_files(target_maps).into_iter().filter(|f| nccl::is_libnccl(&f.path)) {
-            if self.seen.insert(f.path.clone()) {
+            // A job's other process maps the same file: its file-wide probes serve both.
+            if self.seen.insert(f.path.clone()) && probes.first_look(&probes::in_target_root(pid, &f.path)) {
                 rows.push(probe(pid, probes, &f.path, quiet, how));
             }
         }

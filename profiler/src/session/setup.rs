@@ -41,12 +41,14 @@ pub(super) struct TargetProcess {
     attached: Option<(procfs::process::Process, HashMap<OsString, OsString>)>,
     /// `run`: the command, and the gate it waits on before `exec`.
     pub child: Option<(tokio::process::Child, OwnedFd)>,
+    /// `attach`: the further PIDs named (checked later, see `job::existing`).
+    pub others: Vec<u32>,
 }
 
 impl TargetProcess {
     pub fn open(target: Target) -> anyhow::Result<Self> {
         let target = match target {
-            Target::Attach(pid) => Self::attach(pid)?,
+            Target::Attach(pids) => Self::attach_first(&pids)?,
             Target::Run(c) => {
                 let c = *c;
                 let pid = c.child.id().context("the command exited before it could be profiled")?;
@@ -54,6 +56,22 @@ impl TargetProcess {
             }
         };
         Ok(target)
+    }
+
+    /// The first of `pids` that can be traced; with several, one that does
+    /// not exist is named and skipped.
+    fn attach_first(pids: &[u32]) -> anyhow::Result<Self> {
+        let several = pids.len() > 1;
+        for (i, &pid) in pids.iter().enumerate() {
+            if several && procfs::process::Process::new(pid as i32).is_err() {
+                eprintln!("profiler: no process with PID {pid}: skipped; the others are traced");
+                continue;
+            }
+            let mut t = Self::attach(pid)?;
+            t.others = pids[i + 1..].to_vec();
+            return Ok(t);
+        }
+        bail!("none of the PIDs {pids:?} exists: check them (ps -p PID)")
     }
 
     fn attach(pid: u32) -> anyhow::Result<Self> {
@@ -79,7 +97,7 @@ impl TargetProcess {
         child: Option<(tokio::process::Child, OwnedFd)>,
     ) -> anyhow::Result<Self> {
         let nz_pid = NonZeroU32::new(pid).context("PID 0 cannot be profiled")?;
-        Ok(Self { pid, nz_pid, exe, command, mode, attached, child })
+        Ok(Self { pid, nz_pid, exe, command, mode, attached, child, others: Vec::new() })
     }
 
     /// A variable of the target's environment: for `run`, the profiler's
@@ -195,6 +213,8 @@ pub(super) fn open_gpu(cfg: &SessionConfig, target: &TargetProcess) -> anyhow::R
 /// The session row, once written.
 pub(super) struct BegunSession {
     pub id: i64,
+    /// Its row as begun: the job's other sessions are made from it.
+    pub start: SessionStart,
     pub started_ns: u64,
     pub output: PathBuf,
     /// This run created the file (see `ownership`).
@@ -207,9 +227,11 @@ pub(super) fn begin_session(
     target: &TargetProcess,
     store: Store,
     regions: &RegionSteps,
+    job: String,
 ) -> anyhow::Result<(BegunSession, StoreWriter)> {
     let started_ns = clock::monotonic_ns();
-    let id = store.begin_session(&SessionStart {
+    let (rank, local_rank, world_size) = super::job::ranks(&|k| target.var(k));
+    let start = SessionStart {
         pid: target.pid,
         command: target.command.clone(),
         exe: Some(target.exe.display().to_string()),
@@ -220,8 +242,14 @@ pub(super) fn begin_session(
         unix_offset_ns: clock::unix_offset_ns(),
         hostname: read_trimmed("/proc/sys/kernel/hostname"),
         kernel_release: read_trimmed("/proc/sys/kernel/osrelease"),
-    })?;
-    let begun = BegunSession { id, started_ns, output: store.path().to_owned(), created: store.created() };
+        job,
+        rank,
+        local_rank,
+        world_size,
+        parent_pid: None,
+    };
+    let id = store.begin_session(&start)?;
+    let begun = BegunSession { id, start, started_ns, output: store.path().to_owned(), created: store.created() };
     Ok((begun, store.spawn_writer(id)))
 }
 
@@ -237,7 +265,7 @@ fn step_specs(cfg: &SessionConfig) -> Option<String> {
     })
 }
 
-fn read_trimmed(path: &str) -> Option<String> {
+pub(super) fn read_trimmed(path: &str) -> Option<String> {
     std::fs::read_to_string(path).ok().map(|s| s.trim().to_owned())
 }
 

@@ -22,9 +22,15 @@ impl StatusLine {
         Self { enabled, gpu, started: Instant::now(), last: None, shown: false }
     }
 
-    /// Shows `steps` completed so far, the last one's duration, and the kernel side's counters.
-    pub fn show(&mut self, steps: u64, last_step_ns: Option<u64>, kc: KernelCounters) {
-        let line = self.line(steps, last_step_ns, kc);
+    /// Shows `steps` completed so far, the last one's duration, the job's
+    /// processes (`ranks`, when it has several) and the kernel side's counters.
+    pub fn show(&mut self, steps: u64, last_step_ns: Option<u64>, kc: KernelCounters, ranks: Option<String>) {
+        let mut line = self.line(steps, last_step_ns, kc);
+        if let Some(r) = ranks
+            && let Some(at) = line.find(" | launches")
+        {
+            line.insert_str(at, &format!(" | {r}"));
+        }
         let width = terminal_size::terminal_size_of(std::io::stderr()).map_or(DEFAULT_WIDTH, |(w, _)| usize::from(w.0));
         let line: String = line.chars().take(width.saturating_sub(1)).collect();
         eprint!("\r\x1b[2K{line}");

@@ -7,6 +7,7 @@ use anyhow::{Context, bail};
 use super::{
     config::SessionConfig,
     consumer::{Consumer, ConsumerTotals},
+    job::Job,
     setup::BegunSession,
 };
 use crate::{
@@ -14,7 +15,7 @@ use crate::{
     probes::{self, KernelCounters, Probes, python_any::PythonStepProbes},
     samplers::SamplerThread,
     stop_signals,
-    store::{AtFinish, Losses, SessionEnd},
+    store::{AtFinish, Losses, SessionEnd, StoreWriter},
 };
 
 /// What the user is told at the end.
@@ -54,8 +55,11 @@ pub(super) struct Traced {
     pub rings: probes::Rings,
     /// Python's probes, when they were attached.
     pub python: Option<PythonStepProbes>,
-    pub consumer: Consumer,
+    /// Every traced process's consumer.
+    pub job: Job,
     pub samplers: Vec<SamplerThread>,
+    /// The first session's writer (the job's other sessions share it).
+    pub writer: StoreWriter,
 }
 
 /// Ends the session whatever happened while tracing (`outcome`: the end
@@ -79,7 +83,10 @@ pub(super) async fn finish(
     // kernel to retire each uprobe) can take a while and is not part of it.
     let ended_ns = clock::monotonic_ns();
     let kc = traced.probes.counters();
-    let mut consumer = detach_and_drain(traced.probes, traced.rings, traced.python, traced.consumer, ended_ns);
+    let job = detach_and_drain(traced.probes, traced.rings, traced.python, traced.job, ended_ns);
+    // The job's other processes end first: their rows go before the first session's end.
+    let consumer = job.into_first(&end_reason, ended_ns);
+    let mut consumer = consumer;
     if let Some(live) = &mut consumer.live {
         live.kernel_counters(&kc);
     }
@@ -93,7 +100,7 @@ pub(super) async fn finish(
         total_launches: kc.launches,
         unmatched_returns: 0,
     };
-    let (report, written) = finish_store(consumer, kc, end, at_finish)?;
+    let (report, written) = finish_store(consumer, traced.writer, kc, end, at_finish)?;
     let secs = (ended_ns - session.started_ns) as f64 / 1e9;
     let (id, output) = (session.id, &session.output);
     say!(cfg.quiet, "session {id} ended ({end_reason}) after {secs:.1} s: {} → {}", report, output.display());
@@ -120,13 +127,13 @@ fn detach_and_drain(
     probes: Probes,
     mut rings: probes::Rings,
     python: Option<PythonStepProbes>,
-    mut consumer: Consumer,
+    mut job: Job,
     ended_ns: u64,
-) -> Consumer {
+) -> Job {
     // Records from before the stop are still queued; those written while the
     // probes are being detached (neither instantaneous nor ordered between
     // probes) are not part of the session.
-    consumer.cutoff_ns = Some(ended_ns);
+    job.set_cutoff(ended_ns);
     // Python's probes close alongside the rest (each close waits for the kernel).
     let staged = std::thread::scope(|scope| {
         if let Some(py) = python {
@@ -134,10 +141,8 @@ fn detach_and_drain(
         }
         probes.detach()
     });
-    consumer.drain(&mut rings);
-    consumer.release_held_steps();
-    consumer.take_staged(&staged.records());
-    consumer
+    job.drain_last(&mut rings, &staged.records());
+    job
 }
 
 /// Stops the samplers: the problems of those that panicked, and what the
@@ -160,6 +165,7 @@ fn stop_samplers(samplers: Vec<SamplerThread>) -> (Vec<String>, Vec<AtFinish>) {
 /// what was stored, and what could not be.
 fn finish_store(
     mut consumer: Consumer,
+    writer: StoreWriter,
     kc: KernelCounters,
     mut end: SessionEnd,
     mut at_finish: Vec<AtFinish>,
@@ -170,7 +176,7 @@ fn finish_store(
         map_failures: kc.map_failures,
         incomplete,
     }));
-    let (writer, totals) = consumer.close();
+    let totals = consumer.close();
     end.unmatched_returns = totals.unmatched_returns;
     let stats = writer.finish(end.clone(), at_finish)?;
     let problems: Vec<String> = stats

@@ -87,7 +87,8 @@ impl TorchWatch {
         }
         self.looked = true;
         for f in files {
-            if self.seen.insert(f.path.clone()) {
+            // A job's other process maps the same file: its file-wide probes serve both.
+            if self.seen.insert(f.path.clone()) && probes.first_look(&probes::in_target_root(pid, &f.path)) {
                 rows.extend(self.probe(pid, probes, &f.path, quiet, how));
             }
         }

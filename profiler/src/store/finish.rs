@@ -21,26 +21,7 @@ pub(super) fn finish_session(
     stats: &mut WriterStats,
 ) -> Result<(), StoreError> {
     let mut tx = conn.transaction()?;
-    let (steps, work) = match step_spans(&tx, session_id) {
-        Ok(steps) => (steps, work),
-        Err(e) => {
-            stats.first_error.get_or_insert_with(|| format!("computing per-step figures: {e}"));
-            (Vec::new(), &[][..])
-        }
-    };
-    for w in work {
-        saved(&mut tx, stats, |sp| derive(sp, session_id, &steps, w))?;
-    }
-    // Last: GPM and MFU read `step_gpu` rows and `steps.flops`, whichever work wrote them.
-    if let Some(AtFinish::StepGpu { gpus, max_gap_ns, .. }) =
-        work.iter().find(|w| matches!(w, AtFinish::StepGpu { .. }))
-    {
-        saved(&mut tx, stats, |sp| super::step_flops::write(sp, session_id, gpus, *max_gap_ns))?;
-    }
-    // One statement: it fails whole, losing those figures, not the session.
-    if let Err(e) = super::collectives::write_step_collectives(&tx, session_id) {
-        stats.first_error.get_or_insert_with(|| format!("computing per-step collective figures: {e}"));
-    }
+    derive_all(&mut tx, session_id, session_id, work, stats)?;
     tx.execute(
         "UPDATE sessions SET ended_ns = ?2, end_reason = ?3, lost_events = ?4, total_launches = ?5,
                              stored_launches = ?6, unmatched_returns = ?7 WHERE id = ?1",
@@ -50,7 +31,7 @@ pub(super) fn finish_session(
             end.end_reason,
             i(end.lost_events),
             i(end.total_launches),
-            i(stats.launches),
+            i(stats.launches.saturating_sub(stats.member_launches)),
             i(end.unmatched_returns)
         ],
     )?;
@@ -60,6 +41,40 @@ pub(super) fn finish_session(
         "CREATE INDEX IF NOT EXISTS launches_by_step ON launches(session_id, label, step);
          PRAGMA wal_checkpoint(TRUNCATE);",
     )?;
+    Ok(())
+}
+
+/// Derives `work` for the session's steps, each item in a savepoint, from
+/// the samples of session `samples_from` (itself, or a job's first session,
+/// where a job's samples are).
+pub(super) fn derive_all(
+    tx: &mut rusqlite::Transaction<'_>,
+    session_id: i64,
+    samples_from: i64,
+    work: &[AtFinish],
+    stats: &mut WriterStats,
+) -> Result<(), StoreError> {
+    let ids = (session_id, samples_from);
+    let (steps, work) = match step_spans(tx, session_id) {
+        Ok(steps) => (steps, work),
+        Err(e) => {
+            stats.first_error.get_or_insert_with(|| format!("computing per-step figures: {e}"));
+            (Vec::new(), &[][..])
+        }
+    };
+    for w in work {
+        saved(tx, stats, |sp| derive(sp, ids, &steps, w))?;
+    }
+    // Last: GPM and MFU read `step_gpu` rows and `steps.flops`, whichever work wrote them.
+    if let Some(AtFinish::StepGpu { gpus, max_gap_ns, .. }) =
+        work.iter().find(|w| matches!(w, AtFinish::StepGpu { .. }))
+    {
+        saved(tx, stats, |sp| super::step_flops::write(sp, ids, gpus, *max_gap_ns))?;
+    }
+    // One statement: it fails whole, losing those figures, not the session.
+    if let Err(e) = super::collectives::write_step_collectives(tx, session_id) {
+        stats.first_error.get_or_insert_with(|| format!("computing per-step collective figures: {e}"));
+    }
     Ok(())
 }
 
@@ -80,16 +95,20 @@ fn saved(
     Ok(())
 }
 
-fn derive(conn: &Connection, session_id: i64, steps: &[StepSpan], work: &AtFinish) -> rusqlite::Result<()> {
+/// `ids`: (the session whose steps these are, the session whose samples to read).
+fn derive(conn: &Connection, ids: (i64, i64), steps: &[StepSpan], work: &AtFinish) -> rusqlite::Result<()> {
+    let session_id = ids.0;
     match work {
         AtFinish::StepGpu { gpus, max_gap_ns, energy_resolution_j } => {
-            write_step_gpu(conn, session_id, steps, gpus, *max_gap_ns, *energy_resolution_j)
+            write_step_gpu(conn, ids, steps, gpus, *max_gap_ns, *energy_resolution_j)
         }
         AtFinish::StepEnergy { package_resolution_j, dram_resolution_j } => {
-            write_step_energy(conn, session_id, steps, *package_resolution_j, *dram_resolution_j)
+            write_step_energy(conn, ids, steps, *package_resolution_j, *dram_resolution_j)
         }
         AtFinish::StepSystem => write_step_system(conn, session_id, steps),
         AtFinish::Losses(losses) => write_losses(conn, session_id, losses),
+        // Read by `job::finish_processes`, which puts it in `StepGpu`.
+        AtFinish::RankGpus(_) => Ok(()),
     }
 }
 
@@ -130,7 +149,7 @@ fn load_columns(stmt: &mut Statement<'_>, params: impl Params) -> rusqlite::Resu
 /// `step_gpu` for each step and GPU, and each GPU's energy update period.
 fn write_step_gpu(
     conn: &Connection,
-    session: i64,
+    (session, samples_from): (i64, i64),
     steps: &[StepSpan],
     gpus: &[u32],
     max_gap_ns: u64,
@@ -149,7 +168,7 @@ fn write_step_gpu(
          FROM gpu_samples WHERE session_id = ?1 AND gpu = ?2 ORDER BY ts_ns",
     )?;
     for &gpu in gpus {
-        let mut columns = load_columns(&mut samples, params![session, gpu])?.1.into_iter();
+        let mut columns = load_columns(&mut samples, params![samples_from, gpu])?.1.into_iter();
         let mut next = || columns.next().unwrap_or_default();
         let series = GpuSeries {
             energy_j: next(),
@@ -189,7 +208,7 @@ fn write_step_gpu(
         if let Some(period) = update_period_ns {
             conn.execute(
                 "UPDATE gpus SET energy_update_period_ms = ?3 WHERE session_id = ?1 AND gpu = ?2",
-                params![session, gpu, period as f64 / 1e6],
+                params![samples_from, gpu, period as f64 / 1e6],
             )?;
         }
     }
@@ -199,7 +218,7 @@ fn write_step_gpu(
 /// `step_energy` for each step from the RAPL package and DRAM series.
 fn write_step_energy(
     conn: &Connection,
-    session_id: i64,
+    (session_id, samples_from): (i64, i64),
     steps: &[StepSpan],
     package_resolution_j: Option<f64>,
     dram_resolution_j: Option<f64>,
@@ -211,7 +230,7 @@ fn write_step_energy(
         conn.prepare("SELECT ts_ns, energy_j FROM rapl_samples WHERE session_id = ?1 AND domain = ?2 ORDER BY ts_ns")?;
     let mut series = |domain: &str, resolution: Option<f64>| -> rusqlite::Result<Option<CounterSeries>> {
         let Some(resolution) = resolution else { return Ok(None) };
-        let raw = load_columns(&mut stmt, params![session_id, domain])?.1.pop().unwrap_or_default();
+        let raw = load_columns(&mut stmt, params![samples_from, domain])?.1.pop().unwrap_or_default();
         Ok(Some(CounterSeries::from_samples(&raw, resolution)))
     };
     let package = series("package", package_resolution_j)?;

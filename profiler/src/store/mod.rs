@@ -7,6 +7,7 @@
 mod collectives;
 mod finish;
 mod gemms;
+mod job;
 mod merge;
 pub mod rows;
 mod schema;
@@ -18,8 +19,9 @@ use std::{
     sync::mpsc::sync_channel,
 };
 
-use rusqlite::{Connection, DatabaseName, OpenFlags, backup::Backup, params};
+use rusqlite::{Connection, DatabaseName, OpenFlags, backup::Backup};
 
+use self::schema::{classify, migrate, version_of};
 pub use self::{
     collectives::NCCL_KIND,
     gemms::{GemmRow, StepGemms},
@@ -31,10 +33,6 @@ pub use self::{
     },
     schema::{SCHEMA_VERSION, quoted},
     writer::{RowSender, StoreMsg, StoreWriter},
-};
-use self::{
-    schema::{classify, migrate, version_of},
-    writer::i,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -169,25 +167,7 @@ impl Store {
     /// Inserts the session row (ended_ns NULL until the end, so a crash leaves
     /// a visible, unfinished session) and returns its id.
     pub fn begin_session(&self, s: &SessionStart) -> Result<i64, StoreError> {
-        self.conn.execute(
-            "INSERT INTO sessions(pid, command, exe, mode, launch_mode, step_source, started_ns, unix_offset_ns,
-                                  hostname, kernel_release, profiler_version)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
-            params![
-                s.pid,
-                s.command,
-                s.exe,
-                s.mode,
-                s.launch_mode,
-                s.step_source,
-                i(s.started_ns),
-                s.unix_offset_ns,
-                s.hostname,
-                s.kernel_release,
-                env!("CARGO_PKG_VERSION")
-            ],
-        )?;
-        Ok(self.conn.last_insert_rowid())
+        Ok(job::insert_session(&self.conn, s)?)
     }
 
     /// Moves the connection to a writer thread.
@@ -265,6 +245,11 @@ pub(crate) mod testing {
             unix_offset_ns: 5,
             hostname: None,
             kernel_release: None,
+            job: "job-1".into(),
+            rank: None,
+            local_rank: None,
+            world_size: None,
+            parent_pid: None,
         }
     }
 }

@@ -3,6 +3,7 @@
 use profiler_common::LaunchApi;
 
 /// What the session row holds at the start.
+#[derive(Clone, Debug)]
 pub struct SessionStart {
     pub pid: u32,
     pub command: String,
@@ -15,6 +16,15 @@ pub struct SessionStart {
     pub unix_offset_ns: i64,
     pub hostname: Option<String>,
     pub kernel_release: Option<String>,
+    /// The job every process of one profiler run shares (`--job`, else the
+    /// first target's TORCHELASTIC_RUN_ID, else generated).
+    pub job: String,
+    /// The process's RANK, LOCAL_RANK, WORLD_SIZE (None when absent or not a number).
+    pub rank: Option<i64>,
+    pub local_rank: Option<i64>,
+    pub world_size: Option<i64>,
+    /// The traced process it was forked from (None for a named target).
+    pub parent_pid: Option<u32>,
 }
 
 /// What the session row gets at the end.
@@ -258,4 +268,8 @@ pub enum AtFinish {
     StepSystem,
     /// `sessions.lost_step_records`, `sessions.map_failures`, `steps.incomplete`.
     Losses(Losses),
+    /// A job's process other than the first: the logical GPUs (of the first
+    /// session's sampled ones) its steps get `step_gpu` rows for, in place of
+    /// the first session's list (see `session::job::rank_gpus`).
+    RankGpus(Vec<u32>),
 }

@@ -559,7 +559,7 @@ mod tests {
     /// is pinned. A new migration appends its hash; the message gives it.
     #[test]
     fn migrations_are_append_only() {
-        const FROZEN: [u64; 8] = [
+        const FROZEN: [u64; 12] = [
             0x8aee_e93b_06de_c1a5,
             0xcbca_4468_d4a3_de19,
             0xb9bd_525d_e831_4c63,
@@ -568,6 +568,10 @@ mod tests {
             0x6309_9958_b308_0ccd,
             0x7113_d04a_b79f_8fe0,
             0x5267_9fa5_8ae7_98c3,
+            0xd953_e5bf_732f_00f4,
+            0x74cf_cec0_05ce_14f7,
+            0xd65c_a388_7388_b798,
+            0x5711_0307_e7a1_4918,
         ];
         let fnv1a = |s: &str| {
             s.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))

@@ -15,7 +15,11 @@ use crate::correlate::{
 
 /// Fills the GPM and MFU columns of the session's `step_gpu` rows for the
 /// sampled GPUs `gpus`; an SM clock reading counts within `max_gap_ns`.
-pub(super) fn write(conn: &Connection, session: i64, gpus: &[u32], max_gap_ns: u64) -> rusqlite::Result<()> {
+/// `ids`: (the session whose steps these are, the session whose GPUs and
+/// samples to read: a job's first). Another process of a job was given its
+/// GPUs (`AtFinish::RankGpus`): its FLOPs go to those.
+pub(super) fn write(conn: &Connection, ids: (i64, i64), gpus: &[u32], max_gap_ns: u64) -> rusqlite::Result<()> {
+    let (session, samples_from) = ids;
     let steps = load_steps(conn, session)?;
     let mut info = Vec::new();
     let mut series = Vec::new();
@@ -25,13 +29,16 @@ pub(super) fn write(conn: &Connection, session: i64, gpus: &[u32], max_gap_ns: u
         info.push(
             conn.query_row(
                 "SELECT name, max_sm_clock_mhz, used_by_target FROM gpus WHERE session_id = ?1 AND gpu = ?2",
-                params![session, gpu],
-                |r| Ok(GpuForMfu { gpu, name: r.get(0)?, max_sm_clock_mhz: r.get(1)?, used_by_target: r.get(2)? }),
+                params![samples_from, gpu],
+                |r| {
+                    let used_by_target = r.get::<_, bool>(2)? || session != samples_from;
+                    Ok(GpuForMfu { gpu, name: r.get(0)?, max_sm_clock_mhz: r.get(1)?, used_by_target })
+                },
             )
             .optional()?
             .unwrap_or(unnamed),
         );
-        series.push(load_gpm(conn, session, gpu)?);
+        series.push(load_gpm(conn, samples_from, gpu)?);
     }
     let mut update = conn.prepare(
         "UPDATE step_gpu SET tensor_util_pct = ?5, hmma_util_pct = ?6, dfma_util_pct = ?7, sm_util_pct = ?8,
@@ -229,7 +236,7 @@ mod tests {
         // The step's FLOPs, as the cuBLAS probes write them: 98.95 TFLOP in 100 ms on an H100 at
         // BF16 (989.5 TFLOP/s, the default without GEMM rows) is 100 %; then FP32 GEMM rows (67 TFLOP/s).
         conn.execute("UPDATE steps SET flops = 98950000000000 WHERE step = 1", []).expect("flops");
-        write(&conn, id, &[0, 1], 100 * MS).expect("derive");
+        write(&conn, (id, id), &[0, 1], 100 * MS).expect("derive");
         let got = rows(&conn);
         assert_eq!((got[2].3, got[2].4), (None, None), "GPU 0 was not the target's");
         assert_eq!(got[3].3, Some(98_950_000_000_000));
@@ -240,7 +247,7 @@ mod tests {
             [id],
         )
         .expect("gemm");
-        write(&conn, id, &[0, 1], 100 * MS).expect("derive");
+        write(&conn, (id, id), &[0, 1], 100 * MS).expect("derive");
         let mfu = rows(&conn)[3].4.expect("mfu");
         assert!((mfu - 100.0 * 989.5 / 67.0).abs() < 1e-9, "{mfu}");
         // `--launches count`: no rows, the step's dominant types instead.
@@ -248,7 +255,7 @@ mod tests {
             "DELETE FROM gemms; UPDATE steps SET gemm_data_type = 'CUDA_R_32F', gemm_compute_type = 'CUBLAS_COMPUTE_32F' WHERE step = 1",
         )
         .expect("types");
-        write(&conn, id, &[0, 1], 100 * MS).expect("derive");
+        write(&conn, (id, id), &[0, 1], 100 * MS).expect("derive");
         assert_eq!(rows(&conn)[3].4, Some(mfu));
     }
 }

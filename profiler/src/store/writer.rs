@@ -17,7 +17,7 @@ use super::{
     gemms::{GemmRow, StepGemms},
     rows::{
         AtFinish, Capability, GpuRow, GpuSampleRow, KernelRow, LaunchRow, ProbedFileRow, RaplSampleRow, RegionRow,
-        SessionEnd, StepRow, SyncRow, SystemSampleRow,
+        SessionEnd, SessionStart, StepRow, SyncRow, SystemSampleRow,
     },
 };
 
@@ -46,6 +46,15 @@ pub enum StoreMsg {
     StepGemms(Vec<StepGemms>),
     /// The last message: the session's end and what to derive then.
     Finish(SessionEnd, Vec<AtFinish>),
+    /// A job's traced process other than the first: its session row, made on
+    /// the first message for its pid, updated (command, exe, ranks) on later
+    /// ones (after an `exec`). See [`super::job`].
+    Process(Box<SessionStart>),
+    /// Rows of that process's session (sent through [`RowSender::for_process`]).
+    ForProcess(u32, Box<StoreMsg>),
+    /// That process's session ended; its per-step figures are derived at the
+    /// job's `Finish`, from the first session's samples.
+    EndProcess(u32, SessionEnd, Vec<AtFinish>),
 }
 
 /// What the writer did, for the end-of-session summary.
@@ -57,6 +66,8 @@ pub struct WriterStats {
     /// Rows that could not be written, and the first error.
     pub failed_rows: u64,
     pub first_error: Option<String>,
+    /// Of `launches`, those of a job's other processes' sessions.
+    pub member_launches: u64,
 }
 
 /// Handle to the writer thread.
@@ -75,9 +86,9 @@ impl StoreWriter {
         }
     }
 
-    /// A sender for sampler threads.
+    /// A sender for sampler threads and the consumer.
     pub fn sender(&self) -> RowSender {
-        RowSender(self.tx.clone())
+        RowSender { tx: self.tx.clone(), process: None }
     }
 
     /// Finishes the session: derives `at_finish` in the last transaction,
@@ -95,15 +106,28 @@ impl StoreWriter {
     }
 }
 
-/// A clonable handle for threads that produce rows (samplers).
+/// A clonable handle for what produces rows (samplers, consumers): for the
+/// first session, or for a job's other process ([`RowSender::for_process`]).
 #[derive(Clone)]
-pub struct RowSender(SyncSender<StoreMsg>);
+pub struct RowSender {
+    tx: SyncSender<StoreMsg>,
+    process: Option<u32>,
+}
 
 impl RowSender {
     pub fn send(&self, msg: StoreMsg) {
-        if self.0.send(msg).is_err() {
+        let msg = match self.process {
+            Some(pid) => StoreMsg::ForProcess(pid, Box::new(msg)),
+            None => msg,
+        };
+        if self.tx.send(msg).is_err() {
             log::error!("store writer is gone; rows not written");
         }
+    }
+
+    /// A sender whose rows go to the session of the job's process `pid`.
+    pub fn for_process(&self, pid: u32) -> RowSender {
+        RowSender { tx: self.tx.clone(), process: Some(pid) }
     }
 }
 
@@ -127,6 +151,10 @@ fn write_batch(
     // Counted once the transaction commits: a batch rolled back stored nothing.
     stats.transactions += 1;
     for msg in msgs {
+        let msg = match msg {
+            StoreMsg::ForProcess(_, inner) => inner,
+            m => m,
+        };
         match msg {
             StoreMsg::Launches(rows) => stats.launches += rows.len() as u64,
             StoreMsg::Steps(rows) => stats.steps += rows.len() as u64,
@@ -136,8 +164,10 @@ fn write_batch(
     Ok(())
 }
 
-fn write_msg(tx: &Transaction<'_>, session_id: i64, msg: &StoreMsg) -> rusqlite::Result<()> {
+pub(super) fn write_msg(tx: &Transaction<'_>, session_id: i64, msg: &StoreMsg) -> rusqlite::Result<()> {
     match msg {
+        StoreMsg::Process(start) => super::job::upsert_process(tx, session_id, start),
+        StoreMsg::ForProcess(pid, inner) => super::job::write_for_process(tx, session_id, *pid, inner),
         StoreMsg::Kernels(rows) => write_kernels(tx, session_id, rows),
         StoreMsg::Syncs(rows) => write_syncs(tx, session_id, rows),
         StoreMsg::Regions(rows) => write_regions(tx, session_id, rows),
@@ -168,7 +198,7 @@ fn write_msg(tx: &Transaction<'_>, session_id: i64, msg: &StoreMsg) -> rusqlite:
         StoreMsg::SystemSamples(rows) => write_system_samples(tx, session_id, rows),
         StoreMsg::Gemms(rows) => super::gemms::write_gemms(tx, session_id, rows),
         StoreMsg::StepGemms(sums) => super::gemms::write_step_gemms(tx, session_id, sums),
-        StoreMsg::Finish(..) => Ok(()),
+        StoreMsg::Finish(..) | StoreMsg::EndProcess(..) => Ok(()),
     }
 }
 
@@ -384,8 +414,9 @@ fn rows_in(msgs: &[StoreMsg]) -> u64 {
             StoreMsg::SystemSamples(r) => r.len() as u64,
             StoreMsg::Gemms(r) => r.len() as u64,
             StoreMsg::StepGemms(r) => r.len() as u64,
-            StoreMsg::ProbedFile(_) | StoreMsg::Capability(_) => 1,
-            StoreMsg::Finish(..) => 0,
+            StoreMsg::ProbedFile(_) | StoreMsg::Capability(_) | StoreMsg::Process(_) => 1,
+            StoreMsg::ForProcess(_, inner) => rows_in(std::slice::from_ref(inner)),
+            StoreMsg::Finish(..) | StoreMsg::EndProcess(..) => 0,
         })
         .sum()
 }
@@ -399,6 +430,8 @@ pub(super) fn write_loop(
 ) -> Result<WriterStats, StoreError> {
     let mut stats = WriterStats::default();
     let mut end: Option<(SessionEnd, Vec<AtFinish>)> = None;
+    // The job's other processes that ended: derived at the end (see `job`).
+    let mut ended = Vec::new();
     let mut batch: Vec<StoreMsg> = Vec::new();
     while end.is_none() {
         let Ok(first) = rx.recv() else { break };
@@ -415,6 +448,7 @@ pub(super) fn write_loop(
         {
             end = Some((e, work));
         }
+        super::job::take_ended(&mut batch, &mut ended);
         if let Err(e) = write_batch(&mut conn, session_id, &batch, &mut stats) {
             stats.failed_rows += rows_in(&batch);
             stats.first_error.get_or_insert_with(|| e.to_string());
@@ -431,6 +465,7 @@ pub(super) fn write_loop(
         };
         (end, Vec::new())
     });
+    super::job::finish_processes(&mut conn, session_id, &end, &work, ended, &mut stats);
     super::finish::finish_session(&mut conn, session_id, &end, &work, &mut stats)?;
     Ok(stats)
 }

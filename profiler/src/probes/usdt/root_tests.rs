@@ -282,7 +282,8 @@ fn run_traced(args: &[&str], specs: &[&str]) -> Traced {
             | Event::RegionExit(_)
             | Event::Collective(_)
             | Event::Blas(_)
-            | Event::LoaderChange { .. } => {}
+            | Event::LoaderChange { .. }
+            | Event::Process(_) => {}
         }
     }
     assert!(tracker.open_steps().is_empty(), "steps left open: {:?}", tracker.open_steps());

@@ -352,7 +352,7 @@ mod tests {
     use super::*;
 
     fn event(call: BlasCall, args: &[u64]) -> BlasEvent {
-        let mut e = BlasEvent { ts_ns: 1, tid: 2, call, status: 0, args: [0; 6], stack: [0; 16], value: 0 };
+        let mut e = BlasEvent { ts_ns: 1, tid: 2, tgid: 2, call, status: 0, args: [0; 6], stack: [0; 16], value: 0 };
         for (i, v) in args.iter().enumerate() {
             if i < 6 {
                 e.args[i] = *v;
@@ -436,7 +436,7 @@ mod tests {
         let mut stack = [0u64; 16];
         stack[14] = 5; // argument 20: cublasGemmStridedBatchedEx's batchCount
         let r = BlasRecord {
-            header: RecordHeader { kind: RecordKind::Blas as u32, tid: 9, ts_ns: 77 },
+            header: RecordHeader { kind: RecordKind::Blas as u32, tid: 9, ts_ns: 77, tgid: 9, _pad: 0 },
             call: BlasCall::GemmStridedBatchedEx as u32,
             status: 0,
             args: [0, 0, 0, 6, 7, 8],

@@ -74,6 +74,7 @@ mod tests {
         CollectiveEvent {
             ts_ns: 900,
             tid: 7,
+            tgid: 7,
             op,
             start_ns: 100,
             count,

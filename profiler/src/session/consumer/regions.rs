@@ -62,7 +62,7 @@ impl Consumer {
                 self.tracker.enter(tid, probe, ts_ns, thread_launches);
             }
             Boundary::Exit { probe, ts_ns, thread_launches, phases, start } => {
-                let e = OrderedEvent { ts_ns, tid, probe, thread_launches, seq: 0, depth: 0 };
+                let e = OrderedEvent { ts_ns, tid, tgid: 0, probe, thread_launches, seq: 0, depth: 0 };
                 let Some((label, marked)) = self.step_exit(&e) else { return };
                 let Some(step) = self.steps.last_mut() else { return };
                 step.phases = phases;

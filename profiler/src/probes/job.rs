@@ -1,0 +1,80 @@
+//! The kernel side's set of traced processes (`TRACED`) and the hooks that grow it and report on
+//! it: a traced process's new child process (`sched_process_fork`, reading the child's pid and
+//! tgid at their `struct task_struct` offsets from the kernel's BTF) and its `exec`.
+use std::num::NonZeroU32;
+
+use aya::{Ebpf, maps::HashMap, programs::RawTracePoint};
+use profiler_common::{maps as map_names, programs};
+
+use super::ProbeError;
+
+/// Puts `pids` in `TRACED`, before any probe is attached.
+pub(super) fn trace(ebpf: &mut Ebpf, pids: &[NonZeroU32]) -> Result<(), ProbeError> {
+    let name = map_names::TRACED;
+    let map = ebpf.map_mut(name).ok_or(ProbeError::Missing(name))?;
+    let mut traced: HashMap<_, u32, u32> = HashMap::try_from(map).map_err(|source| ProbeError::Map { name, source })?;
+    for pid in pids {
+        traced.insert(pid.get(), 0, 0).map_err(|source| ProbeError::Map { name, source })?;
+    }
+    Ok(())
+}
+
+/// The `exec` hook, and with `follow_children` the fork hook. Raw
+/// tracepoints: they need neither tracefs nor kprobes (which a kernel may
+/// lack: this VM's has no kprobe PMU).
+pub(super) fn attach_process_hooks(ebpf: &mut Ebpf, follow_children: bool) -> Result<(), ProbeError> {
+    let mut hooks = vec![(programs::PROCESS_EXEC, programs::PROCESS_EXEC_TRACEPOINT)];
+    if follow_children {
+        hooks.push((programs::PROCESS_FORK, programs::PROCESS_FORK_TRACEPOINT));
+    }
+    for (name, tracepoint) in hooks {
+        let prog: &mut RawTracePoint = ebpf
+            .program_mut(name)
+            .ok_or(ProbeError::Missing(name))?
+            .try_into()
+            .map_err(|source| ProbeError::Program { name, source })?;
+        prog.load().map_err(|source| ProbeError::Program { name, source })?;
+        prog.attach(tracepoint).map_err(|source| ProbeError::Program { name, source })?;
+    }
+    Ok(())
+}
+
+/// Where the kernel's BTF is.
+const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
+
+/// Byte offsets of `pid` and `tgid` in the running kernel's `struct
+/// task_struct`, from its BTF (the fork hook reads the child's there).
+pub(super) fn task_offsets() -> Result<(u32, u32), ProbeError> {
+    let why = |e: String| ProbeError::KernelTypes(format!("{VMLINUX_BTF}: {e}"));
+    let btf = btf_rs::Btf::from_file(VMLINUX_BTF).map_err(|e| why(e.to_string()))?;
+    let task = btf
+        .resolve_types_by_name("task_struct")
+        .map_err(|e| why(e.to_string()))?
+        .into_iter()
+        .find_map(|t| match t {
+            btf_rs::Type::Struct(s) => Some(s),
+            _ => None,
+        })
+        .ok_or_else(|| why("no struct task_struct".into()))?;
+    let offset = |field: &str| -> Result<u32, ProbeError> {
+        task.members
+            .iter()
+            .find(|m| btf.resolve_name(*m).is_ok_and(|n| n == field))
+            .filter(|m| m.bitfield_size().unwrap_or(0) == 0 && m.bit_offset() % 8 == 0)
+            .map(|m| m.bit_offset() / 8)
+            .ok_or_else(|| why(format!("struct task_struct has no byte-aligned {field}")))
+    };
+    Ok((offset("pid")?, offset("tgid")?))
+}
+
+#[cfg(test)]
+mod tests {
+    /// This kernel's BTF (every kernel this profiler supports has it: see
+    /// `doctor`) gives `pid` and `tgid`, adjacent `pid_t`s in `task_struct`.
+    #[test]
+    fn task_struct_pid_and_tgid_offsets_come_from_the_kernels_btf() {
+        let (pid, tgid) = super::task_offsets().expect("offsets from /sys/kernel/btf/vmlinux");
+        assert_eq!(tgid, pid + 4, "pid_t pid; pid_t tgid;");
+        assert!(pid > 0);
+    }
+}

@@ -1,0 +1,339 @@
+//! Root integration tests of multi-process jobs: the launcher fixture (a torchrun stand-in)
+//! starting ranks of the synthetic trainer with RANK/LOCAL_RANK/WORLD_SIZE set, one of them
+//! slower, profiled with `run` (children followed) and with `attach --children`; every rank's
+//! steps against the ground truth it wrote, its rank read from its environment, and nothing from
+//! a foreign trainer (same binary, same libraries) running meanwhile.
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use integration_tests::*;
+
+const RANKS: u32 = 3;
+
+/// A session row of a job.
+#[derive(Debug)]
+struct JobSession {
+    id: i64,
+    pid: u32,
+    job: String,
+    rank: Option<i64>,
+    local_rank: Option<i64>,
+    world_size: Option<i64>,
+    parent_pid: Option<u32>,
+    end_reason: Option<String>,
+}
+
+fn job_sessions(db: &Path) -> Vec<JobSession> {
+    let conn = open(db);
+    let mut q = conn
+        .prepare("SELECT id, pid, job, rank, local_rank, world_size, parent_pid, end_reason FROM sessions ORDER BY id")
+        .expect("prepare");
+    q.query_map([], |r| {
+        Ok(JobSession {
+            id: r.get(0)?,
+            pid: r.get(1)?,
+            job: r.get(2)?,
+            rank: r.get(3)?,
+            local_rank: r.get(4)?,
+            world_size: r.get(5)?,
+            parent_pid: r.get(6)?,
+            end_reason: r.get(7)?,
+        })
+    })
+    .expect("query")
+    .collect::<Result<Vec<_>, _>>()
+    .expect("rows")
+}
+
+/// The launcher's own record: (rank, pid) of each rank it started.
+fn launched_ranks(dir: &Path) -> Vec<(i64, u32)> {
+    let file = TruthFile::read(&dir.join("launcher.txt"));
+    file.records("rank").map(|f| (file.num(&f, 0), file.num(&f, 1))).collect()
+}
+
+/// `launcher --ranks 3 --dir DIR [extra] -- trainer --steps 30 --launches 40`, rank 1 slower
+/// (each step 4 ms longer) and rank 2 dying in its step 20 when `with_death`.
+fn launcher_args(dir: &Path, extra: &[&str], with_death: bool) -> Vec<String> {
+    let mut a: Vec<String> = vec![
+        fixtures().join("launcher").display().to_string(),
+        "--ranks".into(),
+        RANKS.to_string(),
+        "--dir".into(),
+        dir.display().to_string(),
+        "--rank-args".into(),
+        "1".into(),
+        "--step-sleep-us 9000".into(),
+    ];
+    if with_death {
+        a.extend(["--rank-args".into(), "2".into(), "--die-in-step 20".into()]);
+    }
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a.push("--".into());
+    a.push(fixtures().join("trainer").display().to_string());
+    // Ranks live a while (≥ 150 ms), as real ones do: the agent reads a rank's environment from
+    // /proc after its exec, on its 20 ms tick.
+    a.extend(["--steps", "30", "--launches", "40", "--gap-us", "500", "--step-sleep-us", "5000"].map(String::from));
+    a
+}
+
+/// The step symbol in the trainer by path: the first target (the launcher) does not have it.
+fn step_symbol() -> String {
+    format!("{}:train_step", fixtures().join("trainer").display())
+}
+
+/// A trainer nobody traces, started from the test (not a child of the launcher), running the
+/// same binary with the same libraries while the job runs.
+fn foreign_trainer(dir: &Path) -> Trainer {
+    let t = Trainer::spawn(dir, &["--forever", "--launches", "20", "--gap-us", "1000"]);
+    t.go();
+    t
+}
+
+/// Every rank's session: one job, its rank from its environment, its parent the launcher, its
+/// steps and launches exactly its own ground truth; the dying rank's session ends
+/// `target-exited` with the steps it completed. No session or step of the foreign trainer.
+fn check_job(db: &Path, dir: &Path, launcher_pid: u32, foreign_pid: u32, died: Option<i64>) {
+    let sessions = job_sessions(db);
+    let launcher = sessions.iter().find(|s| s.pid == launcher_pid).expect("the launcher's session");
+    assert!(sessions.iter().all(|s| s.job == launcher.job), "one job: {sessions:?}");
+    assert!(sessions.iter().all(|s| s.pid != foreign_pid), "the foreign trainer has no session: {sessions:?}");
+    let ranks = launched_ranks(dir);
+    assert_eq!(ranks.len(), RANKS as usize);
+    let mut traced_steps = 0;
+    for (rank, pid) in ranks {
+        let s = sessions.iter().find(|s| s.pid == pid).unwrap_or_else(|| panic!("rank {rank}: no session"));
+        assert_eq!((s.rank, s.local_rank, s.world_size), (Some(rank), Some(rank), Some(i64::from(RANKS))), "{s:?}");
+        assert_eq!(s.parent_pid, Some(launcher_pid), "{s:?}");
+        assert_eq!(s.end_reason.as_deref(), Some("target-exited"), "{s:?}");
+        let truth = Truth::read(&dir.join(format!("rank{rank}.txt")));
+        let done: Vec<DbStep> = steps(db, s.id).into_iter().filter(|s| s.end_ns.is_some()).collect();
+        assert_steps_match(&truth.steps, &done, STEP_TOLERANCE_NS);
+        let expected = if died == Some(rank) { 20 } else { 30 };
+        assert_eq!(truth.steps.len(), expected, "rank {rank}'s own count");
+        let launches = count(db, "SELECT count(*) FROM launches WHERE session_id = ?1", s.id);
+        // A dying rank's last step launched before it died: those launches are its too.
+        let in_steps = count(
+            db,
+            "SELECT count(*) FROM launches WHERE session_id = ?1 AND step IN (SELECT step FROM steps WHERE session_id = ?1 AND end_ns IS NOT NULL)",
+            s.id,
+        );
+        assert_eq!(in_steps as u64, truth.steps.iter().map(|t| t.launches).sum::<u64>(), "rank {rank}");
+        assert!(launches >= in_steps);
+        traced_steps += done.len();
+    }
+    // Nothing else has steps: not the launcher, not the foreign trainer.
+    let all: i64 =
+        open(db).query_row("SELECT count(*) FROM steps WHERE end_ns IS NOT NULL", [], |r| r.get(0)).expect("count");
+    assert_eq!(all as usize, traced_steps, "steps outside the ranks' sessions");
+    assert_eq!(count(db, "SELECT count(*) FROM steps WHERE session_id = ?1", launcher.id), 0);
+}
+
+fn profiler_cmd(args: &[String]) -> Command {
+    let mut c = Command::new(profiler_bin());
+    c.args(args).env("LD_LIBRARY_PATH", fixtures());
+    c
+}
+
+#[test]
+fn run_follows_every_rank_of_a_launcher() {
+    let dir = workdir("mp_run");
+    let db = dir.join("p.db");
+    let foreign = foreign_trainer(&workdir("mp_run_foreign"));
+    wait_for_probe_removal();
+    // Three stand-in GPUs, sampled once for the job.
+    let nvml = fixtures().join("libnvidia-ml.so.1").display().to_string();
+    let mut args: Vec<String> =
+        ["run", "-o", db.to_str().expect("utf-8"), "--nvml-lib", &nvml, "--step-symbol", &step_symbol(), "--"]
+            .map(String::from)
+            .to_vec();
+    args.extend(launcher_args(&dir, &[], true));
+    let out = profiler_cmd(&args).env("STANDIN_NVML_GPUS", "3").output().expect("run profiler");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // Rank 2 died (exit 3): the launcher says so, and `run` passes its status on.
+    assert_eq!(out.status.code(), Some(1), "the launcher's exit code: {stderr}");
+    let launcher_pid = job_sessions(&db).first().expect("a session").pid;
+    check_job(&db, &dir, launcher_pid, foreign.pid(), Some(2));
+    let job = &job_sessions(&db)[0].job;
+    assert!(stderr.contains(&format!("job {job}")), "{stderr}");
+    // Each rank's steps get the GPU its LOCAL_RANK names (the same visible GPUs as the launcher),
+    // from the one series of samples, stored with the launcher's session.
+    let conn = open(&db);
+    for s in job_sessions(&db).iter().filter(|s| s.rank.is_some()) {
+        let gpus: Vec<i64> = conn
+            .prepare("SELECT DISTINCT gpu FROM step_gpu WHERE session_id = ?1")
+            .expect("prepare")
+            .query_map([s.id], |r| r.get(0))
+            .expect("query")
+            .collect::<Result<_, _>>()
+            .expect("rows");
+        assert_eq!(gpus, vec![s.local_rank.expect("a local rank")], "{s:?}");
+        let rows = count(&db, "SELECT count(*) FROM step_gpu WHERE session_id = ?1 AND energy_j IS NOT NULL", s.id);
+        let steps = count(&db, "SELECT count(*) FROM steps WHERE session_id = ?1 AND end_ns IS NOT NULL", s.id);
+        assert_eq!(rows, steps, "{s:?}: a GPU energy per completed step");
+        assert_eq!(count(&db, "SELECT count(*) FROM gpu_samples WHERE session_id = ?1", s.id), 0);
+    }
+    assert!(count(&db, "SELECT count(*) FROM gpu_samples WHERE session_id = ?1", launcher_pid_session(&db)) > 0);
+}
+
+/// The job's first session (the launcher's, which holds the machine's samples).
+fn launcher_pid_session(db: &Path) -> i64 {
+    job_sessions(db)[0].id
+}
+
+#[test]
+fn attach_children_follows_ranks_started_after_it() {
+    let dir = workdir("mp_attach");
+    let db = dir.join("p.db");
+    let go = dir.join("go");
+    let foreign = foreign_trainer(&workdir("mp_attach_foreign"));
+    let args = launcher_args(&dir, &["--wait-file", go.to_str().expect("utf-8"), "--late-rank-after-ms", "300"], false);
+    let mut launcher =
+        Command::new(&args[0]).args(&args[1..]).env("LD_LIBRARY_PATH", fixtures()).spawn().expect("launcher");
+    let agent = Agent::attach(
+        launcher.id(),
+        &db,
+        &["--children", "--no-gpu", "--step-symbol", &step_symbol(), "--job", "mp-test"],
+    );
+    std::fs::write(&go, b"").expect("go");
+    assert!(launcher.wait().expect("wait launcher").success(), "launcher failed");
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "profiler failed: {stderr}");
+    check_job(&db, &dir, launcher.id(), foreign.pid(), None);
+    assert!(job_sessions(&db).iter().all(|s| s.job == "mp-test"));
+}
+
+#[test]
+fn attach_several_pids_names_a_bad_one_once_and_traces_the_others() {
+    let dirs: Vec<PathBuf> = (0..2).map(|i| workdir(&format!("mp_pids{i}"))).collect();
+    let db = dirs[0].join("p.db");
+    let mut trainers: Vec<Trainer> =
+        dirs.iter().map(|d| Trainer::spawn(d, &["--steps", "20", "--launches", "30"])).collect();
+    // Past any pid_max: no such process.
+    let bad = "4294967295";
+    let mut args: Vec<String> =
+        vec!["attach".into(), trainers[0].pid().to_string(), bad.into(), trainers[1].pid().to_string()];
+    args.extend(["-o", db.to_str().expect("utf-8"), "--no-gpu", "--step-symbol", "train_step"].map(String::from));
+    let agent = Agent::start(&args, true);
+    for t in &trainers {
+        t.go();
+    }
+    for t in &mut trainers {
+        assert!(t.wait().success(), "trainer failed");
+    }
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "profiler failed: {stderr}");
+    assert_eq!(stderr.matches(&format!("no process with PID {bad}")).count(), 1, "{stderr}");
+    let sessions = job_sessions(&db);
+    assert_eq!(sessions.len(), 2, "{sessions:?}");
+    for t in &trainers {
+        let s = sessions.iter().find(|s| s.pid == t.pid()).expect("a session per PID");
+        assert_eq!((s.rank, s.parent_pid), (None, None), "no RANK in its environment, named on the command line");
+        assert_eq!(s.end_reason.as_deref(), Some("target-exited"));
+        assert_steps_match(&t.truth().steps, &steps(&db, s.id), STEP_TOLERANCE_NS);
+    }
+}
+
+/// The PyTorch environment's python (`cargo xtask torch-env`), or None (said once).
+fn torch_python() -> Option<PathBuf> {
+    let all = std::env::var("PROFILER_TORCH_PYTHONS").unwrap_or_default();
+    let found = all.split(';').filter_map(|p| p.split_once('=')).find(|(n, _)| *n == "python3.11");
+    if found.is_none() {
+        skip("no PyTorch environment for python3.11 (see `cargo xtask torch-env`)");
+    }
+    found.map(|(_, p)| PathBuf::from(p))
+}
+
+/// `python -m torch.distributed.run --nproc-per-node 2 torch_loop.py …`: two CPU ranks, each
+/// writing its own ground truth to DIR/truth<RANK>.txt.
+fn torchrun_args(python: &Path, dir: &Path, port: u32, wait_file: Option<&Path>) -> Vec<String> {
+    let loop_py = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/torch_loop.py");
+    [
+        python.display().to_string(),
+        "-m".into(),
+        "torch.distributed.run".into(),
+        "--nproc-per-node".into(),
+        "2".into(),
+        "--master-port".into(),
+        port.to_string(),
+        loop_py.display().to_string(),
+        "--steps".into(),
+        "15".into(),
+        "--truth".into(),
+        format!("{}/truth{{rank}}.txt", dir.display()),
+    ]
+    .into_iter()
+    .chain(wait_file.into_iter().flat_map(|w| ["--wait-file".to_string(), w.display().to_string()]))
+    .collect()
+}
+
+/// Two rank sessions, their ranks from their environment, each with its own optimizer steps
+/// (PyTorch's markers), on the threads its ground truth names.
+/// `attempts`: how many workers each rank had (torchrun restarts); only the last one's trained.
+fn check_torch_ranks(db: &Path, dir: &Path, attempts: usize) {
+    let sessions = job_sessions(db);
+    assert!(sessions.iter().all(|s| s.job == sessions[0].job), "one job: {sessions:?}");
+    let ranks: Vec<&JobSession> = sessions.iter().filter(|s| s.rank.is_some()).collect();
+    assert_eq!(ranks.len(), 2 * attempts, "{sessions:?}");
+    let (failed, trained): (Vec<&JobSession>, Vec<&JobSession>) =
+        ranks.into_iter().partition(|s| steps(db, s.id).is_empty());
+    assert_eq!(failed.len(), 2 * (attempts - 1), "{sessions:?}");
+    assert!(failed.iter().all(|s| s.end_reason.as_deref() == Some("target-exited")), "{failed:?}");
+    for s in trained {
+        let rank = s.rank.expect("a rank");
+        assert_eq!((s.local_rank, s.world_size), (Some(rank), Some(2)), "{s:?}");
+        let truth = TruthFile::read(&dir.join(format!("truth{rank}.txt")));
+        let truth_tids: Vec<u32> = truth.records("step").map(|f| truth.num(&f, 1)).collect();
+        let done: Vec<DbStep> = steps(db, s.id).into_iter().filter(|s| s.end_ns.is_some()).collect();
+        assert_eq!(done.len(), truth_tids.len(), "rank {rank}'s optimizer steps");
+        assert!(done.iter().all(|d| truth_tids.contains(&d.tid) && d.label == "train"), "rank {rank}: {done:?}");
+    }
+}
+
+#[test]
+fn torchrun_ranks_on_cpu_with_run_and_attach_children() {
+    let Some(python) = torch_python() else { return };
+    // `run`: torchrun's workers followed from their start.
+    let dir = workdir("mp_torchrun");
+    let db = dir.join("p.db");
+    let mut args: Vec<String> = ["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--"].map(String::from).to_vec();
+    args.extend(torchrun_args(&python, &dir, 29500 + std::process::id() % 500, None));
+    wait_for_probe_removal();
+    let out = Command::new(profiler_bin()).args(&args).output().expect("run profiler");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    check_torch_ranks(&db, &dir, 1);
+    // `attach --children` right after torchrun starts: the workers it has started by then are
+    // found in /proc, the later ones by the fork hook. They train once the agent is in.
+    let dir = workdir("mp_torchrun_attach");
+    let (db, go) = (dir.join("p.db"), dir.join("go"));
+    let a = torchrun_args(&python, &dir, 30000 + std::process::id() % 500, Some(&go));
+    let mut torchrun = Command::new(&a[0]).args(&a[1..]).spawn().expect("torchrun");
+    let agent = Agent::attach(torchrun.id(), &db, &["--children", "--no-gpu"]);
+    std::fs::write(&go, b"").expect("go");
+    assert!(torchrun.wait().expect("wait torchrun").success(), "torchrun failed");
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "profiler failed: {stderr}");
+    check_torch_ranks(&db, &dir, 1);
+}
+
+/// An elastic restart: torchrun's first workers fail (once the agent is in), torchrun starts new
+/// ones, which `attach --children` follows: their sessions have their ranks and their steps, and
+/// the failed workers' sessions ended `target-exited` with none.
+#[test]
+fn torchrun_restarted_workers_are_traced() {
+    let Some(python) = torch_python() else { return };
+    let dir = workdir("mp_torchrun_restart");
+    let (db, go) = (dir.join("p.db"), dir.join("go"));
+    let mut a = torchrun_args(&python, &dir, 30500 + std::process::id() % 500, Some(&go));
+    a.splice(3..3, ["--max-restarts".to_string(), "1".to_string()]);
+    a.push("--fail-first-attempt".into());
+    let mut torchrun = Command::new(&a[0]).args(&a[1..]).spawn().expect("torchrun");
+    let agent = Agent::attach(torchrun.id(), &db, &["--children", "--no-gpu"]);
+    std::fs::write(&go, b"").expect("go");
+    assert!(torchrun.wait().expect("wait torchrun").success(), "torchrun failed");
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "profiler failed: {stderr}");
+    check_torch_ranks(&db, &dir, 2);
+}
