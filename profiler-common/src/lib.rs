@@ -933,8 +933,8 @@ impl BlasCall {
 /// (`cublasGemmStridedBatchedEx`'s `computeType`), the most any probed call needs.
 pub const BLAS_STACK_ARGS: usize = 16;
 
-/// How many executable mappings of the BLAS libraries the probes can tell
-/// their own internal calls from (see `maps::BLAS_TEXT`).
+/// How many executable mappings of the BLAS libraries, per process, the
+/// probes can tell their own internal calls from (see `maps::BLAS_TEXT`).
 pub const BLAS_TEXTS: u32 = 8;
 
 /// One call into cuBLAS or cuBLASLt, arguments copied raw: the agent decodes
@@ -975,7 +975,7 @@ pub mod blas_programs {
     pub const CREATE: &str = "blas_create";
     /// Return of a create (cookie: the `BlasCall` id): reads the handle, writes the record.
     pub const CREATE_RETURN: &str = "blas_create_return";
-    /// `Array<[u64; 2]>[BLAS_TEXTS]`: `[start, end)` of the probed BLAS
-    /// libraries' executable mappings; `end` 0 past the last.
+    /// `HashMap<tgid, [[u64; 2]; BLAS_TEXTS]>`: per process, `[start, end)`
+    /// of the probed BLAS libraries' executable mappings; `end` 0 past the last.
     pub const TEXT_MAP: &str = "BLAS_TEXT";
 }

@@ -3,10 +3,13 @@
 //! points and cuBLASLt's descriptor calls (see `profiler-ebpf`'s `blas`).
 use std::{os::unix::fs::MetadataExt, path::Path};
 
-use aya::maps::{Array, MapData};
+use aya::maps::{HashMap, MapData};
 use profiler_common::{BLAS_TEXTS, BlasCall, blas_programs};
 
 use super::{PlacedProbe, ProbeError, ProbePoint, Probes, elf, map_file};
+
+/// One process's BLAS code ranges, as `BLAS_TEXT` holds them.
+type TextRanges = [[u64; 2]; BLAS_TEXTS as usize];
 
 /// A BLAS library, by file name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,27 +103,28 @@ impl Probes {
         Ok(placed)
     }
 
-    /// Adds a BLAS library's code ranges (`[start, end)` in the target) to the
-    /// first free entries of `BLAS_TEXT`: a probed call returning there was
-    /// made by that library (cuBLAS calling cuBLASLt), and is not counted again.
-    pub fn add_blas_text(&mut self, text: &[(u64, u64)]) -> Result<(), ProbeError> {
+    /// Adds a BLAS library's code ranges (`[start, end)` in process `tgid`)
+    /// to the first free entries of its `BLAS_TEXT` ranges: a probed call
+    /// returning there was made by that library (cuBLAS calling cuBLASLt),
+    /// and is not counted again.
+    pub fn add_blas_text(&mut self, tgid: u32, text: &[(u64, u64)]) -> Result<(), ProbeError> {
         let name = blas_programs::TEXT_MAP;
         let map = self.ebpf.map_mut(name).ok_or(ProbeError::Missing(name))?;
-        let mut ranges: Array<&mut MapData, [u64; 2]> =
-            Array::try_from(map).map_err(|source| ProbeError::Map { name, source })?;
-        let free: Vec<u32> = (0..BLAS_TEXTS).filter(|i| ranges.get(i, 0).is_ok_and(|r| r[1] == 0)).collect();
-        let mut free = free.into_iter();
+        let mut texts: HashMap<&mut MapData, u32, TextRanges> =
+            HashMap::try_from(map).map_err(|source| ProbeError::Map { name, source })?;
+        let mut ranges = texts.get(&tgid, 0).unwrap_or([[0; 2]; BLAS_TEXTS as usize]);
+        let mut free = ranges.iter_mut().filter(|r| r[1] == 0);
         for &(start, end) in text {
-            let Some(index) = free.next() else {
+            let Some(slot) = free.next() else {
                 log::warn!(
-                    "more than {BLAS_TEXTS} BLAS code mappings: GEMMs cuBLAS makes through cuBLASLt from \
-                     {start:#x}-{end:#x} may count twice"
+                    "more than {BLAS_TEXTS} BLAS code mappings in process {tgid}: GEMMs cuBLAS makes through \
+                     cuBLASLt from {start:#x}-{end:#x} may count twice"
                 );
                 break;
             };
-            ranges.set(index, [start, end], 0).map_err(|source| ProbeError::Map { name, source })?;
+            *slot = [start, end];
         }
-        Ok(())
+        texts.insert(tgid, ranges, 0).map_err(|source| ProbeError::Map { name, source })
     }
 }
 

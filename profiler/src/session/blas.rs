@@ -34,7 +34,7 @@ pub(super) fn scan(
     // Every new library's code first: cuBLAS's calls into a cuBLASLt probed
     // before it would otherwise count twice until its own code was added.
     for (_, file, text) in &new {
-        if let Err(e) = probes.add_blas_text(text) {
+        if let Err(e) = probes.add_blas_text(pid, text) {
             log::warn!("{}: GEMMs it makes through cuBLASLt may count twice: {e}", file.path.display());
         }
     }
