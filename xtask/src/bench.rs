@@ -305,7 +305,7 @@ fn median(mut runs: Vec<Measured>) -> Measured {
     Measured { quiet_ns_per_launch: quiet, ..runs[runs.len() / 2].clone() }
 }
 
-/// The tables; `only`: `torch`, `frame-hook` or `flops`, that one alone.
+/// The tables; `only`: `torch`, `frame-hook`, `flops` or `jobs`, that one alone.
 pub fn main(only: Option<&str>) -> Result<()> {
     if !crate::root::is_root() {
         bail!(
@@ -318,7 +318,8 @@ pub fn main(only: Option<&str>) -> Result<()> {
         Some("torch") => return crate::bench_torch::torch_table(&work),
         Some("frame-hook") => return crate::bench_frame_hook::frame_hook_table(&work),
         Some("flops") => return crate::bench_flops::flops_table(&work),
-        Some(other) => bail!("no bench part '{other}' (parts: torch, frame-hook, flops)"),
+        Some("jobs") => return crate::bench_jobs::jobs_table(&work),
+        Some(other) => bail!("no bench part '{other}' (parts: torch, frame-hook, flops, jobs)"),
         None => {}
     }
     println!();
@@ -340,6 +341,7 @@ pub fn main(only: Option<&str>) -> Result<()> {
     crate::bench_torch::torch_table(&work)?;
     crate::bench_frame_hook::frame_hook_table(&work)?;
     crate::bench_flops::flops_table(&work)?;
+    crate::bench_jobs::jobs_table(&work)?;
     fuzz_long()
 }
 

@@ -4,6 +4,7 @@
 //! llvm-22-dev, bpf-linker built against it) and says what it is doing.
 mod bench;
 mod bench_flops;
+mod bench_jobs;
 mod bench_frame_hook;
 mod bench_python;
 mod bench_torch;
@@ -47,10 +48,11 @@ enum Task {
     },
     /// rustfmt check, and clippy with warnings denied for the host crates and the eBPF crate.
     Lint,
-    /// Print the overhead and throughput tables (`torch`, `frame-hook` or `flops`: only that table).
+    /// Print the overhead and throughput tables (`torch`, `frame-hook`, `flops` or `jobs`: only that table).
     Bench {
         /// `torch`: only the PyTorch steps table; `frame-hook`: only the PEP 523 frame hook's
-        /// (ns per Python call, step boundary error); `flops`: only the cost per traced GEMM call.
+        /// (ns per Python call, step boundary error); `flops`: only the cost per traced GEMM call;
+        /// `jobs`: only the 8-rank job (attach time, agent CPU, events/s, lost).
         only: Option<String>,
     },
     /// Make the PyTorch environments the tests use (cached; downloads only what is missing).
