@@ -333,9 +333,18 @@ pub const STAGE_LEN: usize = 16;
 /// directly). A power of two: a thread's stage is `tid & (STAGES - 1)`.
 pub const STAGES: u32 = 256;
 
-/// How many executable mappings of runtime libraries the driver probes can
-/// tell their calls from (one per `libcudart` loaded, normally one or two).
-pub const RUNTIME_TEXTS: u32 = 8;
+/// How many executable mappings of runtime libraries, per process, the
+/// driver probes can tell their calls from (one per `libcudart` loaded,
+/// normally one or two).
+pub const RUNTIME_TEXTS: u32 = CODE_RANGES as u32;
+
+/// Executable mappings one process's entry of a code-range map holds.
+pub const CODE_RANGES: usize = 8;
+
+/// One traced process's `[start, end)` code ranges of a kind of library (the
+/// value of `RUNTIME_TEXT` and `BLAS_TEXT`, keyed by tgid): each process maps
+/// a library at its own addresses. `end` 0 past the last.
+pub type CodeRanges = [[u64; 2]; CODE_RANGES];
 
 /// Entry or return of a step function or a synchronisation call, or a
 /// thread's exit: the records each thread numbers in order (`seq`), on the
@@ -584,8 +593,8 @@ pub mod maps {
     pub const LAUNCH_STAGES: &str = "LAUNCH_STAGES";
     /// `Array<u32>[1]`: 1 once a runtime library is probed.
     pub const RUNTIME_PROBED: &str = "RUNTIME_PROBED";
-    /// `Array<[u64; 2]>[RUNTIME_TEXTS]`: `[start, end)` of the probed runtime
-    /// libraries' executable mappings; `end` 0 past the last.
+    /// `HashMap<tgid, CodeRanges>`: per process, `[start, end)` of the probed
+    /// runtime libraries' executable mappings.
     pub const RUNTIME_TEXT: &str = "RUNTIME_TEXT";
     /// `Array<UsdtProbeSpec>[USDT_MAX_SPECS]`: argument specs of the attached
     /// USDT probe sites, indexed by the attach cookie.
@@ -935,7 +944,7 @@ pub const BLAS_STACK_ARGS: usize = 16;
 
 /// How many executable mappings of the BLAS libraries, per process, the
 /// probes can tell their own internal calls from (see `maps::BLAS_TEXT`).
-pub const BLAS_TEXTS: u32 = 8;
+pub const BLAS_TEXTS: u32 = CODE_RANGES as u32;
 
 /// One call into cuBLAS or cuBLASLt, arguments copied raw: the agent decodes
 /// them by [`BlasCall`] (the kernel side does not interpret them). A call made

@@ -16,12 +16,12 @@
 //! handle and writes the record. Creates are rare next to the work they
 //! describe, so the return probe is affordable.
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user, generated::bpf_probe_read_user as probe_read_user_raw},
+    helpers::{bpf_probe_read_user, generated::bpf_probe_read_user as probe_read_user_raw},
     macros::{map, uprobe, uretprobe},
     maps::{HashMap, PerCpuArray},
     programs::{ProbeContext, RetProbeContext},
 };
-use profiler_common::{BLAS_STACK_ARGS, BLAS_TEXTS, BlasCall, BlasRecord, RecordKind};
+use profiler_common::{BLAS_STACK_ARGS, BlasCall, BlasRecord, CodeRanges, RecordKind};
 
 use crate::{EVENTS, LOST, bump, cookie, map_failed, submit_flags, target_tid};
 
@@ -29,7 +29,7 @@ use crate::{EVENTS, LOST, bump, cookie, map_failed, submit_flags, target_tid};
 /// code in it, filled by the agent before it probes them; `end` 0 past the
 /// last. Per process: each maps the libraries at its own addresses.
 #[map]
-static BLAS_TEXT: HashMap<u32, [[u64; 2]; BLAS_TEXTS as usize]> = HashMap::with_max_entries(4096, 0);
+static BLAS_TEXT: HashMap<u32, CodeRanges> = HashMap::with_max_entries(4096, 0);
 
 /// A create in progress per thread: its record, all but the handle and the
 /// status, until it returns (creates do not nest).
@@ -45,21 +45,7 @@ pub(crate) fn forget_thread(tid: u32) {
 /// Whether `address` lies in a probed BLAS library's code in the calling process.
 #[inline(always)]
 fn in_blas_text(address: u64) -> bool {
-    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    // SAFETY: read-only lookup; the agent only adds ranges before it probes.
-    let Some(ranges) = (unsafe { BLAS_TEXT.get(tgid) }) else { return false };
-    let mut i = 0;
-    while i < BLAS_TEXTS as usize {
-        let r = ranges[i];
-        if r[1] == 0 {
-            return false;
-        }
-        if address >= r[0] && address < r[1] {
-            return true;
-        }
-        i += 1;
-    }
-    false
+    crate::in_code_ranges(&BLAS_TEXT, address)
 }
 
 /// Fills `r` from the call's registers and stack; false when the call was
@@ -146,7 +132,7 @@ pub fn blas_create(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// Where a create's record is built: 208 bytes are too many for the BPF stack's share.
+/// Where a create's record is built: 224 bytes are too many for the BPF stack's share.
 #[map]
 static BLAS_SCRATCH: PerCpuArray<BlasRecord> = PerCpuArray::with_max_entries(1, 0);
 

@@ -44,8 +44,8 @@ use aya_ebpf::{
     programs::{ProbeContext, RawTracePointContext, RetProbeContext},
 };
 use profiler_common::{
-    ApiLayer, EVENTS_BYTES, KernelNameRecord, LaunchApi, LaunchRecord, LaunchStage, ORDERED_EVENTS_BYTES,
-    OrderedRecord, ProcessRecord, RUNTIME_TEXTS, RecordHeader, RecordKind, STAGE_LEN, STAGES, name_call,
+    ApiLayer, CODE_RANGES, CodeRanges, EVENTS_BYTES, KernelNameRecord, LaunchApi, LaunchRecord, LaunchStage,
+    ORDERED_EVENTS_BYTES, OrderedRecord, ProcessRecord, RecordHeader, RecordKind, STAGE_LEN, STAGES, name_call,
 };
 
 /// bpf_probe_read_user and bpf_get_attach_cookie are GPL-only helpers.
@@ -170,27 +170,35 @@ static LAUNCH_STAGES: Array<LaunchStage> = Array::with_max_entries(STAGES, 0);
 #[map]
 static STAGE_CLAIMS: HashMap<u32, u32> = HashMap::with_max_entries(STAGES, 0);
 
-/// `[start, end)` of the probed runtime libraries' code in the target, filled
-/// by the agent from the start; `end` 0 past the last.
+/// Per traced process (tgid): `[start, end)` of the probed runtime
+/// libraries' code in it, filled by the agent before the runtime probes exist.
 #[map]
-static RUNTIME_TEXT: Array<[u64; 2]> = Array::with_max_entries(RUNTIME_TEXTS, 0);
+static RUNTIME_TEXT: HashMap<u32, CodeRanges> = HashMap::with_max_entries(4096, 0);
 
-/// Whether `address` lies in a probed runtime library's code.
+/// Whether `address` lies in one of the calling process's ranges in `map`.
 #[inline(always)]
-fn in_runtime_text(address: u64) -> bool {
+pub(crate) fn in_code_ranges(map: &HashMap<u32, CodeRanges>, address: u64) -> bool {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    // SAFETY: a read-only lookup; the agent adds ranges before the probes that read them.
+    let Some(ranges) = (unsafe { map.get(tgid) }) else { return false };
     let mut i = 0;
-    while i < RUNTIME_TEXTS {
-        match RUNTIME_TEXT.get(i) {
-            Some(r) if r[1] != 0 => {
-                if address >= r[0] && address < r[1] {
-                    return true;
-                }
-            }
-            _ => return false,
+    while i < CODE_RANGES {
+        let r = ranges[i];
+        if r[1] == 0 {
+            return false;
+        }
+        if address >= r[0] && address < r[1] {
+            return true;
         }
         i += 1;
     }
     false
+}
+
+/// Whether `address` lies in a probed runtime library's code.
+#[inline(always)]
+fn in_runtime_text(address: u64) -> bool {
+    in_code_ranges(&RUNTIME_TEXT, address)
 }
 
 const BPF_NOEXIST: u64 = 1;

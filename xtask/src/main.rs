@@ -4,8 +4,8 @@
 //! llvm-22-dev, bpf-linker built against it) and says what it is doing.
 mod bench;
 mod bench_flops;
-mod bench_jobs;
 mod bench_frame_hook;
+mod bench_jobs;
 mod bench_python;
 mod bench_torch;
 mod debian_debs;

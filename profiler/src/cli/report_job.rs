@@ -315,7 +315,8 @@ pub(super) mod testing {
     /// neither. Returns the session id.
     fn session(path: &Path, pid: u32, durations: [u64; 4]) -> i64 {
         let store = Store::open(path).expect("a profile");
-        let start = SessionStart { pid, ..crate::store::testing::start() };
+        // Its own profiler run, so its own job until the UPDATEs below group them.
+        let start = SessionStart { pid, job: format!("run-{pid}"), ..crate::store::testing::start() };
         let id = store.begin_session(&start).expect("session");
         let w = store.spawn_writer(id);
         let nccl = pid == 101;

@@ -20,6 +20,10 @@ struct StepSeries {
     sync_share: LiveGauge,
     /// Steps ended since `since` (for the rate gauge).
     ended: u64,
+    /// Ended a step here once: only then does this process set the rate (a
+    /// process without a rank shares its series with others of the job, and
+    /// one that ends no steps must not zero their rate).
+    ever: bool,
 }
 
 impl StepSeries {
@@ -33,6 +37,7 @@ impl StepSeries {
             sync_wait: f.sync_wait.series(&l),
             sync_share: f.sync_share.series(&l),
             ended: 0,
+            ever: false,
         }
     }
 }
@@ -82,6 +87,7 @@ impl SessionMetrics {
             let s = self.step_series(&r.label);
             s.steps.add(1.0);
             s.ended += 1;
+            s.ever = true;
             s.duration.observe(secs);
             s.last.set(secs);
             if let Some(wait) = r.sync_wait_ns {
@@ -92,7 +98,7 @@ impl SessionMetrics {
         }
         let elapsed = self.since.elapsed().as_secs_f64();
         if elapsed >= RATE_WINDOW_S {
-            for s in self.steps.values_mut() {
+            for s in self.steps.values_mut().filter(|s| s.ever) {
                 s.rate.set(std::mem::take(&mut s.ended) as f64 / elapsed);
             }
             self.since = Instant::now();

@@ -3,13 +3,9 @@
 //! points and cuBLASLt's descriptor calls (see `profiler-ebpf`'s `blas`).
 use std::{os::unix::fs::MetadataExt, path::Path};
 
-use aya::maps::{HashMap, MapData};
 use profiler_common::{BLAS_TEXTS, BlasCall, blas_programs};
 
 use super::{PlacedProbe, ProbeError, ProbePoint, Probes, elf, map_file};
-
-/// One process's BLAS code ranges, as `BLAS_TEXT` holds them.
-type TextRanges = [[u64; 2]; BLAS_TEXTS as usize];
 
 /// A BLAS library, by file name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,27 +100,16 @@ impl Probes {
     }
 
     /// Adds a BLAS library's code ranges (`[start, end)` in process `tgid`)
-    /// to the first free entries of its `BLAS_TEXT` ranges: a probed call
-    /// returning there was made by that library (cuBLAS calling cuBLASLt),
-    /// and is not counted again.
+    /// to its `BLAS_TEXT` entry: a probed call returning there was made by
+    /// that library (cuBLAS calling cuBLASLt), and is not counted again.
     pub fn add_blas_text(&mut self, tgid: u32, text: &[(u64, u64)]) -> Result<(), ProbeError> {
-        let name = blas_programs::TEXT_MAP;
-        let map = self.ebpf.map_mut(name).ok_or(ProbeError::Missing(name))?;
-        let mut texts: HashMap<&mut MapData, u32, TextRanges> =
-            HashMap::try_from(map).map_err(|source| ProbeError::Map { name, source })?;
-        let mut ranges = texts.get(&tgid, 0).unwrap_or([[0; 2]; BLAS_TEXTS as usize]);
-        let mut free = ranges.iter_mut().filter(|r| r[1] == 0);
-        for &(start, end) in text {
-            let Some(slot) = free.next() else {
-                log::warn!(
-                    "more than {BLAS_TEXTS} BLAS code mappings in process {tgid}: GEMMs cuBLAS makes through \
-                     cuBLASLt from {start:#x}-{end:#x} may count twice"
-                );
-                break;
-            };
-            *slot = [start, end];
+        for (start, end) in self.add_code_ranges(blas_programs::TEXT_MAP, tgid, text)? {
+            log::warn!(
+                "more than {BLAS_TEXTS} BLAS code mappings in process {tgid}: GEMMs cuBLAS makes through cuBLASLt \
+                 from {start:#x}-{end:#x} may count twice"
+            );
         }
-        texts.insert(tgid, ranges, 0).map_err(|source| ProbeError::Map { name, source })
+        Ok(())
     }
 }
 

@@ -31,8 +31,8 @@ use aya::{
     },
 };
 use profiler_common::{
-    ApiLayer, EVENTS_BYTES, LaunchApi, LaunchRecord, LaunchStage, ORDERED_EVENTS_BYTES, RUNTIME_TEXTS, STAGE_LEN,
-    STAGES, SyncApi, globals, maps as map_names, name_call, programs,
+    ApiLayer, CodeRanges, EVENTS_BYTES, LaunchApi, LaunchRecord, LaunchStage, ORDERED_EVENTS_BYTES, RUNTIME_TEXTS,
+    STAGE_LEN, STAGES, SyncApi, globals, maps as map_names, name_call, programs,
 };
 
 use self::maps::LibraryKind;
@@ -119,8 +119,6 @@ pub struct Probes {
     probed: HashSet<(u64, u64)>,
     counters: [PerCpuArray<MapData, u64>; 4],
     stages: StagedLaunches,
-    /// Entries of `RUNTIME_TEXT` in use.
-    runtime_texts: u32,
     /// Every uprobe attached, owned here so that `detach` closes them all at once.
     links: Vec<UProbeLink>,
 }
@@ -282,17 +280,7 @@ impl Probes {
             .map_err(|source| ProbeError::Map { name: map_names::LAUNCH_STAGES, source })?;
         let kernel = if place_probes { placement::running_kernel_version() } else { None };
         let stages = StagedLaunches(stages);
-        let probes = Self {
-            ebpf,
-            pid,
-            scope,
-            kernel,
-            probed: HashSet::new(),
-            counters,
-            stages,
-            runtime_texts: 0,
-            links: Vec::new(),
-        };
+        let probes = Self { ebpf, pid, scope, kernel, probed: HashSet::new(), counters, stages, links: Vec::new() };
         Ok((probes, rings))
     }
 
@@ -341,10 +329,16 @@ impl Probes {
         kind: LibraryKind,
         path: &Path,
         text: &[(u64, u64)],
+        tgid: u32,
     ) -> Result<Option<Vec<PlacedProbe>>, ProbeError> {
         let meta = std::fs::metadata(path).map_err(|source| ProbeError::Read { path: path.to_owned(), source })?;
         let file = (meta.dev(), meta.ino());
         if !self.probed.insert(file) {
+            // Probed for another process of the job (file-wide): this one's
+            // runtime code is at its own addresses.
+            if kind == LibraryKind::Runtime {
+                self.add_runtime_text(tgid, text)?;
+            }
             return Ok(None);
         }
         // All or nothing: a library probed half way would count some of its
@@ -352,7 +346,7 @@ impl Probes {
         // failure the probes attached so far come off (dropping a link
         // detaches it), and the file is left for the next look to try again.
         let links_before = self.links.len();
-        let placed = self.probe_library(kind, path, text);
+        let placed = self.probe_library(kind, path, text, tgid);
         if placed.is_err() {
             self.links.truncate(links_before);
             self.probed.remove(&file);
@@ -366,6 +360,7 @@ impl Probes {
         kind: LibraryKind,
         path: &Path,
         text: &[(u64, u64)],
+        tgid: u32,
     ) -> Result<Vec<PlacedProbe>, ProbeError> {
         // Mapped, not read: only the symbol tables and the entry blocks are touched.
         let data = map_file(path).map_err(|source| ProbeError::Read { path: path.to_owned(), source })?;
@@ -378,7 +373,7 @@ impl Probes {
         if layer == ApiLayer::Runtime && symbols.iter().any(|s| s.name.starts_with("cuda")) {
             // Before the runtime probes exist: from now on the driver probes
             // look for a runtime launch in progress on their thread.
-            self.add_runtime_text(text)?;
+            self.add_runtime_text(tgid, text)?;
             let map =
                 self.ebpf.map_mut(map_names::RUNTIME_PROBED).ok_or(ProbeError::Missing(map_names::RUNTIME_PROBED))?;
             let mut flag: Array<&mut MapData, u32> =
@@ -442,24 +437,40 @@ impl Probes {
         self.attach(programs::STEP_EXIT, path, file_offset, probe_id.into())
     }
 
-    /// Adds a runtime library's code ranges to `RUNTIME_TEXT`.
-    fn add_runtime_text(&mut self, text: &[(u64, u64)]) -> Result<(), ProbeError> {
-        let name = map_names::RUNTIME_TEXT;
-        let map = self.ebpf.map_mut(name).ok_or(ProbeError::Missing(name))?;
-        let mut ranges: Array<&mut MapData, [u64; 2]> =
-            Array::try_from(map).map_err(|source| ProbeError::Map { name, source })?;
-        for &(start, end) in text {
-            if self.runtime_texts == RUNTIME_TEXTS {
-                log::warn!(
-                    "more than {RUNTIME_TEXTS} runtime code mappings: driver launches made by the runtime from \
-                     {start:#x}-{end:#x} count as driver launches too"
-                );
-                break;
-            }
-            ranges.set(self.runtime_texts, [start, end], 0).map_err(|source| ProbeError::Map { name, source })?;
-            self.runtime_texts += 1;
+    /// Adds a runtime library's code ranges in process `tgid` to `RUNTIME_TEXT`.
+    fn add_runtime_text(&mut self, tgid: u32, text: &[(u64, u64)]) -> Result<(), ProbeError> {
+        for (start, end) in self.add_code_ranges(map_names::RUNTIME_TEXT, tgid, text)? {
+            log::warn!(
+                "more than {RUNTIME_TEXTS} runtime code mappings in process {tgid}: driver launches made by the \
+                 runtime from {start:#x}-{end:#x} count as driver launches too"
+            );
         }
         Ok(())
+    }
+
+    /// Adds `text` (`[start, end)` in process `tgid`) to the first free
+    /// ranges of its entry in the code-range map `name` (see
+    /// `profiler_common::CodeRanges`); returns the ranges it had no room for.
+    pub(crate) fn add_code_ranges(
+        &mut self,
+        name: &'static str,
+        tgid: u32,
+        text: &[(u64, u64)],
+    ) -> Result<Vec<(u64, u64)>, ProbeError> {
+        let map = self.ebpf.map_mut(name).ok_or(ProbeError::Missing(name))?;
+        let mut maps: aya::maps::HashMap<&mut MapData, u32, CodeRanges> =
+            aya::maps::HashMap::try_from(map).map_err(|source| ProbeError::Map { name, source })?;
+        let mut ranges = maps.get(&tgid, 0).unwrap_or_default();
+        let mut free = ranges.iter_mut().filter(|r| r[1] == 0);
+        let mut left_out = Vec::new();
+        for &(start, end) in text {
+            match free.next() {
+                Some(slot) => *slot = [start, end],
+                None => left_out.push((start, end)),
+            }
+        }
+        maps.insert(tgid, ranges, 0).map_err(|source| ProbeError::Map { name, source })?;
+        Ok(left_out)
     }
 
     /// Probes the dynamic loader at `path` (as the agent sees it) on its

@@ -93,7 +93,7 @@ fn attach_predicted_driver(
         if !visible.is_file() {
             continue;
         }
-        match probes.attach_cuda_library(LibraryKind::Driver, &visible, &[]) {
+        match probes.attach_cuda_library(LibraryKind::Driver, &visible, &[], target.pid) {
             Ok(None) => {}
             Ok(Some(placed)) if placed.is_empty() => {}
             Ok(Some(placed)) => {

@@ -40,11 +40,6 @@ pub(super) fn scan(
     }
     for (library, file, _) in new {
         let visible = probes::in_target_root(pid, &file.path);
-        // A job's other process maps the same file: its file-wide probes serve
-        // both (its code ranges, added above, are this process's own).
-        if !probes.first_look(&visible) {
-            continue;
-        }
         match probes.attach_blas_library(library, &visible) {
             Ok(None) => {}
             Ok(Some(placed)) => {

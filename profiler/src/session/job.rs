@@ -75,6 +75,8 @@ pub(super) struct Job {
     drains: u64,
     /// (when, completed steps per pid) at the last status line.
     last_status: Option<(Instant, HashMap<u32, u64>)>,
+    /// Set at teardown: records from then on are dropped (see `set_cutoff`).
+    cutoff_ns: Option<u64>,
 }
 
 impl Job {
@@ -89,6 +91,7 @@ impl Job {
             pending: Vec::new(),
             drains: 0,
             last_status: None,
+            cutoff_ns: None,
         }
     }
 
@@ -118,6 +121,8 @@ impl Job {
         let mut consumer =
             Consumer::new(self.ctx.sender.for_process(pid), self.ctx.labels.clone(), self.ctx.regions.clone(), pid);
         consumer.live = self.ctx.live_for(&start);
+        // Adopted during teardown: the cutoff applies to it too.
+        consumer.cutoff_ns = self.cutoff_ns;
         consumer.keep_gemm_rows(self.ctx.cfg.launch_mode == super::LaunchMode::All);
         let mut watcher = LibraryWatcher::new(pid, TorchWatch::new(&self.ctx.cfg, &self.ctx.regions));
         // Its loader is the first target's (file-wide probe), usually.
@@ -178,6 +183,11 @@ impl Job {
         }
         match e.change {
             ProcessChange::Forked { parent } => match self.members.get_mut(&pid) {
+                // A pid the job had before, whose process ended: a new process, a new session.
+                Some(m) if m.consumer.is_none() => {
+                    self.members.remove(&pid);
+                    self.adopt(pid, Some(parent), "child");
+                }
                 // Its records came before the fork's: adopted already, parent unknown then.
                 Some(m) => {
                     m.start.parent_pid = Some(parent);
@@ -196,6 +206,10 @@ impl Job {
                     m.start = SessionStart { started_ns: m.start.started_ns, ..start };
                     m.cvd = cvd;
                     ctx.sender.send(StoreMsg::Process(Box::new(m.start.clone())));
+                    // A new program: its libraries are to be looked at afresh.
+                    let loader_hooked = m.watcher.loader_hooked;
+                    m.watcher = LibraryWatcher::new(pid, TorchWatch::new(&ctx.cfg, &ctx.regions));
+                    m.watcher.loader_hooked = loader_hooked;
                     if let Some(c) = m.consumer.as_mut() {
                         // Its rank is known from the new program's environment.
                         c.live = ctx.live_for(&m.start);
@@ -259,6 +273,7 @@ impl Job {
 
     /// From `ns` on, records are dropped (see `teardown`).
     pub fn set_cutoff(&mut self, ns: u64) {
+        self.cutoff_ns = Some(ns);
         self.first.cutoff_ns = Some(ns);
         for c in self.members.values_mut().filter_map(|m| m.consumer.as_mut()) {
             c.cutoff_ns = Some(ns);

@@ -85,7 +85,7 @@ impl LibraryWatcher {
                 continue;
             }
             let visible = probes::in_target_root(self.pid, &file.path);
-            match probes.attach_cuda_library(kind, &visible, &text) {
+            match probes.attach_cuda_library(kind, &visible, &text, self.pid) {
                 Ok(None) => {}
                 Ok(Some(placed)) => {
                     self.failed.remove(&file.path);

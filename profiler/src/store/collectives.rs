@@ -32,7 +32,8 @@ pub(super) fn write_collectives(tx: &Transaction<'_>, session_id: i64, rows: &[C
 
 /// Per step: the bytes its collectives moved (those of known size) and the
 /// host time in them; 0 for a step without any. Left NULL when no NCCL
-/// library was probed in the session: nothing could have been seen.
+/// library was probed in the session's job (one file-wide probe serves every
+/// process of a job; its row is the first process's): nothing could have been seen.
 pub(super) fn write_step_collectives(conn: &Connection, session_id: i64) -> rusqlite::Result<()> {
     conn.execute(
         "UPDATE steps SET
@@ -41,7 +42,8 @@ pub(super) fn write_step_collectives(conn: &Connection, session_id: i64) -> rusq
              collective_ns = coalesce((SELECT sum(c.end_ns - c.start_ns) FROM collectives c
                  WHERE c.session_id = steps.session_id AND c.label = steps.label AND c.step = steps.step), 0)
          WHERE session_id = ?1
-           AND EXISTS (SELECT 1 FROM probed_files f WHERE f.session_id = ?1 AND f.kind = ?2 AND f.probes > 0)",
+           AND EXISTS (SELECT 1 FROM probed_files f WHERE f.session_id IN (SELECT id FROM sessions
+                           WHERE job = (SELECT job FROM sessions WHERE id = ?1)) AND f.kind = ?2 AND f.probes > 0)",
         params![session_id, NCCL_KIND],
     )?;
     Ok(())

@@ -63,12 +63,14 @@ pub(super) fn write_gemms(tx: &Transaction<'_>, session_id: i64, rows: &[GemmRow
 }
 
 /// `steps.flops` and `steps.gemm_calls`: the sums where a step issued GEMMs;
-/// 0 for the others once a BLAS library was probed (its `probed_files` row),
-/// NULL (left) where none was.
+/// 0 for the others once a BLAS library was probed (its `probed_files` row,
+/// in any session of the job: one file-wide probe serves them all), NULL
+/// (left) where none was.
 pub(super) fn write_step_gemms(tx: &Transaction<'_>, session_id: i64, sums: &[StepGemms]) -> rusqlite::Result<()> {
     tx.execute(
         "UPDATE steps SET flops = 0, gemm_calls = 0 WHERE session_id = ?1 AND EXISTS (
-             SELECT 1 FROM probed_files WHERE session_id = ?1 AND kind IN ('cublas', 'cublasLt') AND probes > 0)",
+             SELECT 1 FROM probed_files WHERE kind IN ('cublas', 'cublasLt') AND probes > 0
+               AND session_id IN (SELECT id FROM sessions WHERE job = (SELECT job FROM sessions WHERE id = ?1)))",
         params![session_id],
     )?;
     let mut stmt = tx.prepare_cached(

@@ -16,8 +16,8 @@ use crate::correlate::{
 /// Fills the GPM and MFU columns of the session's `step_gpu` rows for the
 /// sampled GPUs `gpus`; an SM clock reading counts within `max_gap_ns`.
 /// `ids`: (the session whose steps these are, the session whose GPUs and
-/// samples to read: a job's first). Another process of a job was given its
-/// GPUs (`AtFinish::RankGpus`): its FLOPs go to those.
+/// samples to read: a job's first). Another process of a job given one GPU
+/// (`AtFinish::RankGpus`: its LOCAL_RANK's) has its FLOPs go to that GPU.
 pub(super) fn write(conn: &Connection, ids: (i64, i64), gpus: &[u32], max_gap_ns: u64) -> rusqlite::Result<()> {
     let (session, samples_from) = ids;
     let steps = load_steps(conn, session)?;
@@ -31,7 +31,8 @@ pub(super) fn write(conn: &Connection, ids: (i64, i64), gpus: &[u32], max_gap_ns
                 "SELECT name, max_sm_clock_mhz, used_by_target FROM gpus WHERE session_id = ?1 AND gpu = ?2",
                 params![samples_from, gpu],
                 |r| {
-                    let used_by_target = r.get::<_, bool>(2)? || session != samples_from;
+                    // A rank given one GPU (its LOCAL_RANK's) used it; else NVML's list says.
+                    let used_by_target = r.get::<_, bool>(2)? || (session != samples_from && gpus.len() == 1);
                     Ok(GpuForMfu { gpu, name: r.get(0)?, max_sm_clock_mhz: r.get(1)?, used_by_target })
                 },
             )

@@ -231,7 +231,8 @@ fn run_traced(args: &[&str], specs: &[&str]) -> Traced {
     let (mut probes, mut ring) = Probes::load(pid, true, false).expect("load the eBPF object");
     // The trainer dlopens the driver after --wait-file: probes by inode apply
     // when it is mapped.
-    let placed = probes.attach_cuda_library(LibraryKind::Driver, &fixtures().join("libcuda.so.1"), &[]).expect("cuda");
+    let placed =
+        probes.attach_cuda_library(LibraryKind::Driver, &fixtures().join("libcuda.so.1"), &[], 0).expect("cuda");
     assert!(placed.is_some_and(|p| !p.is_empty()));
     let python = find_in_process(pid.get()).expect("python3.11 has USDT probes");
     let targets: Vec<PythonTarget> = specs
