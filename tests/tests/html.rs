@@ -238,7 +238,7 @@ fn a_job_page_shows_ranks_and_flops() {
         .output()
         .expect("run");
     let err = String::from_utf8_lossy(&bad.stderr);
-    assert!(!bad.status.success() && err.contains("no job 'nope'") && err.contains("job-a"), "{err}");
+    assert!(!bad.status.success() && err.contains("no job nope;") && err.contains("job-a"), "{err}");
     let Some(browser) = chromium() else {
         return skip("Debian's chromium is not installed (.ci/run installs it)");
     };
