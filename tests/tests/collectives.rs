@@ -258,3 +258,71 @@ fn the_genuine_libnccl_is_probed_at_every_entry_point() {
     // The calls NCCL answers without a GPU: the group calls, and a send it refuses.
     assert_matches_truth(&run, 3);
 }
+
+/// A job of three ranks (the launcher fixture, a torchrun stand-in), each
+/// loading the stand-in NCCL after `attach --children`: every rank's calls
+/// exact in its own session, its per-step figures exact (one file-wide probe
+/// serves them all), and the slower rank named by `report --job`.
+#[test]
+fn every_rank_of_a_job_has_its_own_collectives_and_the_slow_one_is_named() {
+    const RANKS: usize = 3;
+    const STEPS: usize = 8;
+    let dir = workdir("nccl_job");
+    let (db, go, probed, end) = (dir.join("p.db"), dir.join("go"), dir.join("probed"), dir.join("end"));
+    let path = |p: &Path| p.to_str().expect("utf-8").to_owned();
+    let trainer = fixtures().join("nccl_trainer");
+    let nccl = fixtures().join("libnccl.so.2");
+    let steps = STEPS.to_string();
+    let mut launcher = Command::new(fixtures().join("launcher"))
+        .args(["--ranks", &RANKS.to_string(), "--dir", &path(&dir), "--wait-file", &path(&go)])
+        .args(["--rank-args", "1", "--step-sleep-us 6000", "--"])
+        .arg(&trainer)
+        .args(["--steps", &steps, "--nccl", &path(&nccl), "--probed-file", &path(&probed), "--end-file", &path(&end)])
+        .spawn()
+        .expect("start the launcher");
+    let symbol = format!("{}:train_step", trainer.display());
+    let agent =
+        Agent::attach(launcher.id(), &db, &["--children", "--no-gpu", "--step-symbol", &symbol, "--job", "nccl"]);
+    std::fs::write(&go, b"").expect("go");
+    // The first rank's late load probes the file for the whole job.
+    agent.wait_for("NCCL entry points", Duration::from_secs(60));
+    std::fs::write(&probed, b"").expect("probed");
+    let truths: Vec<PathBuf> = (0..RANKS).map(|r| dir.join(format!("rank{r}.txt"))).collect();
+    let t0 = std::time::Instant::now();
+    while !truths.iter().all(|t| t.exists()) {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the ranks never finished; {}", agent.stderr());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::fs::write(&end, b"").expect("end");
+    assert!(launcher.wait().expect("wait launcher").success());
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "{stderr}");
+
+    // The launcher's own record: `rank R PID`.
+    let launched = std::fs::read_to_string(dir.join("launcher.txt")).expect("launcher.txt");
+    let pids: Vec<(usize, i64)> = launched
+        .lines()
+        .filter_map(|l| l.strip_prefix("rank "))
+        .map(|l| {
+            let (r, p) = l.split_once(' ').expect("rank R PID");
+            (r.parse().expect("rank"), p.trim().parse().expect("pid"))
+        })
+        .collect();
+    assert_eq!(pids.len(), RANKS);
+    let conn = open(&db);
+    for (rank, pid) in pids {
+        let session: i64 = conn
+            .query_row("SELECT id FROM sessions WHERE pid = ?1 AND job = 'nccl'", [pid], |r| r.get(0))
+            .unwrap_or_else(|e| panic!("rank {rank} (pid {pid}): no session: {e}; {stderr}"));
+        let truth = TruthFile::read(&truths[rank]);
+        let run = Run { db: db.clone(), truth, session, stderr: stderr.clone() };
+        assert_matches_truth(&run, STEPS);
+    }
+    let json = Command::new(profiler_bin())
+        .args(["report", &path(&db), "--job", "nccl", "--format", "json"])
+        .output()
+        .expect("report --job");
+    assert!(json.status.success(), "{}", String::from_utf8_lossy(&json.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&json.stdout).expect("JSON");
+    assert_eq!(report["slowest_most_often"], serde_json::json!(["rank 1"]), "{report}");
+}
