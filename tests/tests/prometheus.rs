@@ -188,8 +188,11 @@ fn prometheus_scrapes_the_live_step_metrics() {
         Trainer::spawn(&dir, &["--forever", "--launches", "7", "--step-sleep-us", "2000", "--sync-us", "300"]);
     let addr = format!("127.0.0.1:{port}");
     let nvml = nvml();
-    let agent =
-        Agent::attach(trainer.pid(), &db, &["--step-symbol", "train_step", "--nvml-lib", &nvml, "--prometheus", &addr]);
+    let agent = Agent::attach(
+        trainer.pid(),
+        &db,
+        &["--step-symbol", "train_step", "--nvml-lib", &nvml, "--prometheus", &addr, "--job", "trainer"],
+    );
     trainer.go();
     // Some steps, then the trainer stops where it is: the figures stop moving.
     let series = r#"profiler_steps_total{job="trainer""#;
@@ -334,7 +337,18 @@ fn otlp_pushes_carry_the_profile_s_figures() {
     let agent = Agent::attach(
         trainer.pid(),
         &db,
-        &["--step-symbol", "train_step", "--nvml-lib", &nvml, "--otlp", &url, "--otlp-interval", "500ms"],
+        &[
+            "--step-symbol",
+            "train_step",
+            "--nvml-lib",
+            &nvml,
+            "--otlp",
+            &url,
+            "--otlp-interval",
+            "500ms",
+            "--job",
+            "trainer",
+        ],
     );
     trainer.go();
     assert!(trainer.wait().success());
@@ -345,6 +359,7 @@ fn otlp_pushes_carry_the_profile_s_figures() {
     // The last push, at the session's end, carries the final figures.
     let truth = trainer.truth();
     let s = last_session(&db);
+    assert_eq!(s.job, "trainer", "the series' job is the session's");
     let steps = truth.steps.len() as f64;
     assert_eq!(ended_steps(&db, s.id), steps);
     let last = receiver.last();
