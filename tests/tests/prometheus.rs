@@ -359,7 +359,8 @@ fn otlp_pushes_carry_the_profile_s_figures() {
     // The last push, at the session's end, carries the final figures.
     let truth = trainer.truth();
     let s = last_session(&db);
-    assert_eq!(s.job, "trainer", "the series' job is the session's");
+    let job: String = open(&db).query_row("SELECT job FROM sessions WHERE id = ?1", [s.id], |r| r.get(0)).expect("job");
+    assert_eq!(job, "trainer", "the series' job is the session's");
     let steps = truth.steps.len() as f64;
     assert_eq!(ended_steps(&db, s.id), steps);
     let last = receiver.last();
