@@ -194,6 +194,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Attach(a) => attach::main(a).await,
         Command::Run(a) => run::main(a).await,
         Command::Report(a) if a.html => html::main(&a),
+        Command::Report(a) if a.job.is_some() => report_job::main(&a),
         Command::Report(a) => report::main(a).await,
         Command::Export(a) => export::main(a).await,
         Command::Merge(a) => merge::main(a).await,

@@ -51,7 +51,7 @@ pub struct ReportArgs {
     pub(super) skip: u64,
     /// Output format.
     #[arg(long, value_enum, default_value_t = ReportFormat::Table)]
-    format: ReportFormat,
+    pub(super) format: ReportFormat,
     /// The ranks of a job side by side (default: the latest session's job):
     /// per step the slowest and fastest rank, the spread, each rank's wait share.
     /// With --html: every process of the job, ranks side by side.
@@ -74,9 +74,6 @@ pub(super) enum ReportFormat {
 
 pub async fn main(args: ReportArgs) -> anyhow::Result<ExitCode> {
     let db = ProfileDb::open(&args.db)?;
-    if let Some(job) = &args.job {
-        return super::report_job::main(&db, job, args.label.as_deref(), args.skip, args.format);
-    }
     let session = db.session(args.session)?;
     let report = build(&db, session, args.label.as_deref(), args.skip)
         .with_context(|| format!("reading session {session} of {}", args.db.display()))?;

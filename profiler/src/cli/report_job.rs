@@ -10,19 +10,15 @@ use std::{fmt::Write as _, io::Write, process::ExitCode};
 use anyhow::{Context, bail};
 use serde::Serialize;
 
-use super::report::{ProfileDb, ReportFormat, print};
+use super::report::{ProfileDb, ReportArgs, print};
 
-/// `report --job JOB` (`""`: the latest session's job).
-pub(super) fn main(
-    db: &ProfileDb,
-    job: &str,
-    label: Option<&str>,
-    skip: u64,
-    format: ReportFormat,
-) -> anyhow::Result<ExitCode> {
-    let job = resolve_job(db, job)?;
-    let report = build(db, &job, label, skip).with_context(|| format!("reading job {job} of {}", db.path.display()))?;
-    print(&report, format, render_table, write_csv)
+/// `report --job [JOB]` (none: the latest session's job).
+pub(super) fn main(args: &ReportArgs) -> anyhow::Result<ExitCode> {
+    let db = ProfileDb::open(&args.db)?;
+    let job = resolve_job(&db, args.job.as_deref().unwrap_or_default())?;
+    let report = build(&db, &job, args.label.as_deref(), args.skip)
+        .with_context(|| format!("reading job {job} of {}", db.path.display()))?;
+    print(&report, args.format, render_table, write_csv)
 }
 
 /// Steps listed in the table (the largest spreads); JSON and CSV have them all.

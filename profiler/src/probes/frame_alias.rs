@@ -76,8 +76,8 @@ fn alias_in(pid: u32, path: &Path, maps: &procfs::process::MemoryMaps, default: 
     let file = object::File::parse(&*data).ok()?;
     let (stub, got) = plt_entry(&file, EVAL_FRAME_DEFAULT)?;
     let lowest = super::elf::load_segments(&file).iter().map(|s| s.address).min()?;
-    let bias = super::frame_hook::load_bias(maps, path, lowest)?;
-    let slot = super::frame_hook::read_target_u64(pid, bias.wrapping_add(got)).ok()?;
+    let bias = super::maps::load_bias(maps, path, lowest)?;
+    let slot = super::read_target_u64(pid, bias.wrapping_add(got)).ok()?;
     let mapped = |a: u64| {
         maps.iter().any(|m| {
             matches!(&m.pathname, procfs::process::MMapPath::Path(p) if p == path)

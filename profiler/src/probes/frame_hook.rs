@@ -90,7 +90,7 @@ impl Locator {
         let pid = self.pid;
         let not_mapped = || HookError::NotMapped { path: self.path.clone(), pid };
         let maps = procfs::process::Process::new(pid as i32).and_then(|p| p.maps()).map_err(|_| not_mapped())?;
-        let bias = load_bias(&maps, &self.path, self.lowest_page).ok_or_else(not_mapped)?;
+        let bias = super::maps::load_bias(&maps, &self.path, self.lowest_page).ok_or_else(not_mapped)?;
         let mem = open_mem(pid, false)?;
         let interp = read_u64(&mem, pid, bias + self.runtime_head)?;
         if interp == 0 {
@@ -98,22 +98,6 @@ impl Locator {
         }
         Ok(HookSite { pid, field: interp + self.eval_frame, value: bias + self.eval_default_address })
     }
-}
-
-/// What to add to `path`'s link-time addresses for the target's: where its
-/// first page is mapped, less the page of its lowest loadable address.
-pub(super) fn load_bias(maps: &procfs::process::MemoryMaps, path: &Path, lowest: u64) -> Option<u64> {
-    let start = maps
-        .iter()
-        .find(|m| m.offset == 0 && matches!(&m.pathname, procfs::process::MMapPath::Path(p) if p == path))?
-        .address
-        .0;
-    Some(start.wrapping_sub(lowest & !0xfff))
-}
-
-/// One word of process `pid`'s memory.
-pub(super) fn read_target_u64(pid: u32, address: u64) -> Result<u64, HookError> {
-    read_u64(&open_mem(pid, false)?, pid, address)
 }
 
 fn read_u64(mem: &File, pid: u32, address: u64) -> Result<u64, HookError> {

@@ -119,6 +119,13 @@ pub fn driver_candidates(ld_library_path: Option<&str>, ldconfig_p: &str) -> Vec
     out
 }
 
+/// What to add to `path`'s link-time addresses for the target's: where its
+/// first page is mapped, less the page of its lowest loadable address.
+pub fn load_bias(maps: &MemoryMaps, path: &Path, lowest: u64) -> Option<u64> {
+    let start = maps.iter().find(|m| m.offset == 0 && matches!(&m.pathname, MMapPath::Path(p) if p == path))?.address.0;
+    Some(start.wrapping_sub(lowest & !0xfff))
+}
+
 #[cfg(test)]
 mod tests {
     use procfs::FromRead;

@@ -635,6 +635,14 @@ pub fn open_in_target(pid: u32, path: &Path) -> Option<memmap2::Mmap> {
     inside.or_else(|| map_file(path).ok())
 }
 
+/// One word of process `pid`'s memory.
+pub fn read_target_u64(pid: u32, address: u64) -> std::io::Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 8];
+    std::fs::File::open(format!("/proc/{pid}/mem"))?.read_exact_at(&mut b, address)?;
+    Ok(u64::from_le_bytes(b))
+}
+
 /// `path` as seen from inside `pid`'s mount namespace, reachable from ours.
 pub fn in_target_root(pid: u32, path: &Path) -> PathBuf {
     let rel = path.strip_prefix("/").unwrap_or(path);

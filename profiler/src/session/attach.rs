@@ -3,7 +3,7 @@
 use super::{
     config::SessionConfig,
     setup::{StepFunctions, TargetProcess},
-    watcher::{LibraryWatcher, library_row, probe_row},
+    watcher::{LibraryWatcher, library_row},
 };
 use crate::{
     probes::{
@@ -61,7 +61,7 @@ fn attach_loader(
     match probes::loader_of(pid, exe) {
         Some(loader) => match probes.attach_loader(&probes::in_target_root(pid, &loader)) {
             Ok(Some(offset)) => {
-                libraries.push(probe_row(
+                libraries.push(ProbedFileRow::now(
                     &loader,
                     "loader",
                     1,
@@ -126,7 +126,7 @@ fn attach_step_symbols(
         let visible = if visible.exists() { visible } else { step.path.clone() };
         probes.attach_step(&visible, step.file_offset, probe_id as u32)?;
         let how = format!("symbol {} at file offset {:#x}", step.symbol, step.file_offset);
-        libraries.push(probe_row(&step.path, "step", 2, how));
+        libraries.push(ProbedFileRow::now(&step.path, "step", 2, how));
         say!(cfg.quiet, "step function {} in {}", step.symbol, step.path.display());
     }
     Ok(())
@@ -159,7 +159,7 @@ fn attach_python(
                      _PyEval_EvalFrameDefault are not seen until it is NULL again"
                 );
             }
-            libraries.push(probe_row(path, "step", 2, format!("{build}{}", handle.alias_text())));
+            libraries.push(ProbedFileRow::now(path, "step", 2, format!("{build}{}", handle.alias_text())));
             Ok(PythonStepProbes::FrameHook(handle))
         }
     }
@@ -185,6 +185,6 @@ fn attach_usdt_python(
             "CPython 3.11 fires function__entry only on its tracing path: Python calls now cost about 2 µs more each while attached"
         );
     }
-    libraries.push(probe_row(&py.path, "step", handle.sites() as u32, how));
+    libraries.push(ProbedFileRow::now(&py.path, "step", handle.sites() as u32, how));
     Ok(PythonStepProbes::Usdt(handle))
 }

@@ -2,7 +2,6 @@
 //! a lazy `dlopen`, as PyTorch does on its first GEMM), once per file.
 use std::{collections::HashSet, path::PathBuf};
 
-use super::watcher::probe_row;
 use crate::{
     probes::{self, Probes, blas, maps},
     store::ProbedFileRow,
@@ -46,11 +45,14 @@ pub(super) fn scan(
                 say!(quiet, "probing {} for GEMMs ({} probes)", file.path.display(), placed.len());
                 let probes = placed.len() as u32;
                 let placed = placed.into_iter().map(|p| (p.symbol.to_string(), p.offset, p.reason)).collect();
-                rows.push(ProbedFileRow { placed, ..probe_row(&file.path, library.as_str(), probes, how.into()) });
+                rows.push(ProbedFileRow {
+                    placed,
+                    ..ProbedFileRow::now(&file.path, library.as_str(), probes, how.into())
+                });
             }
             Err(e) => {
                 eprintln!("profiler: warning: GEMMs of {} not counted: could not probe it: {e}", file.path.display());
-                rows.push(probe_row(&file.path, library.as_str(), 0, format!("not probed ({how}): {e}")));
+                rows.push(ProbedFileRow::now(&file.path, library.as_str(), 0, format!("not probed ({how}): {e}")));
             }
         }
     }

@@ -3,7 +3,6 @@
 //! the library watcher). The records are the consumer's (`consumer::collectives`).
 use std::{collections::HashSet, path::PathBuf};
 
-use super::watcher::probe_row;
 use crate::{
     probes::{self, Probes, maps, nccl},
     store::{NCCL_KIND as KIND, ProbedFileRow},
@@ -42,7 +41,7 @@ fn probe(pid: u32, probes: &mut Probes, path: &std::path::Path, quiet: bool, how
         .and_then(|data| nccl::resolve(&data).map_err(|e| e.to_string()));
     let not_probed = |why: String| {
         eprintln!("profiler: warning: NCCL collectives not recorded: {}: {why}", path.display());
-        probe_row(path, KIND, 0, format!("not probed ({how}): {why}"))
+        ProbedFileRow::now(path, KIND, 0, format!("not probed ({how}): {why}"))
     };
     let entries = match resolved {
         Ok(e) if e.is_empty() => return not_probed("exports none of the NCCL entry points".into()),
@@ -54,7 +53,7 @@ fn probe(pid: u32, probes: &mut Probes, path: &std::path::Path, quiet: bool, how
             say!(quiet, "probing {} ({} NCCL entry points)", path.display(), placed.len());
             ProbedFileRow {
                 placed: placed.iter().map(|p| (p.symbol.to_string(), p.offset, p.reason.clone())).collect(),
-                ..probe_row(path, KIND, placed.len() as u32, how.into())
+                ..ProbedFileRow::now(path, KIND, placed.len() as u32, how.into())
             }
         }
         Err(e) => not_probed(e.to_string()),

@@ -7,7 +7,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use super::{config::SessionConfig, watcher::probe_row};
+use super::config::SessionConfig;
 use crate::{
     probes::{self, Probes, maps, torch},
     regions::{OPTIMIZER_STEP, RegionSteps, StepMode},
@@ -99,7 +99,7 @@ impl TorchWatch {
         let resolved = probes::open_in_target(pid, path)
             .ok_or_else(|| "cannot read it".to_string())
             .and_then(|data| torch::resolve(&data));
-        let row = |probes: u32, text: String| probe_row(path, "torch", probes, text);
+        let row = |probes: u32, text: String| ProbedFileRow::now(path, "torch", probes, text);
         let syms = match resolved {
             Ok(s) => s,
             Err(e) => {

@@ -8,7 +8,6 @@ use std::{
 
 use super::{consumer::Consumer, nccl::NcclWatch, torch::TorchWatch};
 use crate::{
-    clock,
     probes::{
         self, Probes,
         maps::{self, LibraryKind},
@@ -131,7 +130,7 @@ impl LibraryWatcher {
             source = s.source();
         }
         log::warn!("could not probe {} (tried again at each look for new libraries): {why}", path.display());
-        Some(probe_row(path, kind.as_str(), 0, format!("not probed ({how}): {why}")))
+        Some(ProbedFileRow::now(path, kind.as_str(), 0, format!("not probed ({how}): {why}")))
     }
 }
 
@@ -144,18 +143,6 @@ pub(super) fn library_row(
 ) -> ProbedFileRow {
     ProbedFileRow {
         placed: placed.iter().map(|p| (p.symbol.to_string(), p.offset, p.reason.clone())).collect(),
-        ..probe_row(path, kind.as_str(), placed.len() as u32, how.into())
-    }
-}
-
-/// A `libraries` row for probes that are not launch probes (no `probes` rows).
-pub(super) fn probe_row(path: &Path, kind: &str, probes: u32, how: String) -> ProbedFileRow {
-    ProbedFileRow {
-        path: path.display().to_string(),
-        kind: kind.into(),
-        attached_ns: clock::monotonic_ns(),
-        probes,
-        how,
-        placed: Vec::new(),
+        ..ProbedFileRow::now(path, kind.as_str(), placed.len() as u32, how.into())
     }
 }

@@ -2,7 +2,7 @@
 //! `collective_bytes` / `collective_ns` summed from them.
 use rusqlite::{Connection, Transaction, params};
 
-use super::{rows::CollectiveRow, writer::i};
+use super::{i, rows::CollectiveRow};
 
 pub(super) fn write_collectives(tx: &Transaction<'_>, session_id: i64, rows: &[CollectiveRow]) -> rusqlite::Result<()> {
     let mut stmt = tx.prepare_cached(

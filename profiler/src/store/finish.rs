@@ -4,9 +4,8 @@
 use rusqlite::{Connection, Params, Statement, params};
 
 use super::{
-    StoreError,
+    StoreError, WriterStats, i,
     rows::{AtFinish, Losses, SessionEnd},
-    writer::{WriterStats, i},
 };
 use crate::correlate::{
     CounterSeries,

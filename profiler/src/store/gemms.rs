@@ -2,7 +2,7 @@
 //! `steps.gemm_calls`).
 use rusqlite::{Transaction, params};
 
-use super::writer::i;
+use super::i;
 
 /// One GEMM call seen on cuBLAS/cuBLASLt (`gemms`).
 #[derive(Clone, Debug, PartialEq, Eq)]

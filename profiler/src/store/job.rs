@@ -5,10 +5,10 @@
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
 
 use super::{
-    StoreError,
+    StoreError, StoreMsg, WriterStats,
     finish::derive_all,
+    i,
     rows::{AtFinish, SessionEnd, SessionStart},
-    writer::{StoreMsg, WriterStats, i, write_msg},
 };
 
 /// Inserts a session row; returns its id.
@@ -77,9 +77,8 @@ fn latest_session(tx: &Connection, first: i64, pid: u32) -> rusqlite::Result<Opt
 
 /// `StoreMsg::ForProcess`: `inner` written for the process's session (for the
 /// first session when the process has none, which the agent never sends).
-pub(super) fn write_for_process(tx: &Transaction<'_>, first: i64, pid: u32, inner: &StoreMsg) -> rusqlite::Result<()> {
-    let id = latest_session(tx, first, pid)?.unwrap_or(first);
-    write_msg(tx, id, inner)
+pub(super) fn session_of(tx: &Transaction<'_>, first: i64, pid: u32) -> rusqlite::Result<i64> {
+    Ok(latest_session(tx, first, pid)?.unwrap_or(first))
 }
 
 /// A process's end, kept until the job's end: (pid, end, its own work).

@@ -32,7 +32,7 @@ pub use self::{
         SystemSampleRow,
     },
     schema::{SCHEMA_VERSION, quoted},
-    writer::{RowSender, StoreMsg, StoreWriter},
+    writer::{RowSender, StoreWriter},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -184,6 +184,61 @@ impl Store {
             .expect("spawning a thread only fails when the system is out of resources");
         StoreWriter { tx, join }
     }
+}
+
+/// What the writer is sent.
+pub enum StoreMsg {
+    Capability(Capability),
+    Launches(Vec<LaunchRow>),
+    Steps(Vec<StepRow>),
+    Syncs(Vec<SyncRow>),
+    /// PyTorch `record_function` regions.
+    Regions(Vec<RegionRow>),
+    /// NCCL calls.
+    Collectives(Vec<CollectiveRow>),
+    Kernels(Vec<KernelRow>),
+    ProbedFile(ProbedFileRow),
+    /// The sampled GPUs, once at the start.
+    Gpus(Vec<GpuRow>),
+    /// GPUs (logical numbers) the target was seen using.
+    GpusUsedByTarget(Vec<u32>),
+    GpuSamples(Vec<GpuSampleRow>),
+    RaplSamples(Vec<RaplSampleRow>),
+    SystemSamples(Vec<SystemSampleRow>),
+    /// GEMM calls on cuBLAS/cuBLASLt (`--launches all` only).
+    Gemms(Vec<GemmRow>),
+    /// Every step's GEMM sums, once, after the steps (see `gemms::write_step_gemms`).
+    StepGemms(Vec<StepGemms>),
+    /// The last message: the session's end and what to derive then.
+    Finish(SessionEnd, Vec<AtFinish>),
+    /// A job's traced process other than the first: its session row, made on
+    /// the first message for its pid, updated (command, exe, ranks) on later
+    /// ones (after an `exec`). See [`job`].
+    Process(Box<SessionStart>),
+    /// Rows of that process's session (sent through [`writer::RowSender::for_process`]).
+    ForProcess(u32, Box<StoreMsg>),
+    /// That process's session ended; its per-step figures are derived at the
+    /// job's `Finish`, from the first session's samples.
+    EndProcess(u32, SessionEnd, Vec<AtFinish>),
+}
+
+/// What the writer did, for the end-of-session summary.
+#[derive(Clone, Debug, Default)]
+pub struct WriterStats {
+    pub launches: u64,
+    pub steps: u64,
+    pub transactions: u64,
+    /// Rows that could not be written, and the first error.
+    pub failed_rows: u64,
+    pub first_error: Option<String>,
+    /// Of `launches`, those of a job's other processes' sessions.
+    pub member_launches: u64,
+}
+
+/// A u64 as SQLite's integer. Handles and addresses are below 2^63 on every
+/// ABI we probe; wrapping keeps the bits if one ever is not.
+pub(super) fn i(v: u64) -> i64 {
+    v as i64
 }
 
 #[cfg(test)]

@@ -145,6 +145,21 @@ pub struct ProbedFileRow {
     pub how: String,
 }
 
+impl ProbedFileRow {
+    /// `path`, probed now with `probes` probes (`placed` left empty: not
+    /// launch probes, or none placed), of `kind`, `how` it was found.
+    pub fn now(path: &std::path::Path, kind: &str, probes: u32, how: String) -> Self {
+        Self {
+            path: path.display().to_string(),
+            kind: kind.into(),
+            attached_ns: crate::clock::monotonic_ns(),
+            probes,
+            how,
+            placed: Vec::new(),
+        }
+    }
+}
+
 /// A metric's availability, recorded once per session.
 #[derive(Clone, Debug)]
 pub struct Capability {

@@ -13,62 +13,12 @@ use std::{
 use rusqlite::{Connection, Transaction, params};
 
 use super::{
-    StoreError,
-    gemms::{GemmRow, StepGemms},
+    StoreError, StoreMsg, WriterStats, i,
     rows::{
-        AtFinish, Capability, GpuRow, GpuSampleRow, KernelRow, LaunchRow, ProbedFileRow, RaplSampleRow, RegionRow,
-        SessionEnd, SessionStart, StepRow, SyncRow, SystemSampleRow,
+        AtFinish, GpuRow, GpuSampleRow, KernelRow, LaunchRow, ProbedFileRow, RegionRow, SessionEnd, StepRow, SyncRow,
+        SystemSampleRow,
     },
 };
-
-/// What the writer is sent.
-pub enum StoreMsg {
-    Capability(Capability),
-    Launches(Vec<LaunchRow>),
-    Steps(Vec<StepRow>),
-    Syncs(Vec<SyncRow>),
-    /// PyTorch `record_function` regions.
-    Regions(Vec<RegionRow>),
-    /// NCCL calls.
-    Collectives(Vec<super::CollectiveRow>),
-    Kernels(Vec<KernelRow>),
-    ProbedFile(ProbedFileRow),
-    /// The sampled GPUs, once at the start.
-    Gpus(Vec<GpuRow>),
-    /// GPUs (logical numbers) the target was seen using.
-    GpusUsedByTarget(Vec<u32>),
-    GpuSamples(Vec<GpuSampleRow>),
-    RaplSamples(Vec<RaplSampleRow>),
-    SystemSamples(Vec<SystemSampleRow>),
-    /// GEMM calls on cuBLAS/cuBLASLt (`--launches all` only).
-    Gemms(Vec<GemmRow>),
-    /// Every step's GEMM sums, once, after the steps (see `gemms::write_step_gemms`).
-    StepGemms(Vec<StepGemms>),
-    /// The last message: the session's end and what to derive then.
-    Finish(SessionEnd, Vec<AtFinish>),
-    /// A job's traced process other than the first: its session row, made on
-    /// the first message for its pid, updated (command, exe, ranks) on later
-    /// ones (after an `exec`). See [`super::job`].
-    Process(Box<SessionStart>),
-    /// Rows of that process's session (sent through [`RowSender::for_process`]).
-    ForProcess(u32, Box<StoreMsg>),
-    /// That process's session ended; its per-step figures are derived at the
-    /// job's `Finish`, from the first session's samples.
-    EndProcess(u32, SessionEnd, Vec<AtFinish>),
-}
-
-/// What the writer did, for the end-of-session summary.
-#[derive(Clone, Debug, Default)]
-pub struct WriterStats {
-    pub launches: u64,
-    pub steps: u64,
-    pub transactions: u64,
-    /// Rows that could not be written, and the first error.
-    pub failed_rows: u64,
-    pub first_error: Option<String>,
-    /// Of `launches`, those of a job's other processes' sessions.
-    pub member_launches: u64,
-}
 
 /// Handle to the writer thread.
 pub struct StoreWriter {
@@ -131,12 +81,6 @@ impl RowSender {
     }
 }
 
-pub(super) fn i(v: u64) -> i64 {
-    // Handles and addresses are below 2^63 on every ABI we probe; wrapping
-    // keeps the bits if one ever is not.
-    v as i64
-}
-
 fn write_batch(
     conn: &mut Connection,
     session_id: i64,
@@ -167,7 +111,7 @@ fn write_batch(
 pub(super) fn write_msg(tx: &Transaction<'_>, session_id: i64, msg: &StoreMsg) -> rusqlite::Result<()> {
     match msg {
         StoreMsg::Process(start) => super::job::upsert_process(tx, session_id, start),
-        StoreMsg::ForProcess(pid, inner) => super::job::write_for_process(tx, session_id, *pid, inner),
+        StoreMsg::ForProcess(pid, inner) => write_msg(tx, super::job::session_of(tx, session_id, *pid)?, inner),
         StoreMsg::Kernels(rows) => write_kernels(tx, session_id, rows),
         StoreMsg::Syncs(rows) => write_syncs(tx, session_id, rows),
         StoreMsg::Regions(rows) => write_regions(tx, session_id, rows),

@@ -4,7 +4,7 @@
 //! with their legends, "not measured" notes and tables.
 use std::fmt::Write as _;
 
-use super::plots::{Figure, Stroke, css};
+use super::plots::{Figure, Stroke, css, escape};
 use crate::cli::report::{Report, SessionState};
 
 const STYLE: &str = "body{font-family:sans-serif;margin:1.5em auto;max-width:1040px;color:#222;line-height:1.4}
@@ -19,22 +19,6 @@ p.note{color:#555;font-size:.9em;margin:.2em 0}
 .missing{background:#fff4e5;border-left:4px solid #b35900;padding:.4em .8em;margin:1em 0}
 table{border-collapse:collapse;font-size:.9em}td,th{border:1px solid #ddd;padding:.2em .5em;text-align:left}
 td.n{text-align:right;font-variant-numeric:tabular-nums}";
-
-/// `s` with the characters HTML gives a meaning escaped.
-pub fn escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
-        }
-    }
-    out
-}
 
 /// The document being written.
 pub struct Page {

@@ -12,8 +12,6 @@ use plotters::{
     style::text_anchor::{HPos, Pos, VPos},
 };
 
-use super::page::escape;
-
 const WIDTH: u32 = 1000;
 const HEIGHT: u32 = 340;
 /// Colour-blind-safe colours (Okabe–Ito), darkest first so that a stack
@@ -304,6 +302,22 @@ pub fn si(v: f64, unit: &str) -> String {
     let (v, prefix) = scaled(v);
     let sep = if unit.is_empty() && prefix.is_empty() { "" } else { " " };
     format!("{}{sep}{prefix}{unit}", plain(v))
+}
+
+/// `s` with the characters HTML gives a meaning escaped.
+pub fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
