@@ -39,6 +39,14 @@ pub struct OrderedEvent {
     pub depth: u32,
 }
 
+impl OrderedEvent {
+    /// The sequence-check fields of an ordered record that is no step or
+    /// sync probe's (a region, an NCCL call): `probe` is `u32::MAX`.
+    pub fn of_record(ts_ns: u64, (tid, tgid): (u32, u32), thread_launches: u64, seq: u32, depth: u32) -> Self {
+        Self { ts_ns, tid, tgid, probe: u32::MAX, thread_launches, seq, depth }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
     Launch(LaunchEvent),
@@ -131,15 +139,7 @@ pub struct CollectiveEvent {
 impl CollectiveEvent {
     /// The fields the step tracker's sequence check reads.
     pub fn as_ordered_event(&self) -> OrderedEvent {
-        OrderedEvent {
-            ts_ns: self.ts_ns,
-            tid: self.tid,
-            tgid: self.tgid,
-            probe: u32::MAX,
-            thread_launches: self.thread_launches,
-            seq: self.seq,
-            depth: self.depth,
-        }
+        OrderedEvent::of_record(self.ts_ns, (self.tid, self.tgid), self.thread_launches, self.seq, self.depth)
     }
 }
 
@@ -205,15 +205,7 @@ pub struct RegionEvent {
 impl RegionEvent {
     /// The fields the step tracker's sequence check reads.
     pub fn as_ordered_event(&self) -> OrderedEvent {
-        OrderedEvent {
-            ts_ns: self.ts_ns,
-            tid: self.tid,
-            tgid: self.tgid,
-            probe: u32::MAX,
-            thread_launches: self.thread_launches,
-            seq: self.seq,
-            depth: self.depth,
-        }
+        OrderedEvent::of_record(self.ts_ns, (self.tid, self.tgid), self.thread_launches, self.seq, self.depth)
     }
 }
 

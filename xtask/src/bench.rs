@@ -160,6 +160,21 @@ pub(crate) fn wait_rusage(child: &Child) -> Result<(f64, f64)> {
     Ok((cpu, ru.ru_maxrss as f64))
 }
 
+/// `profiler attach PID ARGS… -o DB`, returned once it says it is tracing.
+pub(crate) fn attach_agent(pid: u32, args: &[&str], db: &Path) -> Result<Child> {
+    let mut c = Command::new(crate::profiler_bin())
+        .arg("attach")
+        .arg(pid.to_string())
+        .args(args)
+        .arg("-o")
+        .arg(db)
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("start the profiler")?;
+    wait_for_line(c.stderr.take().context("stderr")?, "tracing PID")?;
+    Ok(c)
+}
+
 /// Reads lines of `stream` until one contains `needle`; the rest is drained
 /// in the background so the agent never blocks on a full pipe.
 pub(crate) fn wait_for_line(stream: impl std::io::Read + Send + 'static, needle: &'static str) -> Result<()> {

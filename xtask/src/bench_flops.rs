@@ -65,14 +65,7 @@ fn run_once(op: &str, symbol: &str, mode: Mode, work: &Path) -> Result<f64> {
         None
     };
     let agent = if mode == Mode::Profiler {
-        let mut c = Command::new(profiler_bin())
-            .args(["attach", &pid, "--no-gpu", "--step-symbol", "train_step", "-o"])
-            .arg(&db)
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("start the profiler")?;
-        crate::bench::wait_for_line(c.stderr.take().context("stderr")?, "tracing PID")?;
-        Some(c)
+        Some(crate::bench::attach_agent(trainer.id(), &["--no-gpu", "--step-symbol", "train_step"], &db)?)
     } else {
         None
     };

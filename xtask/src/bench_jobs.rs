@@ -15,7 +15,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
-use crate::{fixtures_dir, profiler_bin, say};
+use crate::{fixtures_dir, say};
 
 const RANKS: u32 = 8;
 /// Steps of `LAUNCHES` launches and `STEP_SLEEP_US` of sleep: ≈10 000 launches/s per rank.
@@ -58,15 +58,8 @@ fn run_once(work: &Path) -> Result<JobRun> {
     // Every rank started (each writes its truth file only at its end: wait for the processes).
     wait_for_ranks(launcher.id())?;
     let started = Instant::now();
-    let mut agent = Command::new(profiler_bin())
-        .args(["attach", &launcher.id().to_string(), "--children", "--no-gpu", "--step-symbol"])
-        .arg(format!("{}:train_step", trainer.display()))
-        .arg("-o")
-        .arg(&db)
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("start the profiler")?;
-    crate::bench::wait_for_line(agent.stderr.take().context("stderr")?, "tracing PID")?;
+    let symbol = format!("{}:train_step", trainer.display());
+    let agent = crate::bench::attach_agent(launcher.id(), &["--children", "--no-gpu", "--step-symbol", &symbol], &db)?;
     let attach_s = started.elapsed().as_secs_f64();
     let traced = Instant::now();
     std::fs::write(&go, b"")?;

@@ -6,14 +6,11 @@
 //! CPython's `function__entry` and `function__return` once the profiler has
 //! set their semaphores (and, on CPython 3.11, the `line` semaphore that puts
 //! the interpreter into the tracing dispatch those entries need).
-use std::{
-    path::Path,
-    process::{Command, Stdio},
-};
+use std::{path::Path, process::Command};
 
 use anyhow::{Context, Result, bail};
 
-use crate::{fixtures_dir, profiler_bin, root, say};
+use crate::{fixtures_dir, root, say};
 
 /// Debian's interpreter, built with --with-dtrace.
 const PYTHON: &str = "/usr/bin/python3.11";
@@ -38,14 +35,7 @@ fn run_once(traced: bool, work: &Path) -> Result<f64> {
         .spawn()
         .context("start the Python trainer")?;
     let agent = if traced {
-        let mut c = Command::new(profiler_bin())
-            .args(["attach", &trainer.id().to_string(), "--no-gpu", "--step-python", "train_step", "-o"])
-            .arg(&db)
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("start the profiler")?;
-        crate::bench::wait_for_line(c.stderr.take().context("stderr")?, "tracing PID")?;
-        Some(c)
+        Some(crate::bench::attach_agent(trainer.id(), &["--no-gpu", "--step-python", "train_step"], &db)?)
     } else {
         None
     };
