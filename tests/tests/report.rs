@@ -579,15 +579,19 @@ fn peak_rss_kib(args: &[&str]) -> (i64, Duration) {
 #[test]
 fn a_large_session_exports_in_bounded_memory() {
     const EXTRA: i64 = 2_000_000;
-    // The README: "a 2-million-launch session exports in under 10 MiB of
-    // memory" (whole-process peak RSS; ~9 MiB measured, ~7.4 MiB for a tiny
-    // session). `report` is not covered by that sentence (~11 MiB measured).
-    const EXPORT_LIMIT_KIB: i64 = 10 * 1024;
+    // The README: a 2-million-launch session exports "in at most 4 MiB more
+    // memory than a tiny one" (whole-process peak RSS, against the same
+    // binary's export of the session before the two million rows: the
+    // binary's own pages are most of either). `report` is not covered by
+    // that sentence (~12 MiB measured, absolute).
+    const EXPORT_GROWTH_LIMIT_KIB: i64 = 4 * 1024;
     const REPORT_LIMIT_KIB: i64 = 16 * 1024;
     let dir = workdir("large");
     let db = dir.join("big.db");
     profile_into(&dir, &db, &["--steps", "10", "--launches", "100"], &[]);
     let s = last_session(&db);
+    let small_trace = dir.join("small.json").display().to_string();
+    let (baseline_kib, _) = peak_rss_kib(&["export", &db.display().to_string(), "-o", &small_trace]);
     {
         // Two million more launch rows in the real profile, spread over its
         // steps and threads and over 5000 kernels.
@@ -652,9 +656,10 @@ fn a_large_session_exports_in_bounded_memory() {
 
     let (report_kib, report_t) = peak_rss_kib(&["report", &dbs]);
     println!(
-        "large session ({total} launches): perfetto export {:.1} MiB peak RSS, {:.1} s, {:.0} MB; \
-         CSV export {:.1} MiB, {:.1} s; report {:.1} MiB, {:.1} s",
+        "large session ({total} launches): perfetto export {:.1} MiB peak RSS (tiny session: {:.1} MiB), {:.1} s, \
+         {:.0} MB; CSV export {:.1} MiB, {:.1} s; report {:.1} MiB, {:.1} s",
         perfetto_kib as f64 / 1024.0,
+        baseline_kib as f64 / 1024.0,
         perfetto_t.as_secs_f64(),
         size as f64 / 1e6,
         csv_kib as f64 / 1024.0,
@@ -663,8 +668,8 @@ fn a_large_session_exports_in_bounded_memory() {
         report_t.as_secs_f64()
     );
     for (what, kib, limit) in [
-        ("perfetto export", perfetto_kib, EXPORT_LIMIT_KIB),
-        ("CSV export", csv_kib, EXPORT_LIMIT_KIB),
+        ("perfetto export", perfetto_kib, baseline_kib + EXPORT_GROWTH_LIMIT_KIB),
+        ("CSV export", csv_kib, baseline_kib + EXPORT_GROWTH_LIMIT_KIB),
         ("report", report_kib, REPORT_LIMIT_KIB),
     ] {
         assert!(kib < limit, "{what}: peak RSS {kib} KiB, over {limit} KiB");
