@@ -287,3 +287,66 @@ fn blas_symbols() -> Vec<&'static str> {
         "cublasLtMatmulDescDestroy",
     ]
 }
+
+/// MFU per step through the stand-in NVML (one GPU, "Stand-in H200"): the
+/// step's FLOPs (the trainer's truth) ÷ (the dense peak of NVIDIA's H200 SXM
+/// datasheet at the precision that did most of the step's FLOPs × the step's
+/// time as stored).
+#[test]
+fn mfu_per_step_is_the_steps_flops_over_the_h200_peak_at_its_precision() {
+    let dir = workdir("mfu");
+    let db = dir.join("p.db");
+    let mut trainer = GemmTrainer::spawn(&dir, &["--steps", "4"]);
+    let nvml = fixtures().join("libnvidia-ml.so.1").display().to_string();
+    let flags = ["--step-symbol", "train_step", "--nvml-lib", &nvml];
+    let agent = Agent::attach_with_env(trainer.child.id(), &db, &flags, &[("STANDIN_NVML_GPUS", "1")]);
+    let truth = trainer.run();
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "{stderr}");
+    let session = last_session(&db).id;
+    // H200 SXM, dense TFLOP/s (NVIDIA's datasheet; sparse figures ÷ 2).
+    let peak_tflops = |class: &str| match class {
+        "fp64" | "fp32" => 67.0,
+        "tf32" => 494.5,
+        "bf16" | "fp16" => 989.5,
+        other => panic!("the trainer uses no {other} GEMM"),
+    };
+    let class = |data: &str, compute: &str| match () {
+        _ if compute.contains("FAST_TF32") => "tf32",
+        _ if data.contains("16BF") => "bf16",
+        _ if data.contains("16F") => "fp16",
+        _ if data.contains("64F") => "fp64",
+        _ => "fp32",
+    };
+    let mut by_step: BTreeMap<i64, BTreeMap<&str, u128>> = BTreeMap::new();
+    for r in truth.records("gemm") {
+        let step: i64 = truth.num(&r, 7);
+        if step >= 0 {
+            let flops: u128 = 2 * (1..=4).map(|i| truth.num::<u128>(&r, i)).product::<u128>();
+            *by_step.entry(step).or_default().entry(class(r[5], r[6])).or_default() += flops;
+        }
+    }
+    let conn = open(&db);
+    let stored: Vec<(i64, i64, f64)> = conn
+        .prepare(
+            "SELECT s.flops, s.duration_ns, g.mfu_pct FROM steps s JOIN step_gpu g
+               ON g.session_id = s.session_id AND g.label = s.label AND g.step = s.step
+             WHERE s.session_id = ?1 AND s.end_ns IS NOT NULL ORDER BY s.start_ns",
+        )
+        .expect("prepare")
+        .query_map([session], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .expect("query")
+        .collect::<Result<_, _>>()
+        .unwrap_or_else(|e| panic!("every step has FLOPs, a time and an MFU: {e}; {stderr}"));
+    assert_eq!(stored.len(), by_step.len(), "{stderr}");
+    for ((step, classes), (flops, duration_ns, mfu)) in by_step.iter().zip(&stored) {
+        let total: u128 = classes.values().sum();
+        assert_eq!(*flops as u128, total, "step {step}");
+        let (dominant, _) = classes.iter().max_by_key(|(_, f)| **f).expect("a GEMM");
+        let expected = 100.0 * total as f64 / (peak_tflops(dominant) * 1e12 * *duration_ns as f64 / 1e9);
+        assert!(
+            (mfu - expected).abs() <= 1e-9 * expected,
+            "step {step}: MFU {mfu} %, expected {expected} % ({dominant})"
+        );
+    }
+}
