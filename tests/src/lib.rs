@@ -467,6 +467,22 @@ pub fn torch_pythons() -> Vec<(String, PathBuf)> {
         .collect()
 }
 
+/// The PyTorch environment `name`'s python (e.g. `python3.11`), or None,
+/// said as a visible skip.
+pub fn torch_python(name: &str) -> Option<PathBuf> {
+    let p = torch_pythons().into_iter().find(|(n, _)| n == name).map(|(_, p)| p);
+    if p.is_none() {
+        skip(format!("no PyTorch environment for {name} (see `cargo xtask torch-env`)"));
+    }
+    p
+}
+
+/// The `site-packages` directories of the virtual environment at `venv`.
+pub fn site_packages(venv: &Path) -> Vec<PathBuf> {
+    let lib = std::fs::read_dir(venv.join("lib")).into_iter().flatten().flatten();
+    lib.map(|e| e.path().join("site-packages")).filter(|p| p.is_dir()).collect()
+}
+
 /// How far a step's probe boundaries may lie from the trainer's own clock
 /// reads: the probe fires before the first and after the last, normally within
 /// microseconds (the tests print the p99: 10–13 µs at the start, 2–3 µs at the

@@ -231,15 +231,13 @@ fn every_collective_of_the_stand_in_is_recorded_exactly() {
 
 /// NCCL's genuine library from the PyTorch wheels.
 fn genuine_nccl() -> Option<PathBuf> {
-    let pythons = std::env::var("PROFILER_TORCH_PYTHONS").unwrap_or_default();
-    for (_, python) in pythons.split(';').filter_map(|p| p.split_once('=')) {
+    for (_, python) in torch_pythons() {
         // venv/bin/python -> venv/lib/python3.X/site-packages/nvidia/nccl/lib/libnccl.so.2
-        let Some(venv) = Path::new(python).parent().and_then(Path::parent) else { continue };
-        for lib in std::fs::read_dir(venv.join("lib")).into_iter().flatten().flatten() {
-            let p = lib.path().join("site-packages/nvidia/nccl/lib/libnccl.so.2");
-            if p.exists() {
-                return Some(p);
-            }
+        let Some(venv) = python.parent().and_then(Path::parent) else { continue };
+        let found =
+            site_packages(venv).into_iter().map(|s| s.join("nvidia/nccl/lib/libnccl.so.2")).find(|p| p.exists());
+        if found.is_some() {
+            return found;
         }
     }
     skip("no PyTorch environment with NCCL's libnccl.so.2 (see `cargo xtask torch-env`)");

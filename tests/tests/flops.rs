@@ -187,18 +187,16 @@ fn flops_are_null_where_no_blas_library_was_probed() {
 /// made (`PROFILER_TORCH_PYTHONS`) and of their neighbours, one per soname
 /// version: (directory, version).
 fn genuine_blas_dirs() -> BTreeMap<String, PathBuf> {
-    let venvs: std::collections::BTreeSet<PathBuf> = std::env::var("PROFILER_TORCH_PYTHONS")
-        .unwrap_or_default()
-        .split(';')
-        .filter_map(|p| p.split_once('=').map(|(_, p)| PathBuf::from(p)))
-        .filter_map(|python| python.parent()?.parent()?.parent().map(Path::to_path_buf))
+    let venvs: std::collections::BTreeSet<PathBuf> = torch_pythons()
+        .into_iter()
+        .filter_map(|(_, python)| python.parent()?.parent()?.parent().map(Path::to_path_buf))
         .collect();
     let mut found = BTreeMap::new();
     let entries = |d: &Path| std::fs::read_dir(d).into_iter().flatten().flatten().map(|e| e.path());
     for parent in venvs {
         for venv in entries(&parent) {
-            for py in entries(&venv.join("lib")) {
-                for wheel in entries(&py.join("site-packages/nvidia")) {
+            for packages in site_packages(&venv) {
+                for wheel in entries(&packages.join("nvidia")) {
                     for lib in entries(&wheel.join("lib")) {
                         let name = lib.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_owned();
                         if let Some(version) = name.strip_prefix("libcublas.so.") {
@@ -297,7 +295,7 @@ fn mfu_per_step_is_the_steps_flops_over_the_h200_peak_at_its_precision() {
     let dir = workdir("mfu");
     let db = dir.join("p.db");
     let mut trainer = GemmTrainer::spawn(&dir, &["--steps", "4"]);
-    let nvml = fixtures().join("libnvidia-ml.so.1").display().to_string();
+    let nvml = stand_in_nvml();
     let flags = ["--step-symbol", "train_step", "--nvml-lib", &nvml];
     let agent = Agent::attach_with_env(trainer.child.id(), &db, &flags, &[("STANDIN_NVML_GPUS", "1")]);
     let truth = trainer.run();

@@ -237,12 +237,7 @@ fn attach_several_pids_names_a_bad_one_once_and_traces_the_others() {
 
 /// The PyTorch environment's python (`cargo xtask torch-env`), or None (said once).
 fn torch_python() -> Option<PathBuf> {
-    let all = std::env::var("PROFILER_TORCH_PYTHONS").unwrap_or_default();
-    let found = all.split(';').filter_map(|p| p.split_once('=')).find(|(n, _)| *n == "python3.11");
-    if found.is_none() {
-        skip("no PyTorch environment for python3.11 (see `cargo xtask torch-env`)");
-    }
-    found.map(|(_, p)| PathBuf::from(p))
+    integration_tests::torch_python("python3.11")
 }
 
 /// `python -m torch.distributed.run --nproc-per-node 2 torch_loop.py …`: two CPU ranks, each

@@ -241,6 +241,7 @@ fn any_cpython_run_mode_writes_the_hook_before_the_first_step() {
     let pythons: Vec<Interp> = interpreters().into_iter().filter(|p| p.writes() && p.loader.is_none()).collect();
     if pythons.is_empty() {
         skip("no CPython 3.11+ without USDT probes on this host");
+        return;
     }
     for python in pythons {
         let dir = workdir(&format!("python-any-run{}", python.python.display().to_string().replace('/', "_")));
@@ -375,6 +376,7 @@ fn any_cpython_steps_stay_counted_across_torch_compile() {
     let pythons = torch_pythons();
     if pythons.is_empty() {
         skip("no PyTorch environment (see `cargo xtask torch-env`)");
+        return;
     }
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/py_compiled.py");
     for (name, python) in pythons {

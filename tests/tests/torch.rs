@@ -11,11 +11,7 @@ use std::{
 use integration_tests::*;
 
 fn python(name: &str) -> Option<PathBuf> {
-    let p = torch_pythons().into_iter().find(|(n, _)| n == name).map(|(_, p)| p);
-    if p.is_none() {
-        skip(format!("no PyTorch environment for {name} (see `cargo xtask torch-env`)"));
-    }
-    p
+    torch_python(name)
 }
 
 fn fixture() -> PathBuf {

@@ -90,18 +90,13 @@ fn run_once(op: &str, symbol: &str, mode: Mode, work: &Path) -> Result<f64> {
     Ok(ns.parse::<f64>()? / n.parse::<f64>()?)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Prints untraced vs traced ns per GEMM call.
 pub fn flops_table(work: &Path) -> Result<()> {
     let mut rows = Vec::new();
     for (op, label, hits, bare_symbol) in OPS {
         say(format!("bench: GEMM calls: {label} ({REPEATS} runs of {CALLS}: untraced, bare uprobe, profiler)"));
         let runs = |mode| -> Result<f64> {
-            Ok(median(
+            Ok(crate::bench_python::median(
                 (0..REPEATS).map(|_| run_once(op, bare_symbol.unwrap_or(label), mode, work)).collect::<Result<_>>()?,
             ))
         };

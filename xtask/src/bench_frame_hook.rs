@@ -13,7 +13,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
-use crate::{profiler_bin, say};
+use crate::say;
 
 const CALLS: u64 = 300_000;
 const REPEATS: usize = 3;
@@ -110,22 +110,9 @@ fn run_once(python: &Python, mode: &str, work: &Path) -> Result<f64> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().parse::<f64>()?)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// Starts the profiler on `pid` with `args` and waits until it traces.
+/// Starts the profiler on `pid` with `args` (no GPU) and waits until it traces.
 fn attach(pid: u32, db: &Path, args: &[&str]) -> Result<std::process::Child> {
-    let mut c = Command::new(profiler_bin())
-        .args(["attach", &pid.to_string(), "--no-gpu", "-o"])
-        .arg(db)
-        .args(args)
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("start the profiler")?;
-    crate::bench::wait_for_line(c.stderr.take().context("stderr")?, "tracing PID")?;
-    Ok(c)
+    crate::bench::attach_agent(pid, &[&["--no-gpu"], args].concat(), db)
 }
 
 /// Step boundary error, p50 and p99 in ns: the Python trainer's own stamps
@@ -196,7 +183,9 @@ pub fn frame_hook_table(work: &Path) -> Result<()> {
     for python in &pythons {
         let mut cells = Vec::new();
         for mode in ["plain", "hook", "traced"] {
-            cells.push(median((0..REPEATS).map(|_| run_once(python, mode, work)).collect::<Result<_>>()?));
+            cells.push(crate::bench_python::median(
+                (0..REPEATS).map(|_| run_once(python, mode, work)).collect::<Result<_>>()?,
+            ));
         }
         let (p50, p99) = boundary_errors(python, work)?;
         println!(

@@ -54,7 +54,8 @@ fn run_once(traced: bool, work: &Path) -> Result<f64> {
     Ok(ns.trim().parse::<f64>()? / n.parse::<f64>()?)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The middle value (the upper one of an even count).
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }

@@ -103,9 +103,8 @@ fn run_once(python: &Path, work: &Path, traced: bool) -> Result<Run> {
     let mut child = start_loop(python, work, &["--steps", &steps, "--optimizer", "adamw"])?;
     let db = work.join("torch_bench.db");
     let agent = if traced {
-        let mut a = attach(child.id(), &db, &[])?;
-        crate::bench::wait_for_line(a.stderr.take().context("stderr")?, "tracing PID")?;
-        Some(a)
+        let _ = std::fs::remove_file(&db);
+        Some(crate::bench::attach_agent(child.id(), &["--no-gpu"], &db)?)
     } else {
         None
     };

@@ -1530,15 +1530,20 @@ mod tests {
         assert_eq!(std::fs::read(&path).expect("read"), bytes, "reading wrote to the profile");
     }
 
+    /// A profile with one session and no rows: (its directory, its path, the session).
+    fn empty_session() -> (tempfile::TempDir, std::path::PathBuf, i64) {
+        let (dir, path) = crate::store::testing::temp_db();
+        let id = crate::store::Store::open(&path)
+            .and_then(|s| s.begin_session(&crate::store::testing::start()))
+            .expect("a session");
+        (dir, path, id)
+    }
+
     /// Steps from PyTorch's markers show their data wait and optimizer time,
     /// and the session's regions are ranked by their total time.
     #[test]
     fn pytorch_phases_and_top_regions() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("p.db");
-        let store = crate::store::Store::open(&path).expect("a profile");
-        let id = store.begin_session(&crate::store::testing::start()).expect("session");
-        drop(store);
+        let (_dir, path, id) = empty_session();
         let conn = Connection::open(&path).expect("open");
         conn.execute_batch(&format!(
             "INSERT INTO steps(session_id, label, step, tid, start_ns, end_ns, duration_ns, data_wait_ns, optimizer_ns)
@@ -1568,11 +1573,7 @@ mod tests {
 
     #[test]
     fn tflops_and_mfu_per_step() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("p.db");
-        let store = crate::store::Store::open(&path).expect("a profile");
-        let id = store.begin_session(&crate::store::testing::start()).expect("session");
-        drop(store);
+        let (_dir, path, id) = empty_session();
         let conn = Connection::open(&path).expect("open");
         // Step 0: 2 TFLOP in 4 ms (500 TFLOP/s), MFU 40 % and 60 % on two GPUs; step 1: 3 TFLOP in 2 ms.
         conn.execute_batch(&format!(
