@@ -120,6 +120,18 @@ pub struct EventCounts {
     pub collectives: u64,
 }
 
+impl std::ops::AddAssign for EventCounts {
+    fn add_assign(&mut self, c: Self) {
+        self.total += c.total;
+        self.steps += c.steps;
+        self.launches += c.launches;
+        self.syncs += c.syncs;
+        self.counters += c.counters;
+        self.regions += c.regions;
+        self.collectives += c.collectives;
+    }
+}
+
 /// One trace event. Field names are the trace-event format's.
 #[derive(Serialize)]
 struct Event<'a, A: Serialize> {

@@ -109,13 +109,7 @@ pub(super) fn export_job_perfetto(db: &ProfileDb, job: &str, out: impl Write) ->
             pid: track(p),
             args: SortArgs { sort_index: order as i64 },
         })?;
-        let c = write_session(db, p, t, &mut w)?;
-        total.steps += c.steps;
-        total.regions += c.regions;
-        total.syncs += c.syncs;
-        total.collectives += c.collectives;
-        total.launches += c.launches;
-        total.counters += c.counters;
+        total += write_session(db, p, t, &mut w)?;
     }
     total.total = w.events;
     let mut out = w.finish(&JobData {

@@ -136,11 +136,11 @@ pub struct JobMember {
     pub pid: i64,
 }
 
-/// The sessions of job `job`, by rank then session.
+/// The sessions of job `job`, in the text report's order (by rank, those
+/// without one last).
 pub fn job_members(db: &ProfileDb, job: &str) -> anyhow::Result<Vec<JobMember>> {
-    let mut q = db.conn.prepare("SELECT id, rank, pid FROM sessions WHERE job = ?1 ORDER BY rank, id")?;
-    let rows = q.query_map([job], |r| Ok(JobMember { session: r.get(0)?, rank: r.get(1)?, pid: r.get(2)? }))?;
-    Ok(rows.collect::<rusqlite::Result<_>>()?)
+    let sessions = crate::cli::report_job::job_sessions(db, job)?;
+    Ok(sessions.into_iter().map(|(session, rank, pid)| JobMember { session, rank, pid }).collect())
 }
 
 /// The job of `session` and how many sessions share it.
