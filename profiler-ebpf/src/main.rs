@@ -234,12 +234,6 @@ static STOPPED: Array<u32> = Array::with_max_entries(1, 0);
 #[map]
 static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(4096, 0);
 
-/// The calling thread if its process is traced. A thread holding its
-/// `THREAD_SLOTS` slot is one of a traced process (slots are claimed only
-/// past this check and released when their thread exits): an array lookup the
-/// verifier inlines answers for it, and only other threads (a first record, a
-/// fallback thread, and every thread of an untraced process that maps a probed
-/// file) pay the `TRACED` hash lookup.
 /// Whether the agent has stopped the session. An array lookup the verifier
 /// inlines (no helper call).
 #[inline(always)]
@@ -247,6 +241,12 @@ fn stopped() -> bool {
     STOPPED.get(0).is_some_and(|s| *s != 0)
 }
 
+/// The calling thread if its process is traced. A thread holding its
+/// `THREAD_SLOTS` slot is one of a traced process (slots are claimed only
+/// past this check and released when their thread exits): an array lookup the
+/// verifier inlines answers for it, and only other threads (a first record, a
+/// fallback thread, and every thread of an untraced process that maps a probed
+/// file) pay the `TRACED` hash lookup.
 #[inline(always)]
 fn target_tid() -> Option<u32> {
     let pid_tgid = bpf_get_current_pid_tgid();

@@ -204,7 +204,8 @@ fn write_step_gpu(
                 s.temperature_memory_end_c,
             ])?;
         }
-        if let Some(period) = update_period_ns {
+        // The machine's GPU row, once: by the session that holds the samples.
+        if let Some(period) = update_period_ns.filter(|_| session == samples_from) {
             conn.execute(
                 "UPDATE gpus SET energy_update_period_ms = ?3 WHERE session_id = ?1 AND gpu = ?2",
                 params![samples_from, gpu, period as f64 / 1e6],
