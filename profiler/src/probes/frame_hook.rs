@@ -258,10 +258,8 @@ fn collect(tid: i32, which: i32) {
 
 /// Whether `tid` is gone or a zombie (`/proc/PID/task/TID/stat` state Z or X).
 fn thread_exited(pid: u32, tid: i32) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")) else { return true };
-    // The state follows the command name's closing parenthesis.
-    let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
-    matches!(state, None | Some('Z' | 'X' | 'x'))
+    let stat = procfs::process::Process::new(pid as i32).and_then(|p| p.task_from_tid(tid)).and_then(|t| t.stat());
+    stat.map_or(true, |st| super::has_exited(&st))
 }
 
 fn parent_of(pid: u32) -> Option<u32> {

@@ -635,6 +635,17 @@ pub fn open_in_target(pid: u32, path: &Path) -> Option<memmap2::Mmap> {
     inside.or_else(|| map_file(path).ok())
 }
 
+/// Whether the process or thread whose `stat` this is has exited (a zombie
+/// waiting to be reaped, or dead).
+pub fn has_exited(stat: &procfs::process::Stat) -> bool {
+    matches!(stat.state, 'Z' | 'X' | 'x')
+}
+
+/// Whether process `pid` exists and has not exited.
+pub fn is_alive(pid: u32) -> bool {
+    procfs::process::Process::new(pid as i32).and_then(|p| p.stat()).is_ok_and(|st| !has_exited(&st))
+}
+
 /// One word of process `pid`'s memory.
 pub fn read_target_u64(pid: u32, address: u64) -> std::io::Result<u64> {
     use std::os::unix::fs::FileExt;

@@ -474,11 +474,7 @@ pub(super) fn existing(pids: &[u32], first: u32) -> Vec<u32> {
         if pid == first || out.contains(&pid) {
             continue;
         }
-        let alive = procfs::process::Process::new(pid as i32)
-            .ok()
-            .and_then(|p| p.stat().ok())
-            .is_some_and(|st| st.state != 'Z' && st.state != 'X');
-        if alive {
+        if crate::probes::is_alive(pid) {
             out.push(pid);
         } else {
             eprintln!("profiler: no process with PID {pid} (or it has exited): skipped; the others are traced");
@@ -495,7 +491,7 @@ pub(super) fn descendants(roots: &[u32]) -> Vec<(u32, u32)> {
         .flatten()
         .flatten()
         .filter_map(|p| p.stat().ok())
-        .filter(|st| st.state != 'Z' && st.state != 'X')
+        .filter(|st| !crate::probes::has_exited(st))
         .filter_map(|st| Some((u32::try_from(st.pid).ok()?, u32::try_from(st.ppid).ok()?)))
         .collect();
     tree_below(roots, &parents)

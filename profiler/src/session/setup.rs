@@ -63,7 +63,7 @@ impl TargetProcess {
     fn attach_first(pids: &[u32]) -> anyhow::Result<Self> {
         let several = pids.len() > 1;
         for (i, &pid) in pids.iter().enumerate() {
-            if several && procfs::process::Process::new(pid as i32).is_err() {
+            if several && !crate::probes::is_alive(pid) {
                 eprintln!("profiler: no process with PID {pid}: skipped; the others are traced");
                 continue;
             }
@@ -77,7 +77,7 @@ impl TargetProcess {
     fn attach(pid: u32) -> anyhow::Result<Self> {
         let process = procfs::process::Process::new(pid as i32)
             .map_err(|_| anyhow::anyhow!("no process with PID {pid}: check the PID (ps -p {pid})"))?;
-        if process.stat().is_ok_and(|st| st.state == 'Z' || st.state == 'X') {
+        if process.stat().is_ok_and(|st| crate::probes::has_exited(&st)) {
             bail!("process {pid} has already exited");
         }
         privileges::check().map_err(anyhow::Error::msg)?;
