@@ -141,8 +141,9 @@ mod tests {
         let got_plt = file.section_by_name(".got.plt").expect(".got.plt");
         assert!((got_plt.address()..got_plt.address() + got_plt.size()).contains(&got));
         let libpython = "/root/.pyenv/versions/3.12.1/lib/libpython3.12.so.1.0";
-        if let Ok(data) = std::fs::read(libpython) {
-            assert_eq!(plt_entry(&object::File::parse(&*data).expect("ELF"), EVAL_FRAME_DEFAULT), None);
+        match std::fs::read(libpython) {
+            Ok(data) => assert_eq!(plt_entry(&object::File::parse(&*data).expect("ELF"), EVAL_FRAME_DEFAULT), None),
+            Err(_) => crate::skip_test(format!("{libpython} not installed: its lack of a PLT entry unchecked")),
         }
     }
 }
