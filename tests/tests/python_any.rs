@@ -260,12 +260,19 @@ fn any_cpython_run_mode_writes_the_hook_before_the_first_step() {
             .arg("--truth")
             .arg(&truth)
             .env("LD_LIBRARY_PATH", fixtures())
+            // When the hook was written, said on stderr: shown if a check below fails.
+            .env("RUST_LOG", "warn,profiler::probes::frame_hook=info")
             .output()
             .expect("profiler run");
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{}: {stderr}", python.python.display());
+        let name = python.python.display();
+        assert!(out.status.success(), "{name}: {stderr}");
         assert_eq!(last_session(&db).end_reason.as_deref(), Some("target-exited"));
-        check_steps(&db, &truth, &python);
+        let checked = std::panic::catch_unwind(|| check_steps(&db, &truth, &python));
+        if let Err(e) = checked {
+            println!("{name}: the profiler's stderr:\n{stderr}");
+            std::panic::resume_unwind(e);
+        }
     }
 }
 

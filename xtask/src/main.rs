@@ -175,35 +175,78 @@ fn fixtures() -> Result<()> {
 fn test(args: &[String]) -> Result<()> {
     build()?;
     fixtures()?;
-    let mut skipped = Vec::new();
-    let result = test_phases(args, &mut skipped);
-    // Tests that could not check something on this host say so
-    // (integration_tests::skip); the total comes last, pass or fail.
-    if skipped.is_empty() {
-        say("skipped: none");
-    } else {
-        say(format!("skipped: {} (not checked on this host):", skipped.len()));
-        for line in &skipped {
-            say(format!("  {line}"));
-        }
-    }
+    let mut tally = Tally::default();
+    let result = test_phases(args, &mut tally);
+    tally.print();
     result
 }
 
-fn test_phases(args: &[String], skipped: &mut Vec<String>) -> Result<()> {
+/// What the test runs printed that matters after the last line: the checks
+/// skipped on this host (`integration_tests::skip`) and, for a failed test,
+/// where it panicked and its message, which a long backtrace
+/// (`RUST_BACKTRACE=1`) would otherwise push out of a log's tail.
+#[derive(Default)]
+struct Tally {
+    skipped: Vec<String>,
+    panics: Vec<String>,
+    /// Lines of the panic message being read (it ends at a backtrace or a blank line).
+    in_panic: bool,
+}
+
+impl Tally {
+    fn line(&mut self, text: &str) {
+        if let Some(at) = text.find("SKIPPED: ") {
+            self.skipped.push(text[at..].trim_end().to_owned());
+        }
+        if text.starts_with("thread '") && text.contains(" panicked at ") {
+            self.in_panic = true;
+            self.panics.push(text.trim_end().to_owned());
+        } else if self.in_panic {
+            let t = text.trim_end();
+            if t.is_empty() || t.starts_with("stack backtrace:") || t.starts_with("note: ") || self.panics.len() > 200 {
+                self.in_panic = false;
+            } else if let Some(last) = self.panics.last_mut()
+                && last.len() < 4000
+            {
+                last.push('\n');
+                last.push_str(t);
+            }
+        }
+    }
+
+    /// The totals come last, pass or fail.
+    fn print(&self) {
+        if self.skipped.is_empty() {
+            say("skipped: none");
+        } else {
+            say(format!("skipped: {} (not checked on this host):", self.skipped.len()));
+            for line in &self.skipped {
+                say(format!("  {line}"));
+            }
+        }
+        if !self.panics.is_empty() {
+            say(format!("failed: {} panic(s), as they began:", self.panics.len()));
+            for p in &self.panics {
+                say(format!("  {p}"));
+            }
+        }
+    }
+}
+
+fn test_phases(args: &[String], tally: &mut Tally) -> Result<()> {
     // Release, like the root runs below: the profiler's test binary built here
     // is the one the `--ignored` run reuses, so nothing is compiled twice.
     say("unit tests (host crates, release, no root needed)");
     run_tests(
         cargo().current_dir(root()).args(["test", "--release", "--workspace", "--exclude", "integration-tests"]),
-        skipped,
+        tally,
     )?;
     // Built as the user, run as root: only the runs that load eBPF programs need it.
     say("root unit tests of the USDT attach path (profiler crate, --ignored: they load eBPF programs)");
     for exe in root::test_executables("profiler")? {
         let mut c = root::command(&exe, &[], "loading eBPF programs")?;
         c.current_dir(root::package_dir("profiler")).args(["--ignored", "--test-threads=1"]);
-        run_tests(&mut c, skipped)?;
+        run_tests(&mut c, tally)?;
     }
     say("root integration tests: the real profiler against fixtures with known ground truth");
     let (bin, fx) = (profiler_bin(), fixtures_dir());
@@ -218,14 +261,14 @@ fn test_phases(args: &[String], skipped: &mut Vec<String>) -> Result<()> {
     for exe in root::test_executables("integration-tests")? {
         let mut c = root::command(&exe, &env, "loading eBPF programs")?;
         c.current_dir(root::package_dir("tests")).args(["--test-threads=1", "--show-output"]).args(args);
-        run_tests(&mut c, skipped)?;
+        run_tests(&mut c, tally)?;
     }
     Ok(())
 }
 
 /// Runs a `cargo test` command, passing its stdout through as it comes, and
-/// collects the `SKIPPED: <test>: <reason>` lines the tests print.
-fn run_tests(cmd: &mut Command, skipped: &mut Vec<String>) -> Result<()> {
+/// collects what [`Tally`] keeps of it.
+fn run_tests(cmd: &mut Command, tally: &mut Tally) -> Result<()> {
     use std::io::{Read, Write};
     let mut child =
         cmd.stdout(std::process::Stdio::piped()).spawn().with_context(|| format!("cannot start {cmd:?}"))?;
@@ -247,10 +290,7 @@ fn run_tests(cmd: &mut Command, skipped: &mut Vec<String>) -> Result<()> {
                 line.push(b);
                 continue;
             }
-            let text = String::from_utf8_lossy(&line);
-            if let Some(at) = text.find("SKIPPED: ") {
-                skipped.push(text[at..].trim_end().to_owned());
-            }
+            tally.line(&String::from_utf8_lossy(&line));
             line.clear();
         }
     }

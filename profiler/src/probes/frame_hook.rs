@@ -41,8 +41,22 @@ pub enum HookError {
     Memory { pid: u32, address: u64, source: std::io::Error },
     #[error("process {pid}: _PyRuntime.interpreters.head is NULL (the interpreter is not initialised yet)")]
     NoInterpreter { pid: u32 },
+    #[error("process {pid}: CPython's data is not mapped yet (the loader is still loading it)")]
+    NotLoaded { pid: u32 },
     #[error("stopping thread {tid} of process {pid} around the write (ptrace): {source}")]
     Ptrace { pid: u32, tid: i32, source: std::io::Error },
+}
+
+impl HookError {
+    /// Whether the process is gone (or going): its memory or threads no longer there.
+    fn target_gone(&self) -> bool {
+        match self {
+            Self::Memory { source, .. } | Self::Ptrace { source, .. } => {
+                matches!(source.raw_os_error(), Some(libc::ESRCH | libc::ENOENT))
+            }
+            Self::NotMapped { .. } | Self::NoInterpreter { .. } | Self::NotLoaded { .. } => false,
+        }
+    }
 }
 
 /// Where the field is in the target, and what goes there.
@@ -91,12 +105,21 @@ impl Locator {
         let not_mapped = || HookError::NotMapped { path: self.path.clone(), pid };
         let maps = procfs::process::Process::new(pid as i32).and_then(|p| p.maps()).map_err(|_| not_mapped())?;
         let bias = super::maps::load_bias(&maps, &self.path, self.lowest_page).ok_or_else(not_mapped)?;
+        // While the loader maps the library (`run` mode, just after exec), `_PyRuntime`'s address
+        // first holds other bytes of the file: seen as a head of 0xffffffff.
+        let head = bias + self.runtime_head;
+        if !super::maps::is_writable(&maps, head) {
+            return Err(HookError::NotLoaded { pid });
+        }
         let mem = open_mem(pid, false)?;
-        let interp = read_u64(&mem, pid, bias + self.runtime_head)?;
+        let interp = read_u64(&mem, pid, head)?;
         if interp == 0 {
             return Err(HookError::NoInterpreter { pid });
         }
-        Ok(HookSite { pid, field: interp + self.eval_frame, value: bias + self.eval_default_address })
+        let site = HookSite { pid, field: interp + self.eval_frame, value: bias + self.eval_default_address };
+        // The field must be there to read: a site is kept for the session once found.
+        read_u64(&mem, pid, site.field).map_err(|_| HookError::NotLoaded { pid })?;
+        Ok(site)
     }
 }
 
@@ -332,11 +355,21 @@ impl Watched {
         let started = std::time::Instant::now();
         let mut last_reset = None;
         let mut alias_looked: Option<std::time::Instant> = None;
+        let mut failed = false;
+        let mut last_state = None;
         while !self.stop.load(Ordering::Relaxed) {
             let site = match self.site.get() {
                 Some(site) => *site,
                 None => match locator.locate() {
-                    Ok(site) => *self.site.get_or_init(|| site),
+                    Ok(site) => {
+                        log::info!(
+                            "process {}: eval_frame at {:#x}, {} ms after the watch began",
+                            site.pid,
+                            site.field,
+                            started.elapsed().as_millis()
+                        );
+                        *self.site.get_or_init(|| site)
+                    }
                     Err(_) => {
                         let fast = started.elapsed() < FAST_LOCATE;
                         std::thread::sleep(if fast { Duration::from_millis(1) } else { RECHECK });
@@ -344,7 +377,28 @@ impl Watched {
                     }
                 },
             };
-            if !self.stop.load(Ordering::Relaxed) && matches!(self.write(&site), Ok(FieldState::Written)) {
+            let written = if self.stop.load(Ordering::Relaxed) { Ok(None) } else { self.write(&site).map(Some) };
+            match &written {
+                Ok(Some(FieldState::Written)) => log::info!(
+                    "eval_frame of process {} found NULL and written, {} ms after the watch began",
+                    site.pid,
+                    started.elapsed().as_millis()
+                ),
+                Ok(Some(state)) if last_state != Some(*state) => {
+                    log::info!("eval_frame of process {} holds {state:?}: left as it is", site.pid);
+                }
+                Ok(_) => {}
+                // Said once: retried at every check. A target that exited ends the session anyway.
+                Err(e) if !failed && !e.target_gone() && super::is_alive(site.pid) => {
+                    failed = true;
+                    log::warn!("cannot write the frame hook (calls may go unseen until it is written): {e}");
+                }
+                Err(_) => {}
+            }
+            if let Ok(Some(state)) = written {
+                last_state = Some(state);
+            }
+            if matches!(written, Ok(Some(FieldState::Written))) {
                 last_reset = Some(std::time::Instant::now());
                 // Reset by something (dynamo, which loads with PyTorch): an alias may exist now.
                 // Looked for at most once a second: it reads the maps and opens libraries.
@@ -383,7 +437,7 @@ impl FrameHookWrite {
                 shared.look_for_alias(&site);
                 Some(shared.write(&site)?)
             }
-            Err(HookError::NotMapped { .. } | HookError::NoInterpreter { .. }) => None,
+            Err(HookError::NotMapped { .. } | HookError::NoInterpreter { .. } | HookError::NotLoaded { .. }) => None,
             Err(e) => return Err(e),
         };
         let s = shared.clone();

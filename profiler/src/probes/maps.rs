@@ -126,6 +126,13 @@ pub fn load_bias(maps: &MemoryMaps, path: &Path, lowest: u64) -> Option<u64> {
     Some(start.wrapping_sub(lowest & !0xfff))
 }
 
+/// Whether `address` lies in a writable mapping: where a library's data is
+/// once the loader has mapped it, and not while only its first, read-only
+/// mapping of the whole file is there.
+pub fn is_writable(maps: &MemoryMaps, address: u64) -> bool {
+    maps.iter().any(|m| (m.address.0..m.address.1).contains(&address) && m.perms.contains(MMPermissions::WRITE))
+}
+
 #[cfg(test)]
 mod tests {
     use procfs::FromRead;
@@ -145,6 +152,16 @@ mod tests {
 
     fn maps() -> MemoryMaps {
         MemoryMaps::from_read(MAPS.as_bytes()).expect("fixture parses")
+    }
+
+    #[test]
+    fn only_addresses_in_writable_mappings_are_writable() {
+        let m = maps();
+        assert!(is_writable(&m, 0x55d0c1b00000));
+        assert!(is_writable(&m, 0x55d0c1b20fff));
+        assert!(!is_writable(&m, 0x55d0c1b21000), "one past the heap's end");
+        assert!(!is_writable(&m, 0x7f1a00000008), "a read-only mapping of a file");
+        assert!(!is_writable(&m, 0x1000), "nothing mapped");
     }
 
     #[test]
