@@ -276,6 +276,39 @@ fn any_cpython_run_mode_writes_the_hook_before_the_first_step() {
     }
 }
 
+/// `profiler run -- ./train.py`: a script whose `#!` line names its CPython
+/// through `env` (as torchrun's and pip's entry points do) is traced in that
+/// interpreter: its steps are all there.
+#[test]
+fn any_cpython_run_mode_follows_a_scripts_interpreter_line() {
+    let Some(python) = interpreters().into_iter().find(|p| p.writes() && p.loader.is_none()) else {
+        skip("no CPython 3.11+ without USDT probes on this host");
+        return;
+    };
+    let dir = workdir("python-any-script");
+    let (db, truth, script) = (dir.join("p.db"), dir.join("truth.txt"), dir.join("train"));
+    let bin = python.python.parent().expect("the interpreter's directory");
+    let name = python.python.file_name().expect("a file name").to_string_lossy().into_owned();
+    let body = std::fs::read_to_string(py_trainer()).expect("the trainer");
+    std::fs::write(&script, format!("#!/usr/bin/env {name}\n{body}")).expect("the script");
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    wait_for_probe_removal();
+    let out = Command::new(profiler_bin())
+        .args(["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--step-python", "train_step"])
+        .args(["--step-python", "validate=validate", "--"])
+        .arg(&script)
+        .args(trainer_args("40"))
+        .arg("--truth")
+        .arg(&truth)
+        .env("LD_LIBRARY_PATH", fixtures())
+        .env("PATH", path)
+        .output()
+        .expect("profiler run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    check_steps(&db, &truth, &python);
+}
+
 /// The target reads its own interpreter's address and
 /// `&_PyEval_EvalFrameDefault`, then times calls of a no-op function in
 /// windows of 20 000 (ns per call, one line each, to argv[1]).

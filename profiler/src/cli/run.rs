@@ -78,10 +78,58 @@ pub async fn main(args: RunArgs) -> anyhow::Result<ExitCode> {
     }
     let child = cmd.spawn().with_context(|| format!("cannot start {}", exe.display()))?;
     drop(gate_read);
+    // A script (`torchrun`, `./train.py`) runs in its interpreter: that is the
+    // program probed (its loader, its CPython), though the script is what is run.
+    let exe = script_interpreter(&exe).unwrap_or(exe);
     let launched = LaunchedChild { child, release: gate_write, exe, command: args.command.join(" ") };
     let mut cfg = args.trace.into_config();
     cfg.follow_children = !args.no_children;
     let summary = session::profile(cfg, Target::Run(Box::new(launched))).await?;
     summary.report_failure();
     Ok(summary.exit_code())
+}
+
+/// The interpreter a script names on its `#!` line (through `env`, as
+/// `#!/usr/bin/env python3` or `#!/usr/bin/env -S python3 -u`, looked up in
+/// PATH), canonical; None for anything else.
+fn script_interpreter(path: &std::path::Path) -> Option<std::path::PathBuf> {
+    use std::io::{BufRead, Read};
+    let mut line = String::new();
+    std::io::BufReader::new(std::fs::File::open(path).ok()?.take(4096)).read_line(&mut line).ok()?;
+    let mut words = line.strip_prefix("#!")?.split_whitespace();
+    let first = words.next()?;
+    let program = if std::path::Path::new(first).file_name().is_some_and(|n| n == "env") {
+        words.find(|w| !w.starts_with('-') && !w.contains('='))?
+    } else {
+        first
+    };
+    let found = which::which(program).ok()?;
+    Some(std::fs::canonicalize(&found).unwrap_or(found))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_script_runs_in_the_interpreter_its_first_line_names() {
+        let dir = std::env::temp_dir().join(format!("profiler-shebang-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let sh = std::fs::canonicalize(which::which("sh").expect("sh on PATH")).expect("canonical");
+        let cases = [
+            ("direct", format!("#!{}\necho", sh.display())),
+            ("env", "#!/usr/bin/env sh\necho".to_string()),
+            ("env-s", "#!/usr/bin/env -S A=1 sh -e\necho".to_string()),
+        ];
+        for (name, text) in cases {
+            let p = dir.join(name);
+            std::fs::write(&p, text).expect("script");
+            assert_eq!(script_interpreter(&p).as_deref(), Some(sh.as_path()), "{name}");
+        }
+        let plain = dir.join("plain");
+        std::fs::write(&plain, "echo").expect("file");
+        assert_eq!(script_interpreter(&plain), None);
+        assert_eq!(script_interpreter(&sh), None, "an ELF file has no #! line");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
