@@ -309,6 +309,71 @@ fn any_cpython_run_mode_follows_a_scripts_interpreter_line() {
     check_steps(&db, &truth, &python);
 }
 
+/// Starts two ranks of the trainer with the launcher's own interpreter (as
+/// torchrun does: `sys.executable`, `RANK` in the environment), each writing
+/// its truth to `DIR/truth{RANK}.txt`; argv: TRAINER DIR TRAINER-ARGS….
+const RANK_LAUNCHER: &str = r#"
+import os, subprocess, sys
+trainer, out, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+ranks = [subprocess.Popen([sys.executable, trainer, *args, "--truth", f"{out}/truth{r}.txt"],
+                          env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"}) for r in range(2)]
+sys.exit(max(p.wait() for p in ranks))
+"#;
+
+/// A job on a CPython without USDT probes: `run` follows the launcher's
+/// ranks, and each rank, a process of its own started after the profiler,
+/// gets the frame hook's write: every rank's steps exact.
+#[test]
+fn any_cpython_every_rank_of_a_job_gets_the_frame_hook() {
+    let pythons: Vec<Interp> = interpreters().into_iter().filter(|p| p.writes() && p.loader.is_none()).collect();
+    if pythons.is_empty() {
+        skip("no CPython 3.11+ without USDT probes on this host");
+        return;
+    }
+    for python in pythons {
+        let name = python.python.display().to_string();
+        let dir = workdir(&format!("python-any-ranks{}", name.replace('/', "_")));
+        let db = dir.join("p.db");
+        wait_for_probe_removal();
+        let out = Command::new(profiler_bin())
+            .args(["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--step-python", "train_step"])
+            .args(["--step-python", "validate=validate", "--"])
+            .arg(&python.python)
+            .args(["-c", RANK_LAUNCHER])
+            .arg(py_trainer())
+            .arg(&dir)
+            .args(trainer_args("40"))
+            .env("LD_LIBRARY_PATH", fixtures())
+            .output()
+            .expect("profiler run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{name}: {stderr}");
+        let ranks: Vec<(i64, i64)> = open(&db)
+            .prepare("SELECT id, rank FROM sessions WHERE rank IS NOT NULL ORDER BY rank")
+            .expect("sql")
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .expect("sessions")
+            .collect::<Result<_, _>>()
+            .expect("rows");
+        assert_eq!(ranks.iter().map(|r| r.1).collect::<Vec<_>>(), vec![0, 1], "{name}: the ranks' sessions");
+        for (session, rank) in ranks {
+            let truth = Truth::read(&dir.join(format!("truth{rank}.txt")));
+            let all = steps(&db, session);
+            for label in ["train", "validate"] {
+                let t: Vec<TruthStep> = truth.steps.iter().filter(|x| x.label == label).cloned().collect();
+                let d: Vec<DbStep> = all.iter().filter(|x| x.label == label).cloned().collect();
+                assert!(!t.is_empty(), "rank {rank} ran {label} steps");
+                let checked = std::panic::catch_unwind(|| assert_steps_match(&t, &d, STEP_TOLERANCE_NS));
+                if let Err(e) = checked {
+                    println!("{name} rank {rank} {label}: the profiler's stderr:\n{stderr}");
+                    std::panic::resume_unwind(e);
+                }
+            }
+            println!("{name} rank {rank}: {} steps exact", all.len());
+        }
+    }
+}
+
 /// The target reads its own interpreter's address and
 /// `&_PyEval_EvalFrameDefault`, then times calls of a no-op function in
 /// windows of 20 000 (ns per call, one line each, to argv[1]).

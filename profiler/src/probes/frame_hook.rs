@@ -98,6 +98,11 @@ impl Locator {
         })
     }
 
+    /// The same CPython file in another process of the job.
+    pub fn for_pid(&self, pid: u32) -> Self {
+        Self { pid, ..self.clone() }
+    }
+
     /// Finds the `eval_frame` field of the target's interpreter (the newest
     /// one: `interpreters.head`, the main one unless subinterpreters were made).
     pub fn locate(&self) -> Result<HookSite, HookError> {
@@ -370,6 +375,7 @@ impl Watched {
                         );
                         *self.site.get_or_init(|| site)
                     }
+                    Err(_) if !super::is_alive(locator.pid) => return,
                     Err(_) => {
                         let fast = started.elapsed() < FAST_LOCATE;
                         std::thread::sleep(if fast { Duration::from_millis(1) } else { RECHECK });
@@ -388,8 +394,10 @@ impl Watched {
                     log::info!("eval_frame of process {} holds {state:?}: left as it is", site.pid);
                 }
                 Ok(_) => {}
-                // Said once: retried at every check. A target that exited ends the session anyway.
-                Err(e) if !failed && !e.target_gone() && super::is_alive(site.pid) => {
+                // Gone: nothing more to watch (its restore finds nothing to do).
+                Err(e) if e.target_gone() || !super::is_alive(site.pid) => return,
+                // Said once: retried at every check.
+                Err(e) if !failed => {
                     failed = true;
                     log::warn!("cannot write the frame hook (calls may go unseen until it is written): {e}");
                 }
@@ -459,6 +467,12 @@ impl FrameHookWrite {
     /// (and this session wrote it).
     pub fn restore(mut self) -> Result<bool, HookError> {
         self.finish()
+    }
+
+    /// Stops watching without restoring: the process has exec'ed, and the
+    /// image written into is gone.
+    pub fn abandon(self) {
+        self.shared.wrote.store(false, Ordering::Relaxed);
     }
 
     fn finish(&mut self) -> Result<bool, HookError> {

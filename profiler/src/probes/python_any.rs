@@ -2,8 +2,11 @@
 //! (its USDT probes where the build has them, else the PEP 523 frame hook),
 //! and attaching/detaching the frame hook's programs and write.
 use std::{
+    collections::HashMap,
     num::NonZeroU32,
+    os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
+    sync::{Arc, Mutex},
 };
 
 use aya::{
@@ -196,8 +199,10 @@ pub enum FrameHookAttachError {
 /// `eval_frame` and detaches.
 #[derive(Debug)]
 pub struct FrameHookSteps {
-    // Field order is drop order: the write goes back first.
+    // Field order is drop order: the writes go back first.
     write: Option<FrameHookWrite>,
+    /// The job's other processes that run the same CPython (3.11+).
+    members: Option<FrameHookMembers>,
     links: Vec<UProbeLink>,
     /// What the field held when attached (None: not yet CPython, or no
     /// interpreter yet, in `run` mode; written as soon as there is one).
@@ -209,9 +214,14 @@ impl FrameHookSteps {
     /// `frame_exit` to `_PyEval_EvalFrameDefault` in `path` (target-visible),
     /// then writes the hook (3.11+): no call leaves the loop before both
     /// probes are there to see it.
+    ///
+    /// `scope`: the first target alone, or (a job) every process that maps
+    /// the file, the programs keeping the traced ones' calls; the job's other
+    /// processes get the write through [`FrameHookMembers::add`].
     pub fn attach(
         ebpf: &mut Ebpf,
         pid: NonZeroU32,
+        scope: UProbeScope,
         path: &Path,
         build: &CPythonBuild,
         targets: &[PythonTarget],
@@ -228,18 +238,26 @@ impl FrameHookSteps {
         let at = build.eval_default_file_offset + build.entry_skip;
         let mut links = Vec::with_capacity(2);
         for name in [programs::FRAME_EXIT, programs::FRAME_ENTER] {
-            links.push(attach_one(ebpf, name, &visible, at, pid)?);
+            links.push(attach_one(ebpf, name, &visible, at, scope)?);
         }
-        let mut steps = Self { write: None, links, found: None };
+        let mut steps = Self { write: None, members: None, links, found: None };
         if build.needs_write() {
             let data = super::map_file(&visible)
                 .map_err(|source| FrameHookAttachError::Read { path: visible.clone(), source })?;
             let locator = frame_hook::Locator::new(pid.get(), path, &data, build)?;
+            if matches!(scope, UProbeScope::AllProcesses) {
+                steps.members = Some(FrameHookMembers::new(locator.clone(), &visible));
+            }
             let (write, state) = FrameHookWrite::apply(locator)?;
             steps.write = Some(write);
             steps.found = state;
         }
         Ok(steps)
+    }
+
+    /// What gives the job's other processes the write (None: one process, or CPython 3.10).
+    pub fn members(&self) -> Option<FrameHookMembers> {
+        self.members.clone()
     }
 
     /// How often `eval_frame` was found NULL again (dynamo) and re-written.
@@ -270,6 +288,9 @@ impl FrameHookSteps {
         {
             log::warn!("eval_frame not restored: {e}");
         }
+        if let Some(m) = self.members.take() {
+            m.restore_all();
+        }
         drop(std::mem::take(&mut self.links));
     }
 }
@@ -282,18 +303,94 @@ fn set_layout(ebpf: &mut Ebpf, layout: FrameLayout) -> Result<(), PythonAttachEr
     array.set(0, layout, 0).map_err(|source| PythonAttachError::Map { name, source })
 }
 
+/// The frame hook's write in the job's other processes that run the same
+/// CPython file: each gets its own (its own interpreter), watched like the
+/// first target's, restored at the end. Shared with the job, which names the
+/// processes as it adopts them and as they exec.
+#[derive(Clone, Debug)]
+pub struct FrameHookMembers {
+    /// The first target's locator: the file's facts, for another pid.
+    template: frame_hook::Locator,
+    /// The CPython file (device, inode): what a process must run to get the write.
+    file: Option<(u64, u64)>,
+    writes: Arc<Mutex<HashMap<u32, FrameHookWrite>>>,
+}
+
+impl FrameHookMembers {
+    fn new(template: frame_hook::Locator, path: &Path) -> Self {
+        let file = std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()));
+        Self { template, file, writes: Arc::default() }
+    }
+
+    /// Process `pid` (just adopted, or just exec'ed) gets the write if it
+    /// runs the CPython the hook was built for; a write it had before an
+    /// exec went with its old image.
+    pub fn add(&self, pid: u32) {
+        let mut writes = self.writes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(old) = writes.remove(&pid) {
+            old.abandon();
+        }
+        if !self.runs_it(pid) {
+            return;
+        }
+        match FrameHookWrite::apply(self.template.for_pid(pid)) {
+            Ok((write, state)) => {
+                if let Some(FieldState::Other(v)) = state {
+                    log::warn!("PID {pid}: eval_frame holds another PEP 523 hook ({v:#x}): left alone");
+                }
+                writes.insert(pid, write);
+            }
+            Err(e) => log::warn!("PID {pid}: the frame hook cannot be written, its Python steps go unseen: {e}"),
+        }
+    }
+
+    /// Whether `pid`'s program is the CPython file, or an executable that
+    /// loads it (`DT_NEEDED`, through its `LD_LIBRARY_PATH`), or maps it.
+    fn runs_it(&self, pid: u32) -> bool {
+        let Some(file) = self.file else { return false };
+        let same = |p: &Path| std::fs::metadata(p).is_ok_and(|m| (m.dev(), m.ino()) == file);
+        let exe = PathBuf::from(format!("/proc/{pid}/exe"));
+        if same(&exe) {
+            return true;
+        }
+        let Ok(process) = procfs::process::Process::new(pid as i32) else { return false };
+        let ld_path = process
+            .environ()
+            .ok()
+            .and_then(|env| env.get(std::ffi::OsStr::new("LD_LIBRARY_PATH")).map(|v| v.to_string_lossy().into_owned()));
+        if let Ok(target) = std::fs::read_link(&exe) {
+            let visible = super::in_target_root(pid, &target);
+            if needed_libpython(&visible, ld_path.as_deref()).iter().any(|p| same(&super::in_target_root(pid, p))) {
+                return true;
+            }
+        }
+        process.maps().is_ok_and(|maps| {
+            maps.iter()
+                .any(|m| m.inode != 0 && m.inode == file.1 && matches!(m.pathname, procfs::process::MMapPath::Path(_)))
+        })
+    }
+
+    /// Puts NULL back in every process written into that is still there.
+    fn restore_all(&self) {
+        let writes = std::mem::take(&mut *self.writes.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        for (pid, w) in writes {
+            if let Err(e) = w.restore() {
+                log::warn!("PID {pid}: eval_frame not restored: {e}");
+            }
+        }
+    }
+}
+
 fn attach_one(
     ebpf: &mut Ebpf,
     name: &'static str,
     path: &Path,
     offset: u64,
-    pid: NonZeroU32,
+    scope: UProbeScope,
 ) -> Result<UProbeLink, PythonAttachError> {
     let prog = loaded_uprobe(ebpf, name)?;
     let point = UProbeAttachPoint { location: UProbeAttachLocation::AbsoluteOffset(offset), cookie: None };
-    let id = prog
-        .attach(point, path, UProbeScope::OneProcess(pid))
-        .map_err(|source| PythonAttachError::Program { name, source })?;
+    let id = prog.attach(point, path, scope).map_err(|source| PythonAttachError::Program { name, source })?;
     prog.take_link(id).map_err(|source| PythonAttachError::Program { name, source })
 }
 
@@ -305,7 +402,7 @@ impl super::Probes {
         build: &CPythonBuild,
         targets: &[PythonTarget],
     ) -> Result<FrameHookSteps, FrameHookAttachError> {
-        FrameHookSteps::attach(&mut self.ebpf, self.pid, path, build, targets)
+        FrameHookSteps::attach(&mut self.ebpf, self.pid, self.scope, path, build, targets)
     }
 }
 

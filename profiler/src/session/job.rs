@@ -20,7 +20,7 @@ use super::{
 use crate::{
     clock,
     events::{self, Event, ProcessChange, ProcessEvent},
-    probes::{self, Probes},
+    probes::{self, Probes, python_any::FrameHookMembers},
     regions::RegionSteps,
     store::{AtFinish, Losses, RowSender, SessionEnd, SessionStart, StoreMsg},
 };
@@ -77,6 +77,9 @@ pub(super) struct Job {
     last_status: Option<(Instant, HashMap<u32, u64>)>,
     /// Set at teardown: records from then on are dropped (see `set_cutoff`).
     cutoff_ns: Option<u64>,
+    /// The frame hook's write for the other processes that run the first
+    /// target's CPython (`--step-python` on a build without USDT probes).
+    pub frame_hook: Option<FrameHookMembers>,
 }
 
 impl Job {
@@ -92,6 +95,7 @@ impl Job {
             drains: 0,
             last_status: None,
             cutoff_ns: None,
+            frame_hook: None,
         }
     }
 
@@ -130,6 +134,9 @@ impl Job {
         let rank = start.rank.map_or(String::new(), |r| format!(" (rank {r})"));
         say!(self.ctx.cfg.quiet, "tracing PID {pid}{rank}: {}", start.command);
         self.members.insert(pid, Member { start, consumer: Some(consumer), watcher, cvd, exited: None });
+        if let Some(hook) = &self.frame_hook {
+            hook.add(pid);
+        }
     }
 
     /// Drains the rings into every process's consumer, then handles the
@@ -215,6 +222,9 @@ impl Job {
                         c.live = ctx.live_for(&m.start);
                         m.watcher.scan(probes, c, quiet, "exec");
                     }
+                }
+                if let Some(hook) = &self.frame_hook {
+                    hook.add(pid);
                 }
             }
             ProcessChange::Exited => {

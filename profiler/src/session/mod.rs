@@ -35,7 +35,10 @@ use status::StatusLine;
 pub use teardown::Summary;
 use watcher::LibraryWatcher;
 
-use crate::{probes::Probes, store::Store};
+use crate::{
+    probes::{Probes, python_any::PythonStepProbes},
+    store::Store,
+};
 
 /// Runs a whole session. Errors before the session row exists are the user's
 /// one-line errors; after that, everything collected is flushed whatever happens.
@@ -85,6 +88,9 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     let mut python = None;
     let outcome = match attach::attach_all(&cfg, &target, &mut probes, &mut job.watcher, &steps) {
         Ok((libraries, py)) => {
+            if let Some(PythonStepProbes::FrameHook(hook)) = &py {
+                job.frame_hook = hook.members();
+            }
             python = py;
             job.first.store_libraries(libraries);
             let (id, pid, output) = (session.id, target.pid, session.output.display());
