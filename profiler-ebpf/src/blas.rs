@@ -42,6 +42,12 @@ pub(crate) fn forget_thread(tid: u32) {
     let _ = BLAS_PENDING.remove(tid);
 }
 
+/// A traced process exits or execs: its BLAS code ranges go with its image.
+#[inline(always)]
+pub(crate) fn forget_process(tgid: u32) {
+    let _ = BLAS_TEXT.remove(tgid);
+}
+
 /// Whether `address` lies in a probed BLAS library's code in the calling process.
 #[inline(always)]
 fn in_blas_text(address: u64) -> bool {

@@ -960,6 +960,7 @@ pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
     // process's session, and the tgid, which may come back as another
     // process, is no longer traced.
     if tid == tgid && TRACED.remove(tgid).is_ok() {
+        forget_code_ranges(tgid);
         emit_process(RecordKind::ProcessExit, tid, tgid, 0);
     }
     if let Some(stage) = thread_stage(tid, false) {
@@ -1063,8 +1064,19 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
     if stopped() || unsafe { TRACED.get(tgid) }.is_none() {
         return 0;
     }
+    // The old image's libraries are gone; the agent registers the new one's as it finds them.
+    forget_code_ranges(tgid);
     emit_process(RecordKind::ProcessExec, pid_tgid as u32, tgid, 0);
     0
+}
+
+/// The code ranges of process `tgid`'s libraries, registered by the agent,
+/// go with its image (at exit, or exec): a later process with the same tgid
+/// starts with none, and the maps do not fill up over a long job.
+#[inline(always)]
+fn forget_code_ranges(tgid: u32) {
+    let _ = RUNTIME_TEXT.remove(tgid);
+    blas::forget_process(tgid);
 }
 
 /// Entry of the step function. Nesting is resolved in user space, which sees

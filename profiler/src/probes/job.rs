@@ -69,6 +69,63 @@ pub(super) fn task_offsets() -> Result<(u32, u32), ProbeError> {
 
 #[cfg(test)]
 mod tests {
+    use std::{
+        io::Write,
+        process::{Command, Stdio},
+        time::{Duration, Instant},
+    };
+
+    use profiler_common::{CodeRanges, blas_programs, maps as map_names};
+
+    use crate::probes::Probes;
+
+    /// Whether process `tgid` has an entry in the code-range map `name`.
+    fn has_ranges(probes: &mut Probes, name: &'static str, tgid: u32) -> bool {
+        let map = probes.ebpf.map_mut(name).expect("the map");
+        let ranges: aya::maps::HashMap<_, u32, CodeRanges> = aya::maps::HashMap::try_from(map).expect("a hash map");
+        ranges.get(&tgid, 0).is_ok()
+    }
+
+    /// Waits (up to 5 s) for both of `tgid`'s code-range entries to go.
+    fn ranges_gone(probes: &mut Probes, tgid: u32) -> bool {
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(5) {
+            if !has_ranges(probes, map_names::RUNTIME_TEXT, tgid) && !has_ranges(probes, blas_programs::TEXT_MAP, tgid)
+            {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
+    }
+
+    /// A traced process's library code ranges (registered by the agent) go
+    /// in the kernel when it execs (a new image) and when it exits (its
+    /// tgid may come back as another process), so that neither a stale range
+    /// nor a full map misjudges a later one.
+    #[test]
+    #[ignore = "needs root and the eBPF object"]
+    fn a_processs_code_ranges_go_when_it_execs_and_when_it_exits() {
+        let mut child =
+            Command::new("sh").args(["-c", "read line; exec sleep 30"]).stdin(Stdio::piped()).spawn().expect("sh");
+        let pid = child.id();
+        let nz = std::num::NonZeroU32::new(pid).expect("a pid");
+        let (mut probes, _rings) = Probes::load_job(&[nz], true, false, false).expect("load the programs");
+        let register = |probes: &mut Probes| {
+            for name in [map_names::RUNTIME_TEXT, blas_programs::TEXT_MAP] {
+                assert!(probes.add_code_ranges(name, pid, &[(0x1000, 0x2000)]).expect("registered").is_empty());
+                assert!(has_ranges(probes, name, pid), "{name} holds the process's ranges");
+            }
+        };
+        register(&mut probes);
+        child.stdin.take().expect("stdin").write_all(b"go\n").expect("write");
+        assert!(ranges_gone(&mut probes, pid), "the ranges are still there after the exec");
+        register(&mut probes);
+        child.kill().expect("kill");
+        child.wait().expect("wait");
+        assert!(ranges_gone(&mut probes, pid), "the ranges are still there after the exit");
+    }
+
     /// This kernel's BTF (every kernel this profiler supports has it: see
     /// `doctor`) gives `pid` and `tgid`, adjacent `pid_t`s in `task_struct`.
     #[test]
