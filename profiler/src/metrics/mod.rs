@@ -109,6 +109,16 @@ const SYNC_SHARE: Spec = Spec {
     unit: Some(("ratio", "1")),
 };
 const LAUNCHES: Spec = Spec { name: "profiler_launches", help: "CUDA kernel launches seen", unit: None };
+const GEMM_FLOPS: Spec = Spec {
+    name: "profiler_gemm_flops",
+    help: "Floating-point operations of the GEMMs issued through cuBLAS/cuBLASLt (2·m·n·k·batch)",
+    unit: None,
+};
+const LAST_STEP_FLOPS_RATE: Spec = Spec {
+    name: "profiler_last_step_gemm_flops_per_second",
+    help: "The last step's GEMM FLOPs over its time (a lower bound: GEMMs through cuBLAS/cuBLASLt only)",
+    unit: None,
+};
 const LOST: Spec = Spec { name: "profiler_lost_events", help: "Records the ring buffers had no room for", unit: None };
 const GPU_UTIL: Spec =
     Spec { name: "profiler_gpu_utilization", help: "GPU busy share (NVML)", unit: Some(("ratio", "1")) };
@@ -136,6 +146,8 @@ struct Families {
     sync_wait: CounterFamily,
     sync_share: GaugeFamily,
     launches: CounterFamily,
+    gemm_flops: CounterFamily,
+    last_step_flops_rate: GaugeFamily,
     lost: CounterFamily,
     gpu_util: GaugeFamily,
     gpu_memory: GaugeFamily,
@@ -156,6 +168,8 @@ impl Families {
             sync_wait: CounterFamily::new(&SYNC_WAIT, r, m),
             sync_share: GaugeFamily::new(&SYNC_SHARE, r, m),
             launches: CounterFamily::new(&LAUNCHES, r, m),
+            gemm_flops: CounterFamily::new(&GEMM_FLOPS, r, m),
+            last_step_flops_rate: GaugeFamily::new(&LAST_STEP_FLOPS_RATE, r, m),
             lost: CounterFamily::new(&LOST, r, m),
             gpu_util: GaugeFamily::new(&GPU_UTIL, r, m),
             gpu_memory: GaugeFamily::new(&GPU_MEMORY, r, m),

@@ -18,6 +18,7 @@ struct StepSeries {
     rate: LiveGauge,
     sync_wait: LiveCounter,
     sync_share: LiveGauge,
+    flops_rate: LiveGauge,
     /// Steps ended since `since` (for the rate gauge).
     ended: u64,
     /// Ended a step here once: only then does this process set the rate (a
@@ -36,6 +37,7 @@ impl StepSeries {
             rate: f.step_rate.series(&l),
             sync_wait: f.sync_wait.series(&l),
             sync_share: f.sync_share.series(&l),
+            flops_rate: f.last_step_flops_rate.series(&l),
             ended: 0,
             ever: false,
         }
@@ -49,6 +51,8 @@ pub struct SessionMetrics {
     steps: HashMap<String, StepSeries>,
     launches: LiveCounter,
     lost: LiveCounter,
+    /// Created with the first GEMM: a process that issues none has no FLOPs series.
+    gemm_flops: Option<LiveCounter>,
     /// The kernel counters' values already published.
     published: (u64, u64),
     since: Instant,
@@ -60,6 +64,7 @@ impl SessionMetrics {
         let mut me = Self {
             launches: families.launches.series(&process),
             lost: families.lost.series(&process),
+            gemm_flops: None,
             steps: HashMap::new(),
             labels: labels.clone(),
             published: (0, 0),
@@ -78,13 +83,27 @@ impl SessionMetrics {
         self.steps.entry(label.to_owned()).or_insert_with(|| StepSeries::new(families, labels, label))
     }
 
+    /// Counts one GEMM's FLOPs.
+    pub fn gemm(&mut self, flops: u64) {
+        let (families, labels) = (&self.families, &self.labels);
+        self.gemm_flops.get_or_insert_with(|| families.gemm_flops.series(&labels.with(None))).add(flops as f64);
+    }
+
     /// Publishes the steps of a batch that ended (rows with an end; those
     /// without are stored open and never counted), and the step rate.
-    pub fn steps_ended(&mut self, rows: &[StepRow]) {
+    /// `flops` gives a step's GEMM FLOPs (label, number), None where no BLAS
+    /// call was seen in the process.
+    pub fn steps_ended(&mut self, rows: &[StepRow], flops: &dyn Fn(&str, u64) -> Option<u64>) {
         for r in rows {
             let Some(end_ns) = r.end_ns else { continue };
             let secs = end_ns.saturating_sub(r.start_ns) as f64 / 1e9;
+            let step_flops = flops(&r.label, r.step);
             let s = self.step_series(&r.label);
+            if let Some(f) = step_flops
+                && secs > 0.0
+            {
+                s.flops_rate.set(f as f64 / secs);
+            }
             s.steps.add(1.0);
             s.ended += 1;
             s.ever = true;

@@ -38,7 +38,7 @@ fn ended_steps_are_counted_and_open_ones_are_not() {
     a.sync_wait_ns = Some(50_000_000);
     let b = step_row(1, 1_300_000_000, Some(1_400_000_000));
     let open = step_row(2, 1_500_000_000, None);
-    m.steps_ended(&[a, b, open]);
+    m.steps_ended(&[a, b, open], &|_, _| None);
     let text = scrape(&registry);
     let train = r#"{job="trainer",host="node1",label="train"}"#;
     assert_eq!(value(&text, &format!("profiler_steps_total{train}")), Some(2.0), "{text}");
@@ -70,8 +70,8 @@ fn two_sessions_in_one_agent_keep_their_own_series() {
     let (f, registry) = families();
     let mut r0 = SessionMetrics::new(f.clone(), &labels(Some(0)), &["train"]);
     let mut r1 = SessionMetrics::new(f, &labels(Some(1)), &["train"]);
-    r0.steps_ended(&[step_row(0, 0, Some(10))]);
-    r1.steps_ended(&[step_row(0, 0, Some(10)), step_row(1, 20, Some(30))]);
+    r0.steps_ended(&[step_row(0, 0, Some(10))], &|_, _| None);
+    r1.steps_ended(&[step_row(0, 0, Some(10)), step_row(1, 20, Some(30))], &|_, _| None);
     let text = scrape(&registry);
     let series = |rank| format!(r#"profiler_steps_total{{job="trainer",host="node1",rank="{rank}",label="train"}}"#);
     assert_eq!(value(&text, &series(0)), Some(1.0), "{text}");
@@ -148,4 +148,23 @@ fn the_flags_become_the_config_and_bad_values_are_refused() {
         let e = parse(bad).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains(bad[1]) && e.contains("e.g."), "{bad:?}: {e}");
     }
+}
+
+#[test]
+fn gemm_flops_are_counted_and_the_last_steps_rate_follows_its_flops() {
+    let (f, registry) = families();
+    let mut m = SessionMetrics::new(f, &labels(Some(0)), &["train"]);
+    let absent = scrape(&registry);
+    assert!(!absent.contains("profiler_gemm_flops_total{"), "no GEMM yet, no series: {absent}");
+    m.gemm(2 * 64 * 64 * 64);
+    m.gemm(2 * 128 * 128 * 128);
+    // Step 0: 1e9 FLOPs in 0.5 s; step 1 (1e9 FLOPs in 0.25 s) ends last.
+    let flops = |_: &str, step: u64| Some([1_000_000_000, 1_000_000_000][step as usize]);
+    m.steps_ended(&[step_row(0, 0, Some(500_000_000)), step_row(1, 600_000_000, Some(850_000_000))], &flops);
+    let text = scrape(&registry);
+    let process = r#"{job="trainer",host="node1",rank="0"}"#;
+    let total = (2 * 64 * 64 * 64 + 2 * 128 * 128 * 128) as f64;
+    assert_eq!(value(&text, &format!("profiler_gemm_flops_total{process}")), Some(total), "{text}");
+    let train = r#"{job="trainer",host="node1",rank="0",label="train"}"#;
+    assert_eq!(value(&text, &format!("profiler_last_step_gemm_flops_per_second{train}")), Some(4e9));
 }

@@ -245,7 +245,7 @@ impl Consumer {
     /// Hands every pending row to the store.
     pub fn flush(&mut self) {
         if let Some(live) = &mut self.live {
-            live.steps_ended(&self.steps);
+            live.steps_ended(&self.steps, &|label, step| self.gemms.step_flops(label, step));
         }
         self.flush_launches();
         if !self.steps.is_empty() {

@@ -98,6 +98,16 @@ pub(in crate::session) struct GemmState {
     /// `cublasLtMatmul` calls whose descriptors were not seen created (made
     /// before the session began): not counted.
     unknown_shapes: u64,
+    /// A GEMM was seen in this process: a step without one did 0 FLOPs.
+    any: bool,
+}
+
+impl GemmState {
+    /// Step (`label`, `step`)'s GEMM FLOPs so far; None while the process has issued no GEMM.
+    pub fn step_flops(&self, label: &str, step: u64) -> Option<u64> {
+        let per_step: &HashMap<(&str, u64), StepSums> = &self.per_step;
+        self.any.then(|| per_step.get(&(label, step)).map_or(0, |s| s.flops))
+    }
 }
 
 /// A 32-bit C `int` argument (the register's or slot's upper half is not the
@@ -292,6 +302,10 @@ impl Consumer {
         let Some(g) = gemm else { return };
         let step = self.tracker.current_step(e.tid);
         let flops = g.flops();
+        self.gemms.any = true;
+        if let Some(live) = &mut self.live {
+            live.gemm(flops);
+        }
         if let Some((label, n)) = step {
             let sums = self.gemms.per_step.entry((label, n)).or_default();
             sums.flops = sums.flops.saturating_add(flops);
