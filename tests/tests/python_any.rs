@@ -311,12 +311,18 @@ fn any_cpython_run_mode_follows_a_scripts_interpreter_line() {
 
 /// Starts two ranks of the trainer with the launcher's own interpreter (as
 /// torchrun does: `sys.executable`, `RANK` in the environment), each writing
-/// its truth to `DIR/truth{RANK}.txt`; argv: TRAINER DIR TRAINER-ARGS….
+/// its truth to `DIR/truth{RANK}.txt`; argv: TRAINER DIR TRAINER-ARGS…. The
+/// ranks start their steps a second after they start (the profiler sees a
+/// new process at its next drain of the rings, 20 ms, and writes the hook
+/// once its interpreter exists: a step before then would go unseen).
 const RANK_LAUNCHER: &str = r#"
-import os, subprocess, sys
+import os, subprocess, sys, time
 trainer, out, args = sys.argv[1], sys.argv[2], sys.argv[3:]
-ranks = [subprocess.Popen([sys.executable, trainer, *args, "--truth", f"{out}/truth{r}.txt"],
+go = f"{out}/go"
+ranks = [subprocess.Popen([sys.executable, trainer, *args, "--truth", f"{out}/truth{r}.txt", "--wait-file", go],
                           env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"}) for r in range(2)]
+time.sleep(1.0)
+open(go, "w").close()
 sys.exit(max(p.wait() for p in ranks))
 "#;
 
@@ -465,6 +471,80 @@ fn any_cpython_detach_restores_eval_frame_and_call_cost() {
         println!("{name}: ns per call: {before:.0} before, {during:.0} attached, {after:.0} after detach");
         assert!(after < before * 1.5, "{name}: a call costs {after:.0} ns after detach, {before:.0} ns before");
     }
+}
+
+/// Two ranks started by a launcher, each writing `pid interpreter default`
+/// to `DIR/rank{RANK}.txt`, then calling a no-op function until killed.
+const LOOPING_RANKS: &str = r#"
+import subprocess, sys
+rank = r"""
+import ctypes, os, sys, time
+api = ctypes.pythonapi
+api.PyInterpreterState_Get.restype = ctypes.c_void_p
+default = ctypes.cast(api._PyEval_EvalFrameDefault, ctypes.c_void_p).value
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(f"{os.getpid()} {api.PyInterpreterState_Get()} {default}")
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+def f():
+    pass
+while True:
+    for _ in range(1000):
+        f()
+    time.sleep(0.001)
+"""
+ranks = [subprocess.Popen([sys.executable, "-c", rank, f"{sys.argv[1]}/rank{r}.txt"]) for r in range(2)]
+for p in ranks:
+    p.wait()
+"#;
+
+/// `attach LAUNCHER --children` on a job whose ranks outlive the profiler:
+/// each rank got its own write, and after Ctrl-C each rank's `eval_frame`
+/// is NULL again (read from its memory).
+#[test]
+fn any_cpython_detach_restores_eval_frame_in_every_rank() {
+    let Some(python) = interpreters().into_iter().find(|p| p.writes() && p.loader.is_none()) else {
+        skip("no CPython 3.11+ without USDT probes on this host");
+        return;
+    };
+    let name = python.python.display().to_string();
+    let dir = workdir("python-any-restore-ranks");
+    let db = dir.join("p.db");
+    let mut launcher = python.command().args(["-c", LOOPING_RANKS]).arg(&dir).spawn().expect("the launcher");
+    let started = std::time::Instant::now();
+    let read_rank = |r: usize| std::fs::read_to_string(dir.join(format!("rank{r}.txt"))).ok();
+    while (0..2).any(|r| read_rank(r).is_none()) {
+        assert!(started.elapsed() < Duration::from_secs(30), "the ranks did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ranks: Vec<[u64; 3]> = (0..2)
+        .map(|r| {
+            let text = read_rank(r).expect("written");
+            let v: Vec<u64> = text.split_whitespace().map(|w| w.parse().expect("a number")).collect();
+            v.try_into().expect("pid, interpreter, default")
+        })
+        .collect();
+    const SPAN: usize = 0x4000;
+    let snapshot = |[pid, interp, _]: [u64; 3]| words(pid as u32, interp, SPAN);
+    let untouched: Vec<Vec<u64>> = ranks.iter().map(|r| snapshot(*r)).collect();
+    let agent = Agent::attach(launcher.id(), &db, &["--children", "--no-gpu", "--step-python", "f"]);
+    std::thread::sleep(Duration::from_millis(1500));
+    let attached: Vec<Vec<u64>> = ranks.iter().map(|r| snapshot(*r)).collect();
+    agent.signal(libc::SIGINT);
+    let (status, stderr) = agent.finish();
+    let restored: Vec<Vec<u64>> = ranks.iter().map(|r| snapshot(*r)).collect();
+    let _ = launcher.kill();
+    for [pid, ..] in &ranks {
+        send_signal(*pid as u32, libc::SIGKILL);
+    }
+    let _ = launcher.wait();
+    assert!(status.success(), "{stderr}");
+    for (i, [pid, _, default]) in ranks.iter().enumerate() {
+        let written: Vec<usize> =
+            (0..untouched[i].len()).filter(|&w| untouched[i][w] == 0 && attached[i][w] == *default).collect();
+        assert_eq!(written.len(), 1, "{name}: rank {i} (PID {pid}) held the hook in one word while attached: {stderr}");
+        assert_eq!(restored[i][written[0]], 0, "{name}: rank {i}'s eval_frame is NULL again after detach");
+    }
+    println!("{name}: both ranks written while attached, NULL again after detach");
 }
 
 /// `torch.compile` (dynamo) puts back the `eval_frame` it found after every

@@ -191,6 +191,9 @@ struct Tally {
     panics: Vec<String>,
     /// Lines of the panic message being read (it ends at a backtrace or a blank line).
     in_panic: bool,
+    /// In libtest's `failures:` section (a passing test's output, which
+    /// `--show-output` prints before it, may hold a panic it caught).
+    in_failures: bool,
 }
 
 impl Tally {
@@ -198,7 +201,12 @@ impl Tally {
         if let Some(at) = text.find("SKIPPED: ") {
             self.skipped.push(text[at..].trim_end().to_owned());
         }
-        if text.starts_with("thread '") && text.contains(" panicked at ") {
+        if text == "failures:" {
+            self.in_failures = true;
+        } else if text.starts_with("test result: ") {
+            self.in_failures = false;
+        }
+        if self.in_failures && text.starts_with("thread '") && text.contains(" panicked at ") {
             self.in_panic = true;
             self.panics.push(text.trim_end().to_owned());
         } else if self.in_panic {

@@ -99,7 +99,21 @@ fn script_interpreter(path: &std::path::Path) -> Option<std::path::PathBuf> {
     let mut words = line.strip_prefix("#!")?.split_whitespace();
     let first = words.next()?;
     let program = if std::path::Path::new(first).file_name().is_some_and(|n| n == "env") {
-        words.find(|w| !w.starts_with('-') && !w.contains('='))?
+        // `env [-S] [-i] [-u NAME] [-C DIR] [NAME=VALUE]… PROGRAM`: the options that take a value skip it.
+        let mut program = None;
+        while let Some(w) = words.next() {
+            match w {
+                "-u" | "--unset" | "-C" | "--chdir" => {
+                    words.next();
+                }
+                w if w.starts_with('-') || w.contains('=') => {}
+                w => {
+                    program = Some(w);
+                    break;
+                }
+            }
+        }
+        program?
     } else {
         first
     };
@@ -120,6 +134,7 @@ mod tests {
             ("direct", format!("#!{}\necho", sh.display())),
             ("env", "#!/usr/bin/env sh\necho".to_string()),
             ("env-s", "#!/usr/bin/env -S A=1 sh -e\necho".to_string()),
+            ("env-u", "#!/usr/bin/env -u HOME -C /tmp sh\necho".to_string()),
         ];
         for (name, text) in cases {
             let p = dir.join(name);

@@ -52,7 +52,8 @@ impl HookError {
     fn target_gone(&self) -> bool {
         match self {
             Self::Memory { source, .. } | Self::Ptrace { source, .. } => {
-                matches!(source.raw_os_error(), Some(libc::ESRCH | libc::ENOENT))
+                source.kind() == std::io::ErrorKind::UnexpectedEof
+                    || matches!(source.raw_os_error(), Some(libc::ESRCH | libc::ENOENT))
             }
             Self::NotMapped { .. } | Self::NoInterpreter { .. } | Self::NotLoaded { .. } => false,
         }
@@ -60,9 +61,13 @@ impl HookError {
 }
 
 /// Where the field is in the target, and what goes there.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct HookSite {
     pub pid: u32,
+    /// The target's memory as it was when the field was found: after an
+    /// exec (or once the process is gone) reads and writes through it fail
+    /// (end of file), so nothing is ever written into a later image.
+    mem: Arc<File>,
     /// `&interp->eval_frame` in the target.
     pub field: u64,
     /// `&_PyEval_EvalFrameDefault` in the target.
@@ -116,14 +121,15 @@ impl Locator {
         if !super::maps::is_writable(&maps, head) {
             return Err(HookError::NotLoaded { pid });
         }
-        let mem = open_mem(pid, false)?;
+        let mem = open_mem(pid, true)?;
         let interp = read_u64(&mem, pid, head)?;
         if interp == 0 {
             return Err(HookError::NoInterpreter { pid });
         }
-        let site = HookSite { pid, field: interp + self.eval_frame, value: bias + self.eval_default_address };
+        let (field, value) = (interp + self.eval_frame, bias + self.eval_default_address);
+        let site = HookSite { pid, mem: Arc::new(mem), field, value };
         // The field must be there to read: a site is kept for the session once found.
-        read_u64(&mem, pid, site.field).map_err(|_| HookError::NotLoaded { pid })?;
+        read_u64(&site.mem, pid, site.field).map_err(|_| HookError::NotLoaded { pid })?;
         Ok(site)
     }
 }
@@ -166,14 +172,14 @@ pub fn write_if_null(site: &HookSite, value: u64) -> Result<FieldState, HookErro
 
 /// Writes `new` if the field holds one of `expect`; returns what it held.
 fn swap_if(site: &HookSite, expect: &[u64], new: u64) -> Result<u64, HookError> {
-    let mem = open_mem(site.pid, true)?;
+    let mem = &site.mem;
     // Cheap look first: most checks find nothing to do and stop nobody.
-    let held = read_u64(&mem, site.pid, site.field)?;
+    let held = read_u64(mem, site.pid, site.field)?;
     if !expect.contains(&held) {
         return Ok(held);
     }
     let _stopped = StoppedThreads::stop(site.pid)?;
-    let old = read_u64(&mem, site.pid, site.field)?;
+    let old = read_u64(mem, site.pid, site.field)?;
     if expect.contains(&old) {
         mem.write_all_at(&new.to_le_bytes(), site.field).map_err(|source| HookError::Memory {
             pid: site.pid,
@@ -323,6 +329,10 @@ struct Watched {
     reapplied: AtomicU32,
     /// What is written instead of `_PyEval_EvalFrameDefault`, once found.
     alias: OnceLock<Alias>,
+    /// A job's other process: our value found there (inherited from the
+    /// process it was forked from, or written by an earlier look) is this
+    /// session's to take back too.
+    claim: bool,
 }
 
 impl Watched {
@@ -336,6 +346,9 @@ impl Watched {
         let state = write_if_null(site, self.value(site))?;
         if state == FieldState::Written && self.wrote.swap(true, Ordering::Relaxed) {
             self.reapplied.fetch_add(1, Ordering::Relaxed);
+        }
+        if state == FieldState::AlreadyOurs && self.claim {
+            self.wrote.store(true, Ordering::Relaxed);
         }
         Ok(state)
     }
@@ -364,7 +377,7 @@ impl Watched {
         let mut last_state = None;
         while !self.stop.load(Ordering::Relaxed) {
             let site = match self.site.get() {
-                Some(site) => *site,
+                Some(site) => site.clone(),
                 None => match locator.locate() {
                     Ok(site) => {
                         log::info!(
@@ -373,11 +386,20 @@ impl Watched {
                             site.field,
                             started.elapsed().as_millis()
                         );
-                        *self.site.get_or_init(|| site)
+                        self.site.get_or_init(|| site).clone()
                     }
                     Err(_) if !super::is_alive(locator.pid) => return,
-                    Err(_) => {
+                    Err(e) => {
                         let fast = started.elapsed() < FAST_LOCATE;
+                        if !fast && !failed {
+                            failed = true;
+                            log::warn!(
+                                "process {}: no CPython interpreter found in {} s ({e}); the frame hook is written \
+                                 once there is one",
+                                locator.pid,
+                                FAST_LOCATE.as_secs()
+                            );
+                        }
                         std::thread::sleep(if fast { Duration::from_millis(1) } else { RECHECK });
                         continue;
                     }
@@ -440,7 +462,7 @@ impl FrameHookWrite {
         let shared = Arc::new(Watched::default());
         let state = match locator.locate() {
             Ok(site) => {
-                let _ = shared.site.set(site);
+                let _ = shared.site.set(site.clone());
                 // `attach` to a PyTorch process: its alias is there before the first write.
                 shared.look_for_alias(&site);
                 Some(shared.write(&site)?)
@@ -451,6 +473,17 @@ impl FrameHookWrite {
         let s = shared.clone();
         let watcher = std::thread::Builder::new().name("frame-hook".into()).spawn(move || s.watch(&locator)).ok();
         Ok((Self { shared, watcher }, state))
+    }
+
+    /// Another process of the job (just adopted, or just exec'ed): nothing
+    /// is done here, on the caller's thread; the watcher finds the field once
+    /// the interpreter exists, writes it, keeps it written, and at the end our
+    /// value is taken back wherever it is found (see `Watched::claim`).
+    pub fn watch_member(locator: Locator) -> Self {
+        let shared = Arc::new(Watched { claim: true, ..Watched::default() });
+        let s = shared.clone();
+        let watcher = std::thread::Builder::new().name("frame-hook".into()).spawn(move || s.watch(&locator)).ok();
+        Self { shared, watcher }
     }
 
     /// How often the field was found NULL again and re-written.
@@ -469,10 +502,13 @@ impl FrameHookWrite {
         self.finish()
     }
 
-    /// Stops watching without restoring: the process has exec'ed, and the
-    /// image written into is gone.
-    pub fn abandon(self) {
+    /// Stops watching without restoring and without waiting for the watcher,
+    /// which ends at its next look: the process has exec'ed or exited, and
+    /// the image written into is gone.
+    pub fn abandon(mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
         self.shared.wrote.store(false, Ordering::Relaxed);
+        drop(self.watcher.take());
     }
 
     fn finish(&mut self) -> Result<bool, HookError> {
@@ -487,13 +523,8 @@ impl FrameHookWrite {
         let ours = [site.value, self.shared.value(site)];
         match swap_if(site, &ours, 0) {
             Ok(old) => Ok(ours.contains(&old)),
-            // The target is gone: nothing left to restore.
-            Err(HookError::Memory { source, .. } | HookError::Ptrace { source, .. })
-                if !Path::new(&format!("/proc/{}", site.pid)).exists()
-                    || source.raw_os_error() == Some(libc::ESRCH) =>
-            {
-                Ok(false)
-            }
+            // The target is gone, or is another program now: nothing left to restore.
+            Err(e) if e.target_gone() || !super::is_alive(site.pid) => Ok(false),
             Err(e) => Err(e),
         }
     }

@@ -106,9 +106,18 @@ mod tests {
     #[test]
     #[ignore = "needs root and the eBPF object"]
     fn a_processs_code_ranges_go_when_it_execs_and_when_it_exits() {
-        let mut child =
-            Command::new("sh").args(["-c", "read line; exec sleep 30"]).stdin(Stdio::piped()).spawn().expect("sh");
-        let pid = child.id();
+        /// Killed and collected however the test ends.
+        struct Reaped(std::process::Child);
+        impl Drop for Reaped {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let mut child = Reaped(
+            Command::new("sh").args(["-c", "read line; exec sleep 30"]).stdin(Stdio::piped()).spawn().expect("sh"),
+        );
+        let pid = child.0.id();
         let nz = std::num::NonZeroU32::new(pid).expect("a pid");
         let (mut probes, _rings) = Probes::load_job(&[nz], true, false, false).expect("load the programs");
         let register = |probes: &mut Probes| {
@@ -118,11 +127,11 @@ mod tests {
             }
         };
         register(&mut probes);
-        child.stdin.take().expect("stdin").write_all(b"go\n").expect("write");
+        child.0.stdin.take().expect("stdin").write_all(b"go\n").expect("write");
         assert!(ranges_gone(&mut probes, pid), "the ranges are still there after the exec");
         register(&mut probes);
-        child.kill().expect("kill");
-        child.wait().expect("wait");
+        child.0.kill().expect("kill");
+        child.0.wait().expect("wait");
         assert!(ranges_gone(&mut probes, pid), "the ranges are still there after the exit");
     }
 

@@ -79,7 +79,7 @@ pub fn resolve<B: AsRef<[u8]>>(
 /// directories: in `run` mode the command has not loaded it yet, and a
 /// `--enable-shared` build (pyenv's) keeps the interpreter there.
 pub fn needed_libpython(exe: &Path, ld_library_path: Option<&str>) -> Vec<PathBuf> {
-    let Ok(data) = std::fs::read(exe) else { return Vec::new() };
+    let Ok(data) = super::map_file(exe) else { return Vec::new() };
     let Some((needed, search)) = dynamic_strings(&data) else { return Vec::new() };
     let origin = exe.parent().map(|d| d.display().to_string()).unwrap_or_default();
     let dirs: Vec<String> = search
@@ -323,24 +323,28 @@ impl FrameHookMembers {
     }
 
     /// Process `pid` (just adopted, or just exec'ed) gets the write if it
-    /// runs the CPython the hook was built for; a write it had before an
-    /// exec went with its old image.
+    /// runs the CPython the hook was built for (looked for and written by a
+    /// watcher thread of its own, not here); a write it had before an exec
+    /// went with its old image.
     pub fn add(&self, pid: u32) {
-        let mut writes = self.writes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(old) = writes.remove(&pid) {
+        let write = self.runs_it(pid).then(|| FrameHookWrite::watch_member(self.template.for_pid(pid)));
+        let old = {
+            let mut writes = self.writes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            match write {
+                Some(w) => writes.insert(pid, w),
+                None => writes.remove(&pid),
+            }
+        };
+        if let Some(old) = old {
             old.abandon();
         }
-        if !self.runs_it(pid) {
-            return;
-        }
-        match FrameHookWrite::apply(self.template.for_pid(pid)) {
-            Ok((write, state)) => {
-                if let Some(FieldState::Other(v)) = state {
-                    log::warn!("PID {pid}: eval_frame holds another PEP 523 hook ({v:#x}): left alone");
-                }
-                writes.insert(pid, write);
-            }
-            Err(e) => log::warn!("PID {pid}: the frame hook cannot be written, its Python steps go unseen: {e}"),
+    }
+
+    /// Process `pid` has exited: its watcher ends, nothing to restore.
+    pub fn remove(&self, pid: u32) {
+        let old = self.writes.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&pid);
+        if let Some(old) = old {
+            old.abandon();
         }
     }
 

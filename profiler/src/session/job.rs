@@ -203,7 +203,9 @@ impl Job {
                 None => self.adopt(pid, Some(parent), "child"),
             },
             ProcessChange::Exec => {
-                if !self.members.contains_key(&pid) {
+                // First seen at its exec: adopted as the program it is now (the frame hook's look too).
+                let adopted_now = !self.members.contains_key(&pid);
+                if adopted_now {
                     self.adopt(pid, None, "child");
                 }
                 let ctx = &self.ctx;
@@ -223,7 +225,7 @@ impl Job {
                         m.watcher.scan(probes, c, quiet, "exec");
                     }
                 }
-                if let Some(hook) = &self.frame_hook {
+                if let Some(hook) = self.frame_hook.as_ref().filter(|_| !adopted_now) {
                     hook.add(pid);
                 }
             }
@@ -240,6 +242,9 @@ impl Job {
     fn end_member(&mut self, pid: u32, reason: &str, ended_ns: u64) {
         let Some(m) = self.members.get_mut(&pid) else { return };
         let Some(mut consumer) = m.consumer.take() else { return };
+        if let Some(hook) = &self.frame_hook {
+            hook.remove(pid);
+        }
         let incomplete = consumer.take_incomplete_steps();
         let totals = consumer.close();
         let local_rank = m.start.local_rank;

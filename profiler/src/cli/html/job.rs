@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use super::{
-    data::{JobMember, job_labels, job_rank_steps, job_steps},
+    data::{JobMember, JobStep, job_labels, job_rank_steps, job_steps},
     downsample::{BUCKETS, min_max},
     page::Page,
     plots::{Figure, Frame, LineChart, Stroke, line_chart},
@@ -20,12 +20,15 @@ fn who(m: &JobMember) -> String {
     }
 }
 
+/// The job's part of the page; `skip` leading step numbers of each label
+/// are warm-up: shaded in the plots, left out of the slowest-rank counts.
 pub fn section(
     page: &mut Page,
     db: &ProfileDb,
     job: &str,
     members: &[JobMember],
     label: Option<&str>,
+    skip: u64,
 ) -> anyhow::Result<()> {
     page.heading(2, "job", &format!("Job {job}: {} processes", members.len()));
     let rows: Vec<Vec<String>> = members
@@ -41,10 +44,31 @@ pub fn section(
     for l in labels {
         let anchor = format!("job-{}", super::anchor(l));
         page.heading(3, &anchor, &format!("Steps labelled {l} across the ranks"));
-        per_rank(page, db, job, l, members, &anchor)?;
-        spread_and_slowest(page, db, job, l, members, &anchor)?;
+        let steps = job_steps(db, job, l)?;
+        // Step numbers start where the job's first step of this label does (0 or 1 by source).
+        let warm = steps.first().filter(|_| skip > 0).map(|s| WarmUp { first: s.step, skip });
+        per_rank(page, db, job, l, members, &anchor, warm)?;
+        spread_and_slowest(page, &steps, l, members, &anchor, warm)?;
     }
     Ok(())
+}
+
+/// The warm-up step numbers (`--skip`): the first `skip` from `first`.
+#[derive(Clone, Copy)]
+struct WarmUp {
+    first: i64,
+    skip: u64,
+}
+
+impl WarmUp {
+    fn contains(&self, step: i64) -> bool {
+        step < self.first.saturating_add(self.skip as i64)
+    }
+
+    /// The x interval shaded, by step number.
+    fn interval(&self) -> (f64, f64) {
+        (self.first as f64 - 0.5, self.first as f64 + self.skip as f64 - 0.5)
+    }
 }
 
 /// Each rank's step time per step number, one line per rank.
@@ -55,6 +79,7 @@ fn per_rank(
     label: &str,
     members: &[JobMember],
     anchor: &str,
+    warm: Option<WarmUp>,
 ) -> anyhow::Result<()> {
     let per_session = job_rank_steps(db, job, label)?;
     let lines: Vec<_> = members
@@ -67,7 +92,7 @@ fn per_rank(
     let title = format!("Step time per rank ({label})");
     let desc = format!("{} ranks' step times by step number, one line each.", lines.len());
     let frame = Frame { id: &id, title: &title, desc, x_label: "step number", y_label: "step time (ms)" };
-    let chart = LineChart { lines, ..Default::default() };
+    let chart = LineChart { lines, warmup: warm.map(|w| w.interval()), ..Default::default() };
     if let Some(svg) = line_chart(&frame, &chart)? {
         page.figure(&Figure { id, title, svg, legend: legend_of(&chart.lines), note: None });
     }
@@ -78,22 +103,25 @@ fn per_rank(
 /// often each rank was the slowest.
 fn spread_and_slowest(
     page: &mut Page,
-    db: &ProfileDb,
-    job: &str,
+    steps: &[JobStep],
     label: &str,
     members: &[JobMember],
     anchor: &str,
+    warm: Option<WarmUp>,
 ) -> anyhow::Result<()> {
-    let steps = job_steps(db, job, label)?;
     let shared: Vec<_> = steps.iter().filter(|s| s.ranks > 1).collect();
+    let warmup = warm.map(|w| w.interval());
     let spread: Vec<(f64, f64)> = shared.iter().map(|s| (s.step as f64, s.max_ms - s.min_ms)).collect();
     let id = format!("{anchor}-spread");
     let title = format!("Step-time spread across ranks ({label})");
     let desc =
         format!("Slowest minus fastest rank's step time for {} step numbers run by two or more ranks.", spread.len());
     let frame = Frame { id: &id, title: &title, desc, x_label: "step number", y_label: "spread (ms)" };
-    let chart =
-        LineChart { lines: vec![line(0, "slowest − fastest", min_max(&spread, BUCKETS))], ..Default::default() };
+    let chart = LineChart {
+        lines: vec![line(0, "slowest − fastest", min_max(&spread, BUCKETS))],
+        warmup,
+        ..Default::default()
+    };
     match line_chart(&frame, &chart)? {
         Some(svg) => page.figure(&Figure { id, title, svg, legend: Vec::new(), note: None }),
         None => page.missing(&id, &title, "no step number was run by two or more ranks"),
@@ -107,26 +135,31 @@ fn spread_and_slowest(
     let frame = Frame { id: &id, title: &title, desc, x_label: "step number", y_label: "slowest rank" };
     let mut dots = line(0, "slowest rank", min_max(&slowest, BUCKETS));
     dots.stroke = Stroke::Points;
-    if let Some(svg) = line_chart(&frame, &LineChart { lines: vec![dots], whole_y: true, ..Default::default() })? {
+    if let Some(svg) =
+        line_chart(&frame, &LineChart { lines: vec![dots], whole_y: true, warmup, ..Default::default() })?
+    {
         page.figure(&Figure { id, title, svg, legend: Vec::new(), note: None });
     }
+    // Counted over the measured steps, as the text report's `--job` does.
+    let measured: Vec<_> = shared.iter().filter(|s| !warm.is_some_and(|w| w.contains(s.step))).collect();
     let mut times: BTreeMap<i64, usize> = BTreeMap::new();
-    for s in &shared {
+    for s in &measured {
         *times.entry(s.slowest_session).or_default() += 1;
     }
     let rows: Vec<Vec<String>> = members
         .iter()
         .map(|m| {
             let n = times.get(&m.session).copied().unwrap_or(0);
-            let share = if shared.is_empty() { 0.0 } else { 100.0 * n as f64 / shared.len() as f64 };
+            let share = if measured.is_empty() { 0.0 } else { 100.0 * n as f64 / measured.len() as f64 };
             vec![who(m), n.to_string(), format!("{share:.1}%")]
         })
         .collect();
-    page.table(
-        &format!("{anchor}-slowest-count"),
-        "How often each rank was the slowest",
-        &["rank", "steps", "share"],
-        &rows,
-    );
+    let caption = match warm {
+        Some(w) => {
+            format!("How often each rank was the slowest (the first {} step numbers, warm-up, left out)", w.skip)
+        }
+        None => "How often each rank was the slowest".to_string(),
+    };
+    page.table(&format!("{anchor}-slowest-count"), &caption, &["rank", "steps", "share"], &rows);
     Ok(())
 }

@@ -36,7 +36,7 @@ fn render(db: &ProfileDb, args: &ReportArgs) -> anyhow::Result<String> {
         let j = &super::report_job::resolve_job(db, requested)?;
         let members = data::job_members(db, j)?;
         let mut page = Page::new(&format!("profiler report: job {j}"));
-        job::section(&mut page, db, j, &members, label)?;
+        job::section(&mut page, db, j, &members, label, args.skip)?;
         for m in &members {
             session(&mut page, db, m.session, label, args.skip, true)
                 .with_context(|| format!("reading session {} of {}", m.session, db.path.display()))?;
@@ -236,6 +236,23 @@ mod tests {
         let slowest = &html[html.find("<figure id=\"job-train-slowest\"").expect("slowest")..];
         assert_eq!(slowest[..slowest.find("</figure>").expect("end")].matches("<circle").count(), 20);
         assert!(html.contains(&format!("id=\"s{a}\"")) && html.contains(&format!("id=\"s{b}\"")));
+        // `--skip 4`: the first four step numbers shaded, and the slowest-rank counts those of the
+        // text report, over the measured steps.
+        let skipped = render(&db, &args(&path, &["--job", "j", "--skip", "4"])).expect("renders");
+        let table = &skipped[skipped.find("<table id=\"job-train-slowest-count\"").expect("the counts")..];
+        let table = &table[..table.find("</table>").expect("end")];
+        assert!(table.contains("the first 4 step numbers, warm-up, left out"), "{table}");
+        let text = crate::cli::report_job::build(&db, "j", Some("train"), 4).expect("the text job report");
+        assert_eq!(text.compared_steps, 16);
+        for r in &text.ranks {
+            let share = 100.0 * r.slowest_steps as f64 / text.compared_steps as f64;
+            let row = format!("<td class=\"n\">{}</td><td class=\"n\">{share:.1}%</td>", r.slowest_steps);
+            assert!(table.contains(&row), "rank {:?}: {row} not in {table}", r.rank);
+        }
+        for figure in ["job-train-rank-step-time", "job-train-spread", "job-train-slowest"] {
+            let f = &skipped[skipped.find(&format!("<figure id=\"{figure}\"")).expect("figure")..];
+            assert!(f[..f.find("</figure>").expect("end")].contains("warm-up (--skip)"), "{figure} marks the warm-up");
+        }
         let e = render(&db, &args(&path, &["--job", "k"])).expect_err("no such job").to_string();
         assert!(e.contains("no job k") && e.contains(": j"), "{e}");
     }
