@@ -6,6 +6,7 @@
 use std::{
     path::{Path, PathBuf},
     process::Command,
+    time::Duration,
 };
 
 use integration_tests::*;
@@ -202,6 +203,66 @@ fn attach_children_follows_ranks_started_after_it() {
     assert!(status.success(), "profiler failed: {stderr}");
     check_job(&db, &dir, launcher.id(), foreign.pid(), None);
     assert!(job_sessions(&db).iter().all(|s| s.job == "mp-test"));
+}
+
+/// NVML's process lists name the GPUs a rank runs on, ahead of its LOCAL_RANK:
+/// the stand-in NVML lists rank r on the GPU LOCAL_RANK would not give it
+/// (the reverse order), and each rank's `step_gpu` rows are that GPU's alone.
+#[test]
+fn a_ranks_gpus_are_those_nvml_lists_it_on() {
+    let dir = workdir("mp_nvml_processes");
+    let (db, go, listed) = (dir.join("p.db"), dir.join("go"), dir.join("nvml_processes.txt"));
+    std::fs::write(&listed, b"").expect("the process list");
+    let mut args = launcher_args(&dir, &["--wait-file", go.to_str().expect("utf-8")], false);
+    // Ranks that live past two of the sampler's process scans (every 2 s).
+    let at = args.iter().position(|a| a == "--steps").expect("the trainer's --steps");
+    args[at + 1] = "400".into();
+    let mut launcher =
+        Command::new(&args[0]).args(&args[1..]).env("LD_LIBRARY_PATH", fixtures()).spawn().expect("launcher");
+    let nvml = stand_in_nvml();
+    let env = [("STANDIN_NVML_GPUS", "3"), ("STANDIN_NVML_PROCESSES", listed.to_str().expect("utf-8"))];
+    let agent = Agent::attach_with_env(
+        launcher.id(),
+        &db,
+        &["--children", "--nvml-lib", &nvml, "--step-symbol", &step_symbol()],
+        &env,
+    );
+    std::fs::write(&go, b"").expect("go");
+    let started = std::time::Instant::now();
+    let pids = loop {
+        let file = std::fs::read_to_string(dir.join("launcher.txt")).unwrap_or_default();
+        let pids: Vec<(u32, u32)> = file
+            .lines()
+            .filter_map(|l| l.strip_prefix("rank ")?.split_once(' '))
+            .filter_map(|(r, p)| Some((r.parse().ok()?, p.trim().parse().ok()?)))
+            .collect();
+        if pids.len() == RANKS as usize {
+            break pids;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "the launcher did not start its ranks");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let lines: String = pids.iter().map(|(r, pid)| format!("{} {pid}\n", RANKS - 1 - r)).collect();
+    std::fs::write(&listed, lines).expect("the process list");
+    assert!(launcher.wait().expect("wait launcher").success(), "launcher failed");
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "profiler failed: {stderr}");
+    let conn = open(&db);
+    let logical = |nvml_index: u32| -> i64 {
+        conn.query_row("SELECT gpu FROM gpus WHERE nvml_index = ?1", [nvml_index], |r| r.get(0)).expect("the GPU")
+    };
+    for s in job_sessions(&db).iter().filter(|s| s.rank.is_some()) {
+        let rank = s.rank.expect("a rank") as u32;
+        let gpus: Vec<i64> = conn
+            .prepare("SELECT DISTINCT gpu FROM step_gpu WHERE session_id = ?1")
+            .expect("prepare")
+            .query_map([s.id], |r| r.get(0))
+            .expect("query")
+            .collect::<Result<_, _>>()
+            .expect("rows");
+        assert_eq!(gpus, vec![logical(RANKS - 1 - rank)], "rank {rank}: the GPU NVML listed it on");
+        assert_ne!(Some(gpus[0]), s.local_rank.filter(|_| rank != RANKS / 2), "rank {rank}: not its LOCAL_RANK's");
+    }
 }
 
 #[test]

@@ -8,6 +8,7 @@
 //! list (milliseconds, under the driver lock) is read every few seconds, never
 //! on every tick.
 use std::{
+    collections::{BTreeSet, HashMap},
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -362,8 +363,14 @@ struct GpuState {
 /// The latest (logical GPU, utilization %, power W) of each GPU, for the live status line.
 pub type GpuLive = std::sync::Arc<std::sync::Mutex<Vec<(u32, Option<f64>, Option<f64>)>>>;
 
+/// Every process NVML has listed on a sampled GPU so far (its compute
+/// processes, looked at every [`PROCESS_SCAN_EVERY`]): PID → logical GPUs.
+/// A job's ranks get their steps' GPU figures from these GPUs when NVML saw them.
+pub type GpuProcesses = std::sync::Arc<std::sync::Mutex<HashMap<u32, BTreeSet<u32>>>>;
+
 pub struct GpuSampler {
     live: GpuLive,
+    processes: GpuProcesses,
     nvml: Nvml,
     gpus: Vec<GpuState>,
     /// Set by [`GpuSampler::start`]; rows go nowhere before.
@@ -508,6 +515,7 @@ impl GpuSampler {
             gpus,
             out: None,
             live: GpuLive::default(),
+            processes: GpuProcesses::default(),
             info_rows,
             power_sources,
             selection_notes,
@@ -538,6 +546,11 @@ impl GpuSampler {
     /// A handle on the latest readings (see [`GpuLive`]).
     pub fn live(&self) -> GpuLive {
         self.live.clone()
+    }
+
+    /// A handle on the processes NVML has listed (see [`GpuProcesses`]).
+    pub fn processes(&self) -> GpuProcesses {
+        self.processes.clone()
     }
 
     pub fn logical_gpus(&self) -> Vec<u32> {
@@ -621,12 +634,21 @@ impl GpuSampler {
 
     fn scan_processes(&mut self) {
         let mut used = Vec::new();
+        let mut seen: Vec<(u32, u32)> = Vec::new();
         for g in &self.gpus {
             let Ok(dev) = self.nvml.device_by_index(g.sel.nvml_index) else { continue };
-            if let Ok(procs) = dev.running_compute_processes()
-                && procs.iter().any(|p| p.pid == self.pid)
-            {
-                used.push(g.sel.logical);
+            if let Ok(procs) = dev.running_compute_processes() {
+                if procs.iter().any(|p| p.pid == self.pid) {
+                    used.push(g.sel.logical);
+                }
+                seen.extend(procs.iter().map(|p| (p.pid, g.sel.logical)));
+            }
+        }
+        if !seen.is_empty()
+            && let Ok(mut all) = self.processes.lock()
+        {
+            for (pid, gpu) in seen {
+                all.entry(pid).or_default().insert(gpu);
             }
         }
         if let (false, Some((sender, _))) = (used.is_empty(), &self.out) {

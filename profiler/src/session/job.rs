@@ -4,7 +4,7 @@
 //! the tgid in their header; process forks, execs and exits turned into sessions begun, updated
 //! and ended.
 use std::{
-    collections::HashMap,
+    collections::{BTreeSet, HashMap},
     ffi::{OsStr, OsString},
     path::Path,
     time::Instant,
@@ -38,6 +38,8 @@ pub(super) struct JobContext {
     /// they are numbered by (see [`rank_gpus`]).
     pub gpus: Vec<u32>,
     pub sampler_cvd: Option<String>,
+    /// The processes NVML has listed on those GPUs (none without NVML).
+    pub nvml_processes: Option<crate::samplers::gpu::GpuProcesses>,
     /// `--prometheus`/`--otlp`: registers each process's series.
     pub live: Option<crate::metrics::LiveSessions>,
 }
@@ -248,7 +250,9 @@ impl Job {
         let incomplete = consumer.take_incomplete_steps();
         let totals = consumer.close();
         let local_rank = m.start.local_rank;
-        let gpus = rank_gpus(&self.ctx.gpus, local_rank, m.cvd.as_deref(), self.ctx.sampler_cvd.as_deref());
+        let seen = self.ctx.nvml_processes.as_ref().and_then(|p| p.lock().ok()?.get(&pid).cloned());
+        let gpus =
+            rank_gpus(&self.ctx.gpus, seen.as_ref(), local_rank, m.cvd.as_deref(), self.ctx.sampler_cvd.as_deref());
         let end = SessionEnd {
             ended_ns,
             end_reason: reason.into(),
@@ -460,15 +464,21 @@ pub(super) fn job_name(flag: Option<&str>, run_id: Option<&str>, host: Option<&s
 
 /// The logical GPUs (of `sampled`, numbered by the first target's
 /// CUDA_VISIBLE_DEVICES `sampler_cvd`) a rank's steps get `step_gpu` rows for:
-/// with the same visible devices as the first target and a LOCAL_RANK k among
+/// those NVML listed it on (`nvml_seen`), when it did; else, with the same
+/// visible devices as the first target and a LOCAL_RANK k among
 /// them, GPU k alone (the device torchrun's ranks take, `cuda:LOCAL_RANK`);
 /// else every sampled GPU (a rank whose devices are its own, or no rank).
 pub(super) fn rank_gpus(
     sampled: &[u32],
+    nvml_seen: Option<&BTreeSet<u32>>,
     local_rank: Option<i64>,
     own_cvd: Option<&str>,
     sampler_cvd: Option<&str>,
 ) -> Vec<u32> {
+    // NVML's process lists name the GPUs the process had contexts on: the fact, where there is one.
+    if let Some(seen) = nvml_seen.filter(|s| !s.is_empty()) {
+        return seen.iter().copied().filter(|g| sampled.contains(g)).collect();
+    }
     let same_devices = own_cvd.map(str::trim) == sampler_cvd.map(str::trim);
     match local_rank.and_then(|k| u32::try_from(k).ok()) {
         Some(k) if same_devices && sampled.contains(&k) => vec![k],
@@ -556,14 +566,24 @@ mod tests {
     #[test]
     fn a_rank_gets_its_local_rank_gpu_when_it_sees_the_same_devices() {
         let all = [0, 1, 2, 3];
-        assert_eq!(rank_gpus(&all, Some(2), None, None), vec![2]);
-        assert_eq!(rank_gpus(&all, Some(1), Some("4,5,6,7"), Some("4,5,6,7")), vec![1]);
+        assert_eq!(rank_gpus(&all, None, Some(2), None, None), vec![2]);
+        assert_eq!(rank_gpus(&all, None, Some(1), Some("4,5,6,7"), Some("4,5,6,7")), vec![1]);
         // Its own devices (a launcher that gives each rank one GPU): all of them.
-        assert_eq!(rank_gpus(&all, Some(1), Some("1"), None), all.to_vec());
+        assert_eq!(rank_gpus(&all, None, Some(1), Some("1"), None), all.to_vec());
         // A LOCAL_RANK past the sampled GPUs (CPU ranks), or none.
-        assert_eq!(rank_gpus(&all, Some(9), None, None), all.to_vec());
-        assert_eq!(rank_gpus(&all, None, None, None), all.to_vec());
-        assert_eq!(rank_gpus(&[], Some(0), None, None), Vec::<u32>::new());
+        assert_eq!(rank_gpus(&all, None, Some(9), None, None), all.to_vec());
+        assert_eq!(rank_gpus(&all, None, None, None, None), all.to_vec());
+        assert_eq!(rank_gpus(&[], None, Some(0), None, None), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn nvmls_process_list_names_a_ranks_gpus_before_its_local_rank() {
+        let all = [0, 1, 2, 3];
+        let seen = |g: &[u32]| g.iter().copied().collect::<BTreeSet<u32>>();
+        assert_eq!(rank_gpus(&all, Some(&seen(&[3])), Some(0), None, None), vec![3]);
+        assert_eq!(rank_gpus(&all, Some(&seen(&[1, 2])), None, Some("1"), None), vec![1, 2]);
+        // Listed nowhere: the LOCAL_RANK rule.
+        assert_eq!(rank_gpus(&all, Some(&seen(&[])), Some(2), None, None), vec![2]);
     }
 
     #[test]

@@ -67,6 +67,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     let (session, writer) = setup::begin_session(&cfg, &target, store, &steps.regions, job_name)?;
     let sampled = gpu.as_ref().map(|g| g.logical_gpus()).unwrap_or_default();
     let (samplers, gpu_live) = setup::start_samplers(&cfg, target.pid, gpu, &writer, live.machine(&labels))?;
+    let (gpu_live, nvml_processes) = gpu_live.unzip();
 
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer.sender(), steps.labels.clone(), steps.regions.clone(), target.pid);
@@ -81,6 +82,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         labels: steps.labels.clone(),
         regions: steps.regions.clone(),
         gpus: sampled,
+        nvml_processes,
         sampler_cvd: target.var("CUDA_VISIBLE_DEVICES"),
         live: live_sessions,
     };

@@ -24,7 +24,7 @@ use crate::{
     regions::RegionSteps,
     samplers::{
         self, SamplerThread,
-        gpu::{GpuLive, GpuSampler},
+        gpu::{GpuLive, GpuProcesses, GpuSampler},
     },
     store::{Capability, SessionStart, Store, StoreMsg, StoreWriter},
 };
@@ -278,12 +278,12 @@ pub(super) fn start_samplers(
     gpu: Result<GpuSampler, String>,
     writer: &StoreWriter,
     live: Option<crate::metrics::MachineMetrics>,
-) -> anyhow::Result<(Vec<SamplerThread>, Option<GpuLive>)> {
+) -> anyhow::Result<(Vec<SamplerThread>, Option<(GpuLive, GpuProcesses)>)> {
     let mut samplers: Vec<SamplerThread> = Vec::new();
     let mut gpu_live = None;
     match gpu {
         Ok(mut g) => {
-            gpu_live = Some(g.live());
+            gpu_live = Some((g.live(), g.processes()));
             g.live_metrics = live.clone();
             g.start(writer.sender());
             let interval = cfg.gpu.as_ref().map_or(Duration::from_millis(100), |c| c.interval);
