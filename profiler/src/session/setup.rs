@@ -269,6 +269,10 @@ pub(super) fn read_trimmed(path: &str) -> Option<String> {
     std::fs::read_to_string(path).ok().map(|s| s.trim().to_owned())
 }
 
+/// What the session reads of the GPU sampler while it runs: the latest
+/// readings (status line) and the processes NVML lists (a job's ranks' GPUs).
+pub(super) type GpuHandles = (GpuLive, GpuProcesses);
+
 /// Starts the GPU, RAPL and system samplers, before the step probes, so that
 /// their series cover every step. Returns them and the GPU's live values
 /// for the status line.
@@ -278,7 +282,7 @@ pub(super) fn start_samplers(
     gpu: Result<GpuSampler, String>,
     writer: &StoreWriter,
     live: Option<crate::metrics::MachineMetrics>,
-) -> anyhow::Result<(Vec<SamplerThread>, Option<(GpuLive, GpuProcesses)>)> {
+) -> anyhow::Result<(Vec<SamplerThread>, Option<GpuHandles>)> {
     let mut samplers: Vec<SamplerThread> = Vec::new();
     let mut gpu_live = None;
     match gpu {
