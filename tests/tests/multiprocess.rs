@@ -216,7 +216,7 @@ fn a_ranks_gpus_are_those_nvml_lists_it_on() {
     let mut args = launcher_args(&dir, &["--wait-file", go.to_str().expect("utf-8")], false);
     // Ranks that live past two of the sampler's process scans (every 2 s).
     let at = args.iter().position(|a| a == "--steps").expect("the trainer's --steps");
-    args[at + 1] = "400".into();
+    args[at + 1] = "800".into();
     let mut launcher =
         Command::new(&args[0]).args(&args[1..]).env("LD_LIBRARY_PATH", fixtures()).spawn().expect("launcher");
     let nvml = stand_in_nvml();
