@@ -304,11 +304,20 @@ fn torch_python() -> Option<PathBuf> {
 /// `python -m torch.distributed.run --nproc-per-node 2 torch_loop.py …`: two CPU ranks, each
 /// writing its own ground truth to DIR/truth<RANK>.txt.
 fn torchrun_args(python: &Path, dir: &Path, port: u32, wait_file: Option<&Path>) -> Vec<String> {
+    let mut a = vec![python.display().to_string(), "-m".into(), "torch.distributed.run".into()];
+    a.extend(torchrun_options(dir, port, wait_file));
+    a
+}
+
+/// The environment's `torchrun` script (its `#!` line names the environment's python), as users run it.
+fn torchrun_script_args(python: &Path, dir: &Path, port: u32) -> Vec<String> {
+    let script = python.parent().expect("the environment's bin/").join("torchrun");
+    std::iter::once(script.display().to_string()).chain(torchrun_options(dir, port, None)).collect()
+}
+
+fn torchrun_options(dir: &Path, port: u32, wait_file: Option<&Path>) -> Vec<String> {
     let loop_py = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/torch_loop.py");
     [
-        python.display().to_string(),
-        "-m".into(),
-        "torch.distributed.run".into(),
         "--nproc-per-node".into(),
         "2".into(),
         "--master-port".into(),
@@ -350,11 +359,11 @@ fn check_torch_ranks(db: &Path, dir: &Path, attempts: usize) {
 #[test]
 fn torchrun_ranks_on_cpu_with_run_and_attach_children() {
     let Some(python) = torch_python() else { return };
-    // `run`: torchrun's workers followed from their start.
+    // `run -- torchrun …` (the script): torchrun's workers followed from their start.
     let dir = workdir("mp_torchrun");
     let db = dir.join("p.db");
     let mut args: Vec<String> = ["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--"].map(String::from).to_vec();
-    args.extend(torchrun_args(&python, &dir, 29500 + std::process::id() % 500, None));
+    args.extend(torchrun_script_args(&python, &dir, 29500 + std::process::id() % 500));
     wait_for_probe_removal();
     let out = Command::new(profiler_bin()).args(&args).output().expect("run profiler");
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -95,6 +95,8 @@ fn ensure(name: &str, python: &Path) -> Result<PathBuf> {
     let venv = cache.join(format!("venvs/{name}-torch{TORCH_VERSION}"));
     let marker = venv.join(".profiler-ready");
     if marker.exists() && venv.join("bin/python").exists() {
+        // Environments made before the scripts' `#!` lines were mended.
+        mend_scripts(&venv)?;
         return Ok(venv.join("bin/python"));
     }
     let wheels = cache.join("wheels");
@@ -118,10 +120,35 @@ fn ensure(name: &str, python: &Path) -> Result<PathBuf> {
     run(Command::new(partial.join("bin/python")).args(["-c", "import torch"]))?;
     std::fs::write(partial.join(".profiler-ready"), TORCH_VERSION)?;
     // The environment's `bin/python` finds its packages through pyvenv.cfg
-    // next to it, so the renamed tree works (its pip scripts' shebangs do
-    // not; everything here runs `python -m`).
+    // next to it, so the renamed tree works; its scripts (`torchrun`, `pip`)
+    // name the interpreter by its path on their `#!` line: mended.
     std::fs::rename(&partial, &venv)?;
+    mend_scripts(&venv)?;
     Ok(venv.join("bin/python"))
+}
+
+/// Points the `#!` line of each script in `venv`'s `bin/` that names an
+/// interpreter no longer there (where the environment was built, before its
+/// rename) at `venv`'s own of the same name, so that `torchrun` and the other
+/// entry points run.
+fn mend_scripts(venv: &Path) -> Result<()> {
+    let bin = venv.join("bin");
+    for entry in std::fs::read_dir(&bin)? {
+        let path = entry?.path();
+        if path.is_symlink() || !path.is_file() {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(&path) else { continue }; // a binary
+        let Some((first, rest)) = text.strip_prefix("#!").and_then(|t| t.split_once('\n')) else { continue };
+        let interpreter = Path::new(first.trim());
+        let Some(name) = interpreter.file_name() else { continue };
+        if interpreter.exists() || !bin.join(name).exists() {
+            continue;
+        }
+        let mended = format!("#!{}\n{rest}", bin.join(name).display());
+        std::fs::write(&path, mended).with_context(|| format!("mending {}", path.display()))?;
+    }
+    Ok(())
 }
 
 /// Downloads, once, what `python` needs: its own torch and numpy wheels,
