@@ -35,6 +35,13 @@ fn render(db: &ProfileDb, args: &ReportArgs) -> anyhow::Result<String> {
     if let Some(requested) = &args.job {
         let j = &super::report_job::resolve_job(db, requested)?;
         let members = data::job_members(db, j)?;
+        if let Some(l) = label {
+            let labels = data::job_labels(db, j)?;
+            if !labels.iter().any(|have| have == l) {
+                let have = if labels.is_empty() { "none".to_string() } else { labels.join(", ") };
+                anyhow::bail!("job {j} has no steps labelled '{l}' (labels: {have})");
+            }
+        }
         let mut page = Page::new(&format!("profiler report: job {j}"));
         job::section(&mut page, db, j, &members, label, args.skip)?;
         for m in &members {
@@ -64,7 +71,12 @@ fn session(
     skip: u64,
     in_job: bool,
 ) -> anyhow::Result<()> {
-    let report = build(db, id, label, skip)?;
+    // In a job, a process without the label asked for (the launcher) is shown without steps, not an error.
+    let absent = in_job && label.is_some_and(|l| !data::has_label(db, id, l).unwrap_or(true));
+    let mut report = build(db, id, label.filter(|_| !absent), skip)?;
+    if absent {
+        report.labels.clear();
+    }
     let anchor = format!("s{id}");
     // The command can be long: it is in the header below.
     page.heading(2, &anchor, &format!("Session {id}: pid {}", report.session.pid));
@@ -84,8 +96,16 @@ fn session(
         .and_then(|l| l.gpus.as_ref())
         .map(|g| g.iter().filter_map(|g| g.name.clone().map(|n| (g.gpu, n))).collect())
         .unwrap_or_default();
-    if report.labels.is_empty() {
-        page.missing(&format!("{anchor}-steps"), "Steps", "no steps were recorded (was a step source named?)");
+    match (report.labels.is_empty(), absent) {
+        (true, true) => page.missing(
+            &format!("{anchor}-steps"),
+            "Steps",
+            &format!("no steps labelled {} in this process", label.unwrap_or_default()),
+        ),
+        (true, false) => {
+            page.missing(&format!("{anchor}-steps"), "Steps", "no steps were recorded (was a step source named?)")
+        }
+        (false, _) => {}
     }
     for l in &report.labels {
         let label_anchor = format!("{anchor}-{}", self::anchor(&l.label));
@@ -222,10 +242,13 @@ mod tests {
         let (_dir, path) = crate::store::testing::temp_db();
         let a = synthetic(&path, 30);
         let b = synthetic(&path, 20);
+        // A process of the job with no steps (a launcher).
+        let c = synthetic(&path, 3);
         let conn = Connection::open(&path).expect("open");
         conn.execute_batch(&format!(
             "UPDATE sessions SET job = 'j', rank = id - {a};
-             UPDATE steps SET duration_ns = duration_ns + 1000000 WHERE session_id = {b} AND step % 2 = 0;"
+             UPDATE steps SET duration_ns = duration_ns + 1000000 WHERE session_id = {b} AND step % 2 = 0;
+             DELETE FROM gemms WHERE session_id = {c}; DELETE FROM steps WHERE session_id = {c};"
         ))
         .expect("a job");
         let db = ProfileDb::open(&path).expect("a profile");
@@ -253,6 +276,11 @@ mod tests {
             let f = &skipped[skipped.find(&format!("<figure id=\"{figure}\"")).expect("figure")..];
             assert!(f[..f.find("</figure>").expect("end")].contains("warm-up (--skip)"), "{figure} marks the warm-up");
         }
+        // `--label`: the process without such steps is shown without them; a label no process has is an error.
+        let labelled = render(&db, &args(&path, &["--job", "j", "--label", "train"])).expect("renders");
+        assert!(labelled.contains(&format!("id=\"s{c}-steps\"")) && labelled.contains("no steps labelled train"));
+        let e = render(&db, &args(&path, &["--job", "j", "--label", "eval"])).expect_err("no such label").to_string();
+        assert!(e.contains("no steps labelled 'eval' (labels: train)"), "{e}");
         let e = render(&db, &args(&path, &["--job", "k"])).expect_err("no such job").to_string();
         assert!(e.contains("no job k") && e.contains(": j"), "{e}");
     }
