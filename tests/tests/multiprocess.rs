@@ -243,7 +243,10 @@ fn a_ranks_gpus_are_those_nvml_lists_it_on() {
         std::thread::sleep(Duration::from_millis(10));
     };
     let lines: String = pids.iter().map(|(r, pid)| format!("{} {pid}\n", RANKS - 1 - r)).collect();
-    std::fs::write(&listed, lines).expect("the process list");
+    // Whole, as NVML would list them: written aside, then renamed over the empty list.
+    let aside = dir.join("nvml_processes.tmp");
+    std::fs::write(&aside, lines).expect("the process list");
+    std::fs::rename(&aside, &listed).expect("the process list");
     assert!(launcher.wait().expect("wait launcher").success(), "launcher failed");
     let (status, stderr) = agent.finish();
     assert!(status.success(), "profiler failed: {stderr}");
@@ -251,7 +254,9 @@ fn a_ranks_gpus_are_those_nvml_lists_it_on() {
     let logical = |nvml_index: u32| -> i64 {
         conn.query_row("SELECT gpu FROM gpus WHERE nvml_index = ?1", [nvml_index], |r| r.get(0)).expect("the GPU")
     };
-    for s in job_sessions(&db).iter().filter(|s| s.rank.is_some()) {
+    let ranks: Vec<JobSession> = job_sessions(&db).into_iter().filter(|s| s.rank.is_some()).collect();
+    assert_eq!(ranks.len(), RANKS as usize, "a session per rank");
+    for s in &ranks {
         let rank = s.rank.expect("a rank") as u32;
         let gpus: Vec<i64> = conn
             .prepare("SELECT DISTINCT gpu FROM step_gpu WHERE session_id = ?1")

@@ -95,8 +95,11 @@ fn ensure(name: &str, python: &Path) -> Result<PathBuf> {
     let venv = cache.join(format!("venvs/{name}-torch{TORCH_VERSION}"));
     let marker = venv.join(".profiler-ready");
     if marker.exists() && venv.join("bin/python").exists() {
-        // Environments made before the scripts' `#!` lines were mended.
-        mend_scripts(&venv)?;
+        // Environments made before the scripts' `#!` lines were mended (the
+        // environment works without: everything here runs `python -m`).
+        if let Err(e) = mend_scripts(&venv) {
+            say(format!("torch-env: {}'s scripts (torchrun, pip) not mended: {e:#}", venv.display()));
+        }
         return Ok(venv.join("bin/python"));
     }
     let wheels = cache.join("wheels");

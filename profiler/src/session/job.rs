@@ -250,7 +250,8 @@ impl Job {
         let incomplete = consumer.take_incomplete_steps();
         let totals = consumer.close();
         let local_rank = m.start.local_rank;
-        let seen = self.ctx.nvml_processes.as_ref().and_then(|p| p.lock().ok()?.get(&pid).cloned());
+        // Taken out: a later process with this PID starts with none.
+        let seen = self.ctx.nvml_processes.as_ref().and_then(|p| p.lock().ok()?.remove(&pid));
         let gpus =
             rank_gpus(&self.ctx.gpus, seen.as_ref(), local_rank, m.cvd.as_deref(), self.ctx.sampler_cvd.as_deref());
         let end = SessionEnd {
@@ -476,8 +477,9 @@ pub(super) fn rank_gpus(
     sampler_cvd: Option<&str>,
 ) -> Vec<u32> {
     // NVML's process lists name the GPUs the process had contexts on: the fact, where there is one.
-    if let Some(seen) = nvml_seen.filter(|s| !s.is_empty()) {
-        return seen.iter().copied().filter(|g| sampled.contains(g)).collect();
+    let listed: Vec<u32> = nvml_seen.into_iter().flatten().copied().filter(|g| sampled.contains(g)).collect();
+    if !listed.is_empty() {
+        return listed;
     }
     let same_devices = own_cvd.map(str::trim) == sampler_cvd.map(str::trim);
     match local_rank.and_then(|k| u32::try_from(k).ok()) {
@@ -582,8 +584,9 @@ mod tests {
         let seen = |g: &[u32]| g.iter().copied().collect::<BTreeSet<u32>>();
         assert_eq!(rank_gpus(&all, Some(&seen(&[3])), Some(0), None, None), vec![3]);
         assert_eq!(rank_gpus(&all, Some(&seen(&[1, 2])), None, Some("1"), None), vec![1, 2]);
-        // Listed nowhere: the LOCAL_RANK rule.
+        // Listed nowhere, or only on GPUs not sampled: the LOCAL_RANK rule.
         assert_eq!(rank_gpus(&all, Some(&seen(&[])), Some(2), None, None), vec![2]);
+        assert_eq!(rank_gpus(&all, Some(&seen(&[7])), Some(2), None, None), vec![2]);
     }
 
     #[test]

@@ -16,8 +16,10 @@ use crate::correlate::{
 /// Fills the GPM and MFU columns of the session's `step_gpu` rows for the
 /// sampled GPUs `gpus`; an SM clock reading counts within `max_gap_ns`.
 /// `ids`: (the session whose steps these are, the session whose GPUs and
-/// samples to read: a job's first). Another process of a job given one GPU
-/// (`AtFinish::RankGpus`: its LOCAL_RANK's) has its FLOPs go to that GPU.
+/// samples to read: a job's first). Another process of a job has its FLOPs go
+/// to its own GPUs (`AtFinish::RankGpus`: those NVML listed it on, else its
+/// LOCAL_RANK's, else every sampled one), evenly; the `gpus.used_by_target`
+/// flags are the first target's alone.
 pub(super) fn write(conn: &Connection, ids: (i64, i64), gpus: &[u32], max_gap_ns: u64) -> rusqlite::Result<()> {
     let (session, samples_from) = ids;
     let steps = load_steps(conn, session)?;
@@ -31,8 +33,7 @@ pub(super) fn write(conn: &Connection, ids: (i64, i64), gpus: &[u32], max_gap_ns
                 "SELECT name, max_sm_clock_mhz, used_by_target FROM gpus WHERE session_id = ?1 AND gpu = ?2",
                 params![samples_from, gpu],
                 |r| {
-                    // A rank given one GPU (its LOCAL_RANK's) used it; else NVML's list says.
-                    let used_by_target = r.get::<_, bool>(2)? || (session != samples_from && gpus.len() == 1);
+                    let used_by_target = session != samples_from || r.get::<_, bool>(2)?;
                     Ok(GpuForMfu { gpu, name: r.get(0)?, max_sm_clock_mhz: r.get(1)?, used_by_target })
                 },
             )

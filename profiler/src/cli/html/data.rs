@@ -196,13 +196,13 @@ pub fn job_rank_steps(db: &ProfileDb, job: &str, label: &str) -> anyhow::Result<
     Ok(out)
 }
 
-/// The labels the job's steps have.
 /// Whether session `id` has a step labelled `label`.
 pub fn has_label(db: &ProfileDb, id: i64, label: &str) -> anyhow::Result<bool> {
     let mut q = db.conn.prepare_cached("SELECT EXISTS (SELECT 1 FROM steps WHERE session_id = ?1 AND label = ?2)")?;
     Ok(q.query_row(rusqlite::params![id, label], |r| r.get(0))?)
 }
 
+/// The labels the job's steps have.
 pub fn job_labels(db: &ProfileDb, job: &str) -> anyhow::Result<Vec<String>> {
     let mut q = db.conn.prepare("SELECT DISTINCT label FROM job_steps WHERE job = ?1 ORDER BY label")?;
     let rows = q.query_map([job], |r| r.get(0))?;
