@@ -162,13 +162,7 @@ fn run_follows_every_rank_of_a_launcher() {
     // from the one series of samples, stored with the launcher's session.
     let conn = open(&db);
     for s in job_sessions(&db).iter().filter(|s| s.rank.is_some()) {
-        let gpus: Vec<i64> = conn
-            .prepare("SELECT DISTINCT gpu FROM step_gpu WHERE session_id = ?1")
-            .expect("prepare")
-            .query_map([s.id], |r| r.get(0))
-            .expect("query")
-            .collect::<Result<_, _>>()
-            .expect("rows");
+        let gpus = step_gpus(&conn, s.id);
         assert_eq!(gpus, vec![s.local_rank.expect("a local rank")], "{s:?}");
         let rows = count(&db, "SELECT count(*) FROM step_gpu WHERE session_id = ?1 AND energy_j IS NOT NULL", s.id);
         let steps = count(&db, "SELECT count(*) FROM steps WHERE session_id = ?1 AND end_ns IS NOT NULL", s.id);
@@ -176,6 +170,16 @@ fn run_follows_every_rank_of_a_launcher() {
         assert_eq!(count(&db, "SELECT count(*) FROM gpu_samples WHERE session_id = ?1", s.id), 0);
     }
     assert!(count(&db, "SELECT count(*) FROM gpu_samples WHERE session_id = ?1", launcher_pid_session(&db)) > 0);
+}
+
+/// The GPUs session `id`'s steps have `step_gpu` rows for.
+fn step_gpus(conn: &rusqlite::Connection, id: i64) -> Vec<i64> {
+    conn.prepare("SELECT DISTINCT gpu FROM step_gpu WHERE session_id = ?1 ORDER BY gpu")
+        .expect("prepare")
+        .query_map([id], |r| r.get(0))
+        .expect("query")
+        .collect::<Result<_, _>>()
+        .expect("rows")
 }
 
 /// The job's first session (the launcher's, which holds the machine's samples).
@@ -258,13 +262,7 @@ fn a_ranks_gpus_are_those_nvml_lists_it_on() {
     assert_eq!(ranks.len(), RANKS as usize, "a session per rank");
     for s in &ranks {
         let rank = s.rank.expect("a rank") as u32;
-        let gpus: Vec<i64> = conn
-            .prepare("SELECT DISTINCT gpu FROM step_gpu WHERE session_id = ?1")
-            .expect("prepare")
-            .query_map([s.id], |r| r.get(0))
-            .expect("query")
-            .collect::<Result<_, _>>()
-            .expect("rows");
+        let gpus = step_gpus(&conn, s.id);
         assert_eq!(gpus, vec![logical(RANKS - 1 - rank)], "rank {rank}: the GPU NVML listed it on");
         assert_ne!(Some(gpus[0]), s.local_rank.filter(|_| rank != RANKS / 2), "rank {rank}: not its LOCAL_RANK's");
     }
