@@ -124,6 +124,22 @@ fn trainer_args(steps: &str) -> [&str; 18] {
     ]
 }
 
+/// The CPythons here that get the frame hook's write (3.11+ without USDT
+/// probes) and start without another glibc's loader (`run` names them).
+fn writing_pythons() -> Vec<Interp> {
+    interpreters().into_iter().filter(|p| p.writes() && p.loader.is_none()).collect()
+}
+
+/// `profiler run -o DB --no-gpu --step-python train_step --step-python validate=validate --`,
+/// the command to follow; the stand-in CUDA on the library path.
+fn run_steps(db: &Path) -> Command {
+    let mut c = Command::new(profiler_bin());
+    c.args(["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--step-python", "train_step"])
+        .args(["--step-python", "validate=validate", "--"])
+        .env("LD_LIBRARY_PATH", fixtures());
+    c
+}
+
 /// Counts exact and every boundary within the harness's tolerance, for both
 /// labels; the boundary errors' p50/p99 printed (the 50 µs p99 is a
 /// `cargo xtask bench frame-hook` figure).
@@ -238,7 +254,7 @@ fn any_cpython_no_target_writes_refuses_the_frame_hook() {
 /// exit status.
 #[test]
 fn any_cpython_run_mode_writes_the_hook_before_the_first_step() {
-    let pythons: Vec<Interp> = interpreters().into_iter().filter(|p| p.writes() && p.loader.is_none()).collect();
+    let pythons = writing_pythons();
     if pythons.is_empty() {
         skip("no CPython 3.11+ without USDT probes on this host");
         return;
@@ -251,15 +267,12 @@ fn any_cpython_run_mode_writes_the_hook_before_the_first_step() {
         // would let this short `run` finish before its probes are in (seen
         // once in the full suite: 0 of 120 steps).
         wait_for_probe_removal();
-        let out = Command::new(profiler_bin())
-            .args(["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--step-python", "train_step"])
-            .args(["--step-python", "validate=validate", "--"])
+        let out = run_steps(&db)
             .arg(&python.python)
             .arg(py_trainer())
             .args(trainer_args("60"))
             .arg("--truth")
             .arg(&truth)
-            .env("LD_LIBRARY_PATH", fixtures())
             // When the hook was written, said on stderr: shown if a check below fails.
             .env("RUST_LOG", "warn,profiler::probes::frame_hook=info")
             .output()
@@ -281,7 +294,7 @@ fn any_cpython_run_mode_writes_the_hook_before_the_first_step() {
 /// interpreter: its steps are all there.
 #[test]
 fn any_cpython_run_mode_follows_a_scripts_interpreter_line() {
-    let Some(python) = interpreters().into_iter().find(|p| p.writes() && p.loader.is_none()) else {
+    let Some(python) = writing_pythons().into_iter().next() else {
         skip("no CPython 3.11+ without USDT probes on this host");
         return;
     };
@@ -294,14 +307,11 @@ fn any_cpython_run_mode_follows_a_scripts_interpreter_line() {
     std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
     wait_for_probe_removal();
-    let out = Command::new(profiler_bin())
-        .args(["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--step-python", "train_step"])
-        .args(["--step-python", "validate=validate", "--"])
+    let out = run_steps(&db)
         .arg(&script)
         .args(trainer_args("40"))
         .arg("--truth")
         .arg(&truth)
-        .env("LD_LIBRARY_PATH", fixtures())
         .env("PATH", path)
         .output()
         .expect("profiler run");
@@ -331,7 +341,7 @@ sys.exit(max(p.wait() for p in ranks))
 /// gets the frame hook's write: every rank's steps exact.
 #[test]
 fn any_cpython_every_rank_of_a_job_gets_the_frame_hook() {
-    let pythons: Vec<Interp> = interpreters().into_iter().filter(|p| p.writes() && p.loader.is_none()).collect();
+    let pythons = writing_pythons();
     if pythons.is_empty() {
         skip("no CPython 3.11+ without USDT probes on this host");
         return;
@@ -341,15 +351,12 @@ fn any_cpython_every_rank_of_a_job_gets_the_frame_hook() {
         let dir = workdir(&format!("python-any-ranks{}", name.replace('/', "_")));
         let db = dir.join("p.db");
         wait_for_probe_removal();
-        let out = Command::new(profiler_bin())
-            .args(["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--step-python", "train_step"])
-            .args(["--step-python", "validate=validate", "--"])
+        let out = run_steps(&db)
             .arg(&python.python)
             .args(["-c", RANK_LAUNCHER])
             .arg(py_trainer())
             .arg(&dir)
             .args(trainer_args("40"))
-            .env("LD_LIBRARY_PATH", fixtures())
             .output()
             .expect("profiler run");
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -502,7 +509,7 @@ for p in ranks:
 /// is NULL again (read from its memory).
 #[test]
 fn any_cpython_detach_restores_eval_frame_in_every_rank() {
-    let Some(python) = interpreters().into_iter().find(|p| p.writes() && p.loader.is_none()) else {
+    let Some(python) = writing_pythons().into_iter().next() else {
         skip("no CPython 3.11+ without USDT probes on this host");
         return;
     };

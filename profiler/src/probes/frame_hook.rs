@@ -135,9 +135,7 @@ impl Locator {
 }
 
 fn read_u64(mem: &File, pid: u32, address: u64) -> Result<u64, HookError> {
-    let mut b = [0u8; 8];
-    mem.read_exact_at(&mut b, address).map_err(|source| HookError::Memory { pid, address, source })?;
-    Ok(u64::from_le_bytes(b))
+    super::read_u64_at(mem, address).map_err(|source| HookError::Memory { pid, address, source })
 }
 
 fn open_mem(pid: u32, write: bool) -> Result<File, HookError> {
@@ -479,10 +477,17 @@ impl FrameHookWrite {
     /// is done here, on the caller's thread; the watcher finds the field once
     /// the interpreter exists, writes it, keeps it written, and at the end our
     /// value is taken back wherever it is found (see `Watched::claim`).
-    pub fn watch_member(locator: Locator) -> Self {
+    /// The thread first asks `runs_cpython` (reads of the process's files)
+    /// and ends at once if the process runs another program.
+    pub fn watch_member(locator: Locator, runs_cpython: impl FnOnce() -> bool + Send + 'static) -> Self {
         let shared = Arc::new(Watched { claim: true, ..Watched::default() });
         let s = shared.clone();
-        let watcher = std::thread::Builder::new().name("frame-hook".into()).spawn(move || s.watch(&locator)).ok();
+        let watch = move || {
+            if runs_cpython() {
+                s.watch(&locator);
+            }
+        };
+        let watcher = std::thread::Builder::new().name("frame-hook".into()).spawn(watch).ok();
         Self { shared, watcher }
     }
 

@@ -648,9 +648,14 @@ pub fn is_alive(pid: u32) -> bool {
 
 /// One word of process `pid`'s memory.
 pub fn read_target_u64(pid: u32, address: u64) -> std::io::Result<u64> {
+    read_u64_at(&std::fs::File::open(format!("/proc/{pid}/mem"))?, address)
+}
+
+/// One word at `address` of a process's memory opened as `mem` (`/proc/PID/mem`).
+pub fn read_u64_at(mem: &std::fs::File, address: u64) -> std::io::Result<u64> {
     use std::os::unix::fs::FileExt;
     let mut b = [0u8; 8];
-    std::fs::File::open(format!("/proc/{pid}/mem"))?.read_exact_at(&mut b, address)?;
+    mem.read_exact_at(&mut b, address)?;
     Ok(u64::from_le_bytes(b))
 }
 

@@ -323,18 +323,13 @@ impl FrameHookMembers {
     }
 
     /// Process `pid` (just adopted, or just exec'ed) gets the write if it
-    /// runs the CPython the hook was built for (looked for and written by a
-    /// watcher thread of its own, not here); a write it had before an exec
-    /// went with its old image.
+    /// runs the CPython the hook was built for: a watcher thread of its own
+    /// looks at its files, then finds and writes the field (nothing here, on
+    /// the caller's thread); a write it had before an exec went with its old image.
     pub fn add(&self, pid: u32) {
-        let write = self.runs_it(pid).then(|| FrameHookWrite::watch_member(self.template.for_pid(pid)));
-        let old = {
-            let mut writes = self.writes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            match write {
-                Some(w) => writes.insert(pid, w),
-                None => writes.remove(&pid),
-            }
-        };
+        let Some(file) = self.file else { return };
+        let write = FrameHookWrite::watch_member(self.template.for_pid(pid), move || runs_file(file, pid));
+        let old = self.writes.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(pid, write);
         if let Some(old) = old {
             old.abandon();
         }
@@ -348,32 +343,6 @@ impl FrameHookMembers {
         }
     }
 
-    /// Whether `pid`'s program is the CPython file, or an executable that
-    /// loads it (`DT_NEEDED`, through its `LD_LIBRARY_PATH`), or maps it.
-    fn runs_it(&self, pid: u32) -> bool {
-        let Some(file) = self.file else { return false };
-        let same = |p: &Path| std::fs::metadata(p).is_ok_and(|m| (m.dev(), m.ino()) == file);
-        let exe = PathBuf::from(format!("/proc/{pid}/exe"));
-        if same(&exe) {
-            return true;
-        }
-        let Ok(process) = procfs::process::Process::new(pid as i32) else { return false };
-        let ld_path = process
-            .environ()
-            .ok()
-            .and_then(|env| env.get(std::ffi::OsStr::new("LD_LIBRARY_PATH")).map(|v| v.to_string_lossy().into_owned()));
-        if let Ok(target) = std::fs::read_link(&exe) {
-            let visible = super::in_target_root(pid, &target);
-            if needed_libpython(&visible, ld_path.as_deref()).iter().any(|p| same(&super::in_target_root(pid, p))) {
-                return true;
-            }
-        }
-        process.maps().is_ok_and(|maps| {
-            maps.iter()
-                .any(|m| m.inode != 0 && m.inode == file.1 && matches!(m.pathname, procfs::process::MMapPath::Path(_)))
-        })
-    }
-
     /// Puts NULL back in every process written into that is still there.
     fn restore_all(&self) {
         let writes = std::mem::take(&mut *self.writes.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
@@ -383,6 +352,31 @@ impl FrameHookMembers {
             }
         }
     }
+}
+
+/// Whether process `pid`'s program is the CPython `file` (device, inode), or
+/// an executable that loads it (`DT_NEEDED`, through its `LD_LIBRARY_PATH`), or maps it.
+fn runs_file(file: (u64, u64), pid: u32) -> bool {
+    let same = |p: &Path| std::fs::metadata(p).is_ok_and(|m| (m.dev(), m.ino()) == file);
+    let exe = PathBuf::from(format!("/proc/{pid}/exe"));
+    if same(&exe) {
+        return true;
+    }
+    let Ok(process) = procfs::process::Process::new(pid as i32) else { return false };
+    let ld_path = process
+        .environ()
+        .ok()
+        .and_then(|env| env.get(std::ffi::OsStr::new("LD_LIBRARY_PATH")).map(|v| v.to_string_lossy().into_owned()));
+    if let Ok(target) = std::fs::read_link(&exe) {
+        let visible = super::in_target_root(pid, &target);
+        if needed_libpython(&visible, ld_path.as_deref()).iter().any(|p| same(&super::in_target_root(pid, p))) {
+            return true;
+        }
+    }
+    process.maps().is_ok_and(|maps| {
+        maps.iter()
+            .any(|m| m.inode != 0 && m.inode == file.1 && matches!(m.pathname, procfs::process::MMapPath::Path(_)))
+    })
 }
 
 fn attach_one(
