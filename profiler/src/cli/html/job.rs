@@ -1,7 +1,6 @@
 //! The job part of a page (`--job J`): the job's processes, each rank's step
 //! time side by side, the spread across ranks per step and the slowest rank
 //! per step, from the `job_steps` and `job_step_ranks` views.
-use std::collections::BTreeMap;
 
 use super::{
     data::{JobMember, JobStep, job_labels, job_rank_steps, job_steps},
@@ -48,7 +47,9 @@ pub fn section(
         // Step numbers start where the job's first step of this label does (0 or 1 by source).
         let warm = steps.first().filter(|_| skip > 0).map(|s| WarmUp { first: s.step, skip });
         per_rank(page, db, job, l, members, &anchor, warm)?;
-        spread_and_slowest(page, &steps, l, members, &anchor, warm)?;
+        // The slowest-rank counts are the text report's (`report --job --skip`).
+        let counts = crate::cli::report_job::build(db, job, Some(l), skip)?;
+        spread_and_slowest(page, &steps, &counts, l, members, &anchor, warm)?;
     }
     Ok(())
 }
@@ -61,10 +62,6 @@ struct WarmUp {
 }
 
 impl WarmUp {
-    fn contains(&self, step: i64) -> bool {
-        step < self.first.saturating_add(self.skip as i64)
-    }
-
     /// The x interval shaded, by step number.
     fn interval(&self) -> (f64, f64) {
         (self.first as f64 - 0.5, self.first as f64 + self.skip as f64 - 0.5)
@@ -104,6 +101,7 @@ fn per_rank(
 fn spread_and_slowest(
     page: &mut Page,
     steps: &[JobStep],
+    counts: &crate::cli::report_job::JobReport,
     label: &str,
     members: &[JobMember],
     anchor: &str,
@@ -140,17 +138,12 @@ fn spread_and_slowest(
     {
         page.figure(&Figure { id, title, svg, legend: Vec::new(), note: None });
     }
-    // Counted over the measured steps, as the text report's `--job` does.
-    let measured: Vec<_> = shared.iter().filter(|s| !warm.is_some_and(|w| w.contains(s.step))).collect();
-    let mut times: BTreeMap<i64, usize> = BTreeMap::new();
-    for s in &measured {
-        *times.entry(s.slowest_session).or_default() += 1;
-    }
     let rows: Vec<Vec<String>> = members
         .iter()
         .map(|m| {
-            let n = times.get(&m.session).copied().unwrap_or(0);
-            let share = if measured.is_empty() { 0.0 } else { 100.0 * n as f64 / measured.len() as f64 };
+            let n = counts.ranks.iter().find(|r| r.session == m.session).map_or(0, |r| r.slowest_steps);
+            let compared = counts.compared_steps;
+            let share = if compared == 0 { 0.0 } else { 100.0 * n as f64 / compared as f64 };
             vec![who(m), n.to_string(), format!("{share:.1}%")]
         })
         .collect();

@@ -72,7 +72,10 @@ fn session(
     in_job: bool,
 ) -> anyhow::Result<()> {
     // In a job, a process without the label asked for (the launcher) is shown without steps, not an error.
-    let absent = in_job && label.is_some_and(|l| !data::has_label(db, id, l).unwrap_or(true));
+    let absent = match label {
+        Some(l) if in_job => !data::has_label(db, id, l)?,
+        _ => false,
+    };
     let mut report = build(db, id, label.filter(|_| !absent), skip)?;
     if absent {
         report.labels.clear();
@@ -96,16 +99,11 @@ fn session(
         .and_then(|l| l.gpus.as_ref())
         .map(|g| g.iter().filter_map(|g| g.name.clone().map(|n| (g.gpu, n))).collect())
         .unwrap_or_default();
-    match (report.labels.is_empty(), absent) {
-        (true, true) => page.missing(
-            &format!("{anchor}-steps"),
-            "Steps",
-            &format!("no steps labelled {} in this process", label.unwrap_or_default()),
-        ),
-        (true, false) => {
-            page.missing(&format!("{anchor}-steps"), "Steps", "no steps were recorded (was a step source named?)")
-        }
-        (false, _) => {}
+    if absent {
+        let why = format!("no steps labelled {} in this process", label.unwrap_or_default());
+        page.missing(&format!("{anchor}-steps"), "Steps", &why);
+    } else if report.labels.is_empty() {
+        page.missing(&format!("{anchor}-steps"), "Steps", "no steps were recorded (was a step source named?)");
     }
     for l in &report.labels {
         let label_anchor = format!("{anchor}-{}", self::anchor(&l.label));
