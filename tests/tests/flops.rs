@@ -336,6 +336,7 @@ fn mfu_per_step_is_the_steps_flops_over_the_h200_peak_at_its_precision() {
         .expect("query")
         .collect::<Result<_, _>>()
         .unwrap_or_else(|e| panic!("every step has FLOPs, a time and an MFU: {e}; {stderr}"));
+    assert!(!by_step.is_empty(), "the trainer issued GEMMs in steps: {stderr}");
     assert_eq!(stored.len(), by_step.len(), "{stderr}");
     for ((step, classes), (flops, duration_ns, mfu)) in by_step.iter().zip(&stored) {
         let total: u128 = classes.values().sum();

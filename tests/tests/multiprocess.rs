@@ -234,19 +234,15 @@ fn a_ranks_gpus_are_those_nvml_lists_it_on() {
     std::fs::write(&go, b"").expect("go");
     let started = std::time::Instant::now();
     let pids = loop {
-        let file = std::fs::read_to_string(dir.join("launcher.txt")).unwrap_or_default();
-        let pids: Vec<(u32, u32)> = file
-            .lines()
-            .filter_map(|l| l.strip_prefix("rank ")?.split_once(' '))
-            .filter_map(|(r, p)| Some((r.parse().ok()?, p.trim().parse().ok()?)))
-            .collect();
-        if pids.len() == RANKS as usize {
-            break pids;
+        // Written whole (renamed into place) once every rank is started.
+        if dir.join("launcher.txt").exists() {
+            break launched_ranks(&dir);
         }
         assert!(started.elapsed() < Duration::from_secs(30), "the launcher did not start its ranks");
         std::thread::sleep(Duration::from_millis(10));
     };
-    let lines: String = pids.iter().map(|(r, pid)| format!("{} {pid}\n", RANKS - 1 - r)).collect();
+    assert_eq!(pids.len(), RANKS as usize, "the launcher's record of its ranks");
+    let lines: String = pids.iter().map(|(r, pid)| format!("{} {pid}\n", i64::from(RANKS) - 1 - r)).collect();
     // Whole, as NVML would list them: written aside, then renamed over the empty list.
     let aside = dir.join("nvml_processes.tmp");
     std::fs::write(&aside, lines).expect("the process list");

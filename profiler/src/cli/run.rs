@@ -59,8 +59,7 @@ pub fn exec_gate(args: &[String]) -> ExitCode {
 pub async fn main(args: RunArgs) -> anyhow::Result<ExitCode> {
     privileges::check().map_err(anyhow::Error::msg)?;
     let program = &args.command[0];
-    let exe = which::which(program).with_context(|| format!("command '{program}' not found in PATH"))?;
-    let exe = std::fs::canonicalize(&exe).unwrap_or(exe);
+    let exe = find_program(program).with_context(|| format!("command '{program}' not found in PATH"))?;
     let (gate_read, gate_write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).context("pipe")?;
     let read_fd = gate_read.as_raw_fd();
     let me = std::env::current_exe().context("cannot find the profiler's own executable")?;
@@ -87,6 +86,12 @@ pub async fn main(args: RunArgs) -> anyhow::Result<ExitCode> {
     let summary = session::profile(cfg, Target::Run(Box::new(launched))).await?;
     summary.report_failure();
     Ok(summary.exit_code())
+}
+
+/// `program` as PATH finds it, with its links resolved.
+fn find_program(program: &str) -> which::Result<std::path::PathBuf> {
+    let found = which::which(program)?;
+    Ok(std::fs::canonicalize(&found).unwrap_or(found))
 }
 
 /// The interpreter a script names on its `#!` line (through `env`, as
@@ -117,8 +122,7 @@ fn script_interpreter(path: &std::path::Path) -> Option<std::path::PathBuf> {
     } else {
         first
     };
-    let found = which::which(program).ok()?;
-    Some(std::fs::canonicalize(&found).unwrap_or(found))
+    find_program(program).ok()
 }
 
 #[cfg(test)]
