@@ -88,9 +88,21 @@ pub struct TruthStep {
     pub launches: u64,
 }
 
+/// A stream synchronisation as the trainer timed it around the call: the
+/// profiler's entry and return probes fire between `start_ns` and `end_ns`.
+#[derive(Debug, Clone)]
+pub struct TruthSync {
+    pub tid: u32,
+    /// The thread's step number (from 0).
+    pub step: i64,
+    pub start_ns: u64,
+    pub end_ns: u64,
+}
+
 #[derive(Debug, Default)]
 pub struct Truth {
     pub steps: Vec<TruthStep>,
+    pub syncs: Vec<TruthSync>,
     pub total: u64,
     pub apis: BTreeMap<String, u64>,
 }
@@ -113,6 +125,14 @@ impl Truth {
         }
         for f in file.records("api") {
             t.apis.insert(f[0].to_string(), file.num(&f, 1));
+        }
+        for f in file.records("sync") {
+            t.syncs.push(TruthSync {
+                tid: file.num(&f, 0),
+                step: file.num(&f, 1),
+                start_ns: file.num(&f, 2),
+                end_ns: file.num(&f, 3),
+            });
         }
         t.steps.sort_by_key(|s| (s.tid, s.start_ns));
         t

@@ -244,15 +244,24 @@ impl Tally {
 fn test_phases(args: &[String], tally: &mut Tally) -> Result<()> {
     // Release, like the root runs below: the profiler's test binary built here
     // is the one the `--ignored` run reuses, so nothing is compiled twice.
+    // A failed test's message, not a backtrace of the test harness, is what a
+    // log's tail should end with: backtraces stay off unless asked for here.
+    let backtrace = std::env::var_os("PROFILER_TEST_BACKTRACE").unwrap_or_else(|| "0".into());
     say("unit tests (host crates, release, no root needed)");
     run_tests(
-        cargo().current_dir(root()).args(["test", "--release", "--workspace", "--exclude", "integration-tests"]),
+        cargo().current_dir(root()).env("RUST_BACKTRACE", &backtrace).args([
+            "test",
+            "--release",
+            "--workspace",
+            "--exclude",
+            "integration-tests",
+        ]),
         tally,
     )?;
     // Built as the user, run as root: only the runs that load eBPF programs need it.
     say("root unit tests of the USDT attach path (profiler crate, --ignored: they load eBPF programs)");
     for exe in root::test_executables("profiler")? {
-        let mut c = root::command(&exe, &[], "loading eBPF programs")?;
+        let mut c = root::command(&exe, &[("RUST_BACKTRACE", &backtrace)], "loading eBPF programs")?;
         c.current_dir(root::package_dir("profiler")).args(["--ignored", "--test-threads=1"]);
         run_tests(&mut c, tally)?;
     }
@@ -265,6 +274,7 @@ fn test_phases(args: &[String], tally: &mut Tally) -> Result<()> {
         ("PROFILER_BIN", bin.as_os_str()),
         ("PROFILER_FIXTURES", fx.as_os_str()),
         ("PROFILER_TORCH_PYTHONS", pythons.as_os_str()),
+        ("RUST_BACKTRACE", backtrace.as_os_str()),
     ];
     for exe in root::test_executables("integration-tests")? {
         let mut c = root::command(&exe, &env, "loading eBPF programs")?;

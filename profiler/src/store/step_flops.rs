@@ -260,4 +260,56 @@ mod tests {
         write(&conn, (id, id), &[0, 1], 100 * MS).expect("derive");
         assert_eq!(rows(&conn)[3].4, Some(mfu));
     }
+
+    /// Another process of a job: its FLOPs go to the GPUs it was given (its
+    /// `RankGpus`), evenly, whichever GPUs the first target was seen on; its
+    /// MFU is measured against its own share.
+    #[test]
+    fn a_ranks_flops_go_evenly_to_its_own_gpus() {
+        let (_dir, path) = crate::store::testing::temp_db();
+        let (store, first) = open_store(&path);
+        let w = store.spawn_writer(first);
+        w.send(StoreMsg::Gpus(vec![h100(0), h100(1), h100(2)]));
+        w.send(StoreMsg::GpusUsedByTarget(vec![0]));
+        let work = AtFinish::StepGpu { gpus: vec![0, 1, 2], max_gap_ns: 100 * MS, energy_resolution_j: 0.001 };
+        w.finish(end(), vec![work]).expect("finish");
+
+        let conn = Connection::open(&path).expect("reopen");
+        conn.execute_batch(&format!(
+            "INSERT INTO sessions (id, pid, command, mode, launch_mode, started_ns, unix_offset_ns, profiler_version, job)
+             SELECT {first} + 1, 2, 'rank 1', mode, launch_mode, started_ns, unix_offset_ns, profiler_version, job
+             FROM sessions WHERE id = {first};
+             INSERT INTO steps (session_id, label, step, tid, start_ns, end_ns, flops)
+             VALUES ({first} + 1, 'train', 0, 2, 0, 100000000, 98950000000000);
+             INSERT INTO step_gpu (session_id, label, step, gpu)
+             VALUES ({first} + 1, 'train', 0, 0), ({first} + 1, 'train', 0, 1), ({first} + 1, 'train', 0, 2);"
+        ))
+        .expect("a second process's session");
+        let rank = first + 1;
+        let flops_and_mfu = |gpus: &[u32]| -> Vec<(i64, Option<i64>, Option<f64>)> {
+            conn.execute("UPDATE step_gpu SET flops = NULL, mfu_pct = NULL WHERE session_id = ?1", [rank])
+                .expect("clear");
+            write(&conn, (rank, first), gpus, 100 * MS).expect("derive");
+            conn.prepare("SELECT gpu, flops, mfu_pct FROM step_gpu WHERE session_id = ?1 ORDER BY gpu")
+                .expect("prepare")
+                .query_map([rank], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+                .expect("query")
+                .collect::<rusqlite::Result<_>>()
+                .expect("rows")
+        };
+        // Its GPUs 1 and 2 (not the first target's GPU 0): half each, 50 % of an H100's BF16 peak.
+        let got = flops_and_mfu(&[1, 2]);
+        assert_eq!(got[0], (0, None, None));
+        for (gpu, row) in [1, 2].into_iter().zip(&got[1..]) {
+            assert_eq!((row.0, row.1), (gpu, Some(49_475_000_000_000)));
+            assert!((row.2.expect("mfu") - 50.0).abs() < 1e-9, "{row:?}");
+        }
+        // GPUs 0 and 1, GPU 0 shared with the first target: still half each.
+        let got = flops_and_mfu(&[0, 1]);
+        assert_eq!((got[0].1, got[1].1, got[2].1), (Some(49_475_000_000_000), Some(49_475_000_000_000), None));
+        // One GPU of its own: all of it there, 100 %.
+        let got = flops_and_mfu(&[2]);
+        assert_eq!((got[0].1, got[1].1, got[2].1), (None, None, Some(98_950_000_000_000)));
+        assert!((got[2].2.expect("mfu") - 100.0).abs() < 1e-9, "{:?}", got[2]);
+    }
 }
