@@ -652,3 +652,25 @@ pub fn no_rapl_root(dir: &Path) -> String {
     std::fs::create_dir_all(&root).expect("empty powercap root");
     root.display().to_string()
 }
+
+/// A port nothing listens on (bound, then let go).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// `GET path` on 127.0.0.1:port; the body of a 200 reply, else None.
+pub fn http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).ok()?;
+    let (head, body) = reply.split_once("\r\n\r\n")?;
+    head.lines().next().is_some_and(|l| l.contains(" 200 ")).then(|| body.to_owned())
+}
+
+/// The value of the first exposition line (Prometheus text format) that starts with `series`.
+pub fn exposed(text: &str, series: &str) -> Option<f64> {
+    text.lines().find(|l| l.starts_with(series))?.rsplit(' ').next()?.parse().ok()
+}

@@ -289,15 +289,32 @@ fn blas_symbols() -> Vec<&'static str> {
 /// MFU per step through the stand-in NVML (one GPU, "Stand-in H200"): the
 /// step's FLOPs (the trainer's truth) ÷ (the dense peak of NVIDIA's H200 SXM
 /// datasheet at the precision that did most of the step's FLOPs × the step's
-/// time as stored).
+/// time as stored); and the live gauge (`--prometheus`), scraped after the
+/// last step, is the last step's.
 #[test]
 fn mfu_per_step_is_the_steps_flops_over_the_h200_peak_at_its_precision() {
     let dir = workdir("mfu");
     let db = dir.join("p.db");
-    let mut trainer = GemmTrainer::spawn(&dir, &["--steps", "4"]);
+    let end_file = dir.join("end");
+    let mut trainer = GemmTrainer::spawn(&dir, &["--steps", "4", "--end-file", end_file.to_str().expect("utf-8")]);
     let nvml = stand_in_nvml();
-    let flags = ["--step-symbol", "train_step", "--nvml-lib", &nvml];
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let flags = ["--step-symbol", "train_step", "--nvml-lib", &nvml, "--prometheus", &addr, "--job", "mfu"];
     let agent = Agent::attach_with_env(trainer.child.id(), &db, &flags, &[("STANDIN_NVML_GPUS", "1")]);
+    // The steps done (the trainer holds before exiting): the endpoint, once it counts all four.
+    std::fs::write(&trainer.go, b"").expect("write go file");
+    let t0 = std::time::Instant::now();
+    let series = |text: &str, name: &str| exposed(text, &format!("{name}{{job=\"mfu\",host="));
+    let live_mfu = loop {
+        let text = http_get(port, "/metrics").unwrap_or_default();
+        if series(&text, "profiler_steps_total") == Some(4.0) {
+            break series(&text, "profiler_last_step_mfu_ratio");
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(60), "never 4 steps: {text}\n{}", agent.stderr());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    std::fs::write(&end_file, b"").expect("write end file");
     let truth = trainer.run();
     let (status, stderr) = agent.finish();
     assert!(status.success(), "{stderr}");
@@ -348,4 +365,9 @@ fn mfu_per_step_is_the_steps_flops_over_the_h200_peak_at_its_precision() {
             "step {step}: MFU {mfu} %, expected {expected} % ({dominant})"
         );
     }
+    let last = stored.last().map(|s| s.2 / 100.0);
+    assert!(
+        live_mfu.zip(last).is_some_and(|(live, db)| (live - db).abs() <= 1e-9 * db),
+        "the live gauge {live_mfu:?} is the last step's MFU {last:?}"
+    );
 }

@@ -22,22 +22,6 @@ use prost::Message;
 /// How long the test waits for something that normally takes well under a second.
 const PATIENCE: Duration = Duration::from_secs(60);
 
-/// A port nothing listens on (bound, then let go).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
-}
-
-/// `GET path` on 127.0.0.1:port; the body of a 200 reply, else None.
-fn http_get(port: u16, path: &str) -> Option<String> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
-    let mut reply = String::new();
-    s.read_to_string(&mut reply).ok()?;
-    let (head, body) = reply.split_once("\r\n\r\n")?;
-    head.lines().next().is_some_and(|l| l.contains(" 200 ")).then(|| body.to_owned())
-}
-
 fn url_encode(s: &str) -> String {
     s.bytes()
         .map(|b| match b {
@@ -137,10 +121,6 @@ impl Drop for Prometheus {
 }
 
 /// The value (the last word) of the first line of the exposition text that starts with `series`.
-fn exposed(text: &str, series: &str) -> Option<f64> {
-    text.lines().find(|l| l.starts_with(series))?.rsplit(' ').next()?.parse().ok()
-}
-
 fn nvml() -> String {
     fixtures().join("libnvidia-ml.so.1").display().to_string()
 }

@@ -15,7 +15,7 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 pub use machine::MachineMetrics;
 use prometheus_client::registry::Registry;
 use series::{CounterFamily, GaugeFamily, HistogramFamily, Labels, Spec};
-pub use session::SessionMetrics;
+pub use session::{FlopsAt, SessionMetrics};
 
 /// The live-metrics flags of `attach` and `run`.
 #[derive(clap::Args, Debug, Clone)]
@@ -119,6 +119,12 @@ const LAST_STEP_FLOPS_RATE: Spec = Spec {
     help: "The last step's GEMM FLOPs over its time (a lower bound: GEMMs through cuBLAS/cuBLASLt only)",
     unit: None,
 };
+const LAST_STEP_MFU: Spec = Spec {
+    name: "profiler_last_step_mfu",
+    help: "The last step's GEMM FLOPs over what its GPUs could do in its time at their dense peak for the step's \
+           dominant precision (model-FLOPs utilisation; a lower bound: GEMMs through cuBLAS/cuBLASLt only)",
+    unit: Some(("ratio", "1")),
+};
 const LOST: Spec = Spec { name: "profiler_lost_events", help: "Records the ring buffers had no room for", unit: None };
 const GPU_UTIL: Spec =
     Spec { name: "profiler_gpu_utilization", help: "GPU busy share (NVML)", unit: Some(("ratio", "1")) };
@@ -148,6 +154,7 @@ struct Families {
     launches: CounterFamily,
     gemm_flops: CounterFamily,
     last_step_flops_rate: GaugeFamily,
+    last_step_mfu: GaugeFamily,
     lost: CounterFamily,
     gpu_util: GaugeFamily,
     gpu_memory: GaugeFamily,
@@ -170,6 +177,7 @@ impl Families {
             launches: CounterFamily::new(&LAUNCHES, r, m),
             gemm_flops: CounterFamily::new(&GEMM_FLOPS, r, m),
             last_step_flops_rate: GaugeFamily::new(&LAST_STEP_FLOPS_RATE, r, m),
+            last_step_mfu: GaugeFamily::new(&LAST_STEP_MFU, r, m),
             lost: CounterFamily::new(&LOST, r, m),
             gpu_util: GaugeFamily::new(&GPU_UTIL, r, m),
             gpu_memory: GaugeFamily::new(&GPU_MEMORY, r, m),

@@ -5,7 +5,22 @@ use super::{
     Families, SeriesLabels,
     series::{LiveCounter, LiveGauge, LiveHistogram},
 };
-use crate::{probes::KernelCounters, store::StepRow};
+use crate::{correlate::mfu::Precision, probes::KernelCounters, store::StepRow};
+
+/// The process's GPUs' summed dense peak, FLOP/s, at a precision; None when
+/// a GPU or the precision is unknown (no GPU, a name the peak table lacks).
+/// Asked at each step's end: a rank's GPUs are known once NVML lists it.
+pub type PeakFlops = Box<dyn Fn(Precision) -> Option<f64> + Send>;
+
+/// A step's GEMMs as the consumer counted them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FlopsAt {
+    pub flops: u64,
+    /// The precision that did most of its FLOPs; the default one
+    /// (`correlate::mfu::DEFAULT_PRECISION`) for a step without GEMMs; None:
+    /// types no peak is known for.
+    pub precision: Option<Precision>,
+}
 
 /// The rate gauge is recomputed once this much time has passed.
 const RATE_WINDOW_S: f64 = 1.0;
@@ -19,6 +34,8 @@ struct StepSeries {
     sync_wait: LiveCounter,
     sync_share: LiveGauge,
     flops_rate: LiveGauge,
+    /// Made with the first MFU known: absent, not 0, where it never is.
+    mfu: Option<LiveGauge>,
     /// Steps ended since `since` (for the rate gauge).
     ended: u64,
     /// Ended a step here once: only then does this process set the rate (a
@@ -38,6 +55,7 @@ impl StepSeries {
             sync_wait: f.sync_wait.series(&l),
             sync_share: f.sync_share.series(&l),
             flops_rate: f.last_step_flops_rate.series(&l),
+            mfu: None,
             ended: 0,
             ever: false,
         }
@@ -56,6 +74,8 @@ pub struct SessionMetrics {
     /// The kernel counters' values already published.
     published: (u64, u64),
     since: Instant,
+    /// For the MFU gauge; None: not exported.
+    peak: Option<PeakFlops>,
 }
 
 impl SessionMetrics {
@@ -69,6 +89,7 @@ impl SessionMetrics {
             labels: labels.clone(),
             published: (0, 0),
             since: Instant::now(),
+            peak: None,
             families,
         };
         // Every known label has its series from the start (0 steps is a value).
@@ -76,6 +97,12 @@ impl SessionMetrics {
             me.step_series(label);
         }
         me
+    }
+
+    /// The process's GPUs' peak, for the MFU gauge.
+    pub fn with_peak(mut self, peak: PeakFlops) -> Self {
+        self.peak = Some(peak);
+        self
     }
 
     fn step_series(&mut self, label: &str) -> &mut StepSeries {
@@ -91,18 +118,28 @@ impl SessionMetrics {
 
     /// Publishes the steps of a batch that ended (rows with an end; those
     /// without are stored open and never counted), and the step rate.
-    /// `flops` gives a step's GEMM FLOPs (label, number), None where no BLAS
-    /// call was seen in the process.
-    pub fn steps_ended(&mut self, rows: &[StepRow], flops: &dyn Fn(&str, u64) -> Option<u64>) {
+    /// `gemms` gives a step's GEMMs (label, number), None where no BLAS call
+    /// was seen in the process.
+    pub fn steps_ended(&mut self, rows: &[StepRow], gemms: &dyn Fn(&str, u64) -> Option<FlopsAt>) {
         for r in rows {
             let Some(end_ns) = r.end_ns else { continue };
             let secs = end_ns.saturating_sub(r.start_ns) as f64 / 1e9;
-            let step_flops = flops(&r.label, r.step);
-            let s = self.step_series(&r.label);
-            if let Some(f) = step_flops
-                && secs > 0.0
-            {
-                s.flops_rate.set(f as f64 / secs);
+            let step = gemms(&r.label, r.step).filter(|_| secs > 0.0);
+            let mfu = step.and_then(|g| Some(g.flops as f64 / (self.peak.as_ref()?(g.precision?)? * secs)));
+            let (families, labels) = (&self.families, &self.labels);
+            let s =
+                self.steps.entry(r.label.to_string()).or_insert_with(|| StepSeries::new(families, labels, &r.label));
+            if let Some(g) = step {
+                s.flops_rate.set(g.flops as f64 / secs);
+            }
+            match mfu.filter(|m| m.is_finite()) {
+                Some(mfu) => {
+                    let l = labels.with(Some(("label", r.label.to_string())));
+                    s.mfu.get_or_insert_with(|| families.last_step_mfu.series(&l)).set(mfu);
+                }
+                // Unknown for this step (no peak for its GPUs or precision): not the last one's figure.
+                None if step.is_some() => s.mfu.iter().for_each(|g| g.set(f64::NAN)),
+                None => {}
             }
             s.steps.add(1.0);
             s.ended += 1;

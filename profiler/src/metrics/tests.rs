@@ -5,6 +5,7 @@ use prometheus_client::{encoding::text::encode, registry::Registry};
 
 use super::*;
 use crate::{
+    correlate::mfu::Precision,
     probes::KernelCounters,
     samplers::testing::step_row,
     store::{GpuSampleRow, RaplSampleRow},
@@ -159,7 +160,7 @@ fn gemm_flops_are_counted_and_the_last_steps_rate_follows_its_flops() {
     m.gemm(2 * 64 * 64 * 64);
     m.gemm(2 * 128 * 128 * 128);
     // Step 0: 1e9 FLOPs in 0.5 s; step 1 (1e9 FLOPs in 0.25 s) ends last.
-    let flops = |_: &str, step: u64| Some([1_000_000_000, 1_000_000_000][step as usize]);
+    let flops = |_: &str, _: u64| Some(FlopsAt { flops: 1_000_000_000, precision: Some(Precision::Bf16) });
     m.steps_ended(&[step_row(0, 0, Some(500_000_000)), step_row(1, 600_000_000, Some(850_000_000))], &flops);
     let text = scrape(&registry);
     let process = r#"{job="trainer",host="node1",rank="0"}"#;
@@ -167,4 +168,34 @@ fn gemm_flops_are_counted_and_the_last_steps_rate_follows_its_flops() {
     assert_eq!(value(&text, &format!("profiler_gemm_flops_total{process}")), Some(total), "{text}");
     let train = r#"{job="trainer",host="node1",rank="0",label="train"}"#;
     assert_eq!(value(&text, &format!("profiler_last_step_gemm_flops_per_second{train}")), Some(4e9));
+    assert!(!text.contains("profiler_last_step_mfu_ratio{"), "no GPU peak known, no MFU: {text}");
+}
+
+/// The last step's MFU: its FLOPs over its GPUs' peak at its precision × its
+/// time; after a step whose precision or GPUs have no known peak, NaN (unknown,
+/// which Prometheus keeps and graphs as a gap), not the stale figure.
+#[test]
+fn the_last_steps_mfu_is_its_flops_over_the_peak_at_its_precision() {
+    let (f, registry) = families();
+    // Two GPUs of 1 PFLOP/s at BF16, 60 TFLOP/s at FP32; no FP8 figure.
+    let peak = |p| match p {
+        Precision::Bf16 => Some(2e15),
+        Precision::Fp32 => Some(1.2e14),
+        _ => None,
+    };
+    let mut m = SessionMetrics::new(f, &labels(Some(1)), &["train"]).with_peak(Box::new(peak));
+    let train = r#"{job="trainer",host="node1",rank="1",label="train"}"#;
+    let mfu = |m: &mut SessionMetrics, start: u64, end: u64, flops: u64, precision| {
+        let at = move |_: &str, _: u64| Some(FlopsAt { flops, precision });
+        m.steps_ended(&[step_row(0, start, Some(end))], &at);
+        value(&scrape(&registry), &format!("profiler_last_step_mfu_ratio{train}"))
+    };
+    // 5e14 FLOPs in 0.5 s at BF16: half of 2 PFLOP/s.
+    assert_eq!(mfu(&mut m, 0, 500_000_000, 500_000_000_000_000, Some(Precision::Bf16)), Some(0.5));
+    // 3e13 FLOPs in 1 s at FP32: a quarter.
+    assert_eq!(mfu(&mut m, 1_000_000_000, 2_000_000_000, 30_000_000_000_000, Some(Precision::Fp32)), Some(0.25));
+    // No peak for FP8, nor for unknown types: not the previous step's figure.
+    assert!(mfu(&mut m, 2_000_000_000, 3_000_000_000, 1, Some(Precision::Fp8)).is_some_and(f64::is_nan));
+    assert_eq!(mfu(&mut m, 3_000_000_000, 4_000_000_000, 4e13 as u64, Some(Precision::Fp32)), Some(1.0 / 3.0));
+    assert!(mfu(&mut m, 4_000_000_000, 5_000_000_000, 1, None).is_some_and(f64::is_nan));
 }

@@ -553,6 +553,13 @@ impl GpuSampler {
         self.processes.clone()
     }
 
+    /// The dense peaks of each sampled GPU NVML's name is in the peak table
+    /// for (`correlate::mfu::Peaks`), by logical id. Before [`GpuSampler::start`].
+    pub fn peaks(&self) -> HashMap<u32, &'static crate::correlate::mfu::Peaks> {
+        let named = self.info_rows.iter().filter_map(|r| Some((r.gpu, r.name.as_deref()?)));
+        named.filter_map(|(gpu, name)| Some((gpu, crate::correlate::mfu::Peaks::of_gpu(name)?))).collect()
+    }
+
     pub fn logical_gpus(&self) -> Vec<u32> {
         self.gpus.iter().map(|g| g.sel.logical).collect()
     }

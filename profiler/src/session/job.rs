@@ -7,6 +7,7 @@ use std::{
     collections::{BTreeSet, HashMap},
     ffi::{OsStr, OsString},
     path::Path,
+    sync::Arc,
     time::Instant,
 };
 
@@ -19,6 +20,7 @@ use super::{
 };
 use crate::{
     clock,
+    correlate::mfu::Peaks,
     events::{self, Event, ProcessChange, ProcessEvent},
     probes::{self, Probes, python_any::FrameHookMembers},
     regions::RegionSteps,
@@ -40,15 +42,34 @@ pub(super) struct JobContext {
     pub sampler_cvd: Option<String>,
     /// The processes NVML has listed on those GPUs (none without NVML).
     pub nvml_processes: Option<crate::samplers::gpu::GpuProcesses>,
+    /// The dense peaks of the sampled GPUs the peak table knows (live MFU).
+    pub gpu_peaks: Arc<HashMap<u32, &'static Peaks>>,
     /// `--prometheus`/`--otlp`: registers each process's series.
     pub live: Option<crate::metrics::LiveSessions>,
 }
 
 impl JobContext {
-    /// Live series for the process whose session row is `start` (its job and rank).
-    fn live_for(&self, start: &SessionStart) -> Option<crate::metrics::SessionMetrics> {
+    /// Live series for the process whose session row is `start` (its job and
+    /// rank); its MFU is over the GPUs [`rank_gpus`] gives it from its
+    /// `local_rank` and CUDA_VISIBLE_DEVICES `cvd` (the first target's: none
+    /// given, as for its `step_gpu` rows).
+    pub fn live_for(
+        &self,
+        start: &SessionStart,
+        local_rank: Option<i64>,
+        cvd: Option<String>,
+    ) -> Option<crate::metrics::SessionMetrics> {
         let labels = crate::metrics::SeriesLabels::of_process(&start.job, start.rank);
-        self.live.as_ref().map(|l| l.session(&labels, &self.labels))
+        let (sampled, peaks, listed) = (self.gpus.clone(), self.gpu_peaks.clone(), self.nvml_processes.clone());
+        let (sampler_cvd, pid) = (self.sampler_cvd.clone(), start.pid);
+        // Asked at each step's end: NVML lists a process once it has a context.
+        let peak = move |precision| {
+            let seen = listed.as_ref().and_then(|l| l.lock().ok()?.get(&pid).cloned());
+            let gpus = rank_gpus(&sampled, seen.as_ref(), local_rank, cvd.as_deref(), sampler_cvd.as_deref());
+            let each = gpus.iter().map(|g| peaks.get(g)?.flops_per_s(precision));
+            each.sum::<Option<f64>>().filter(|_| !gpus.is_empty())
+        };
+        self.live.as_ref().map(|l| l.session(&labels, &self.labels).with_peak(Box::new(peak)))
     }
 }
 
@@ -126,7 +147,7 @@ impl Job {
         self.ctx.sender.send(StoreMsg::Process(Box::new(start.clone())));
         let mut consumer =
             Consumer::new(self.ctx.sender.for_process(pid), self.ctx.labels.clone(), self.ctx.regions.clone(), pid);
-        consumer.live = self.ctx.live_for(&start);
+        consumer.live = self.ctx.live_for(&start, start.local_rank, cvd.clone());
         // Adopted during teardown: the cutoff applies to it too.
         consumer.cutoff_ns = self.cutoff_ns;
         consumer.keep_gemm_rows(self.ctx.cfg.launch_mode == super::LaunchMode::All);
@@ -223,7 +244,7 @@ impl Job {
                     m.watcher.loader_hooked = loader_hooked;
                     if let Some(c) = m.consumer.as_mut() {
                         // Its rank is known from the new program's environment.
-                        c.live = ctx.live_for(&m.start);
+                        c.live = ctx.live_for(&m.start, m.start.local_rank, m.cvd.clone());
                         m.watcher.scan(probes, c, quiet, "exec");
                     }
                 }

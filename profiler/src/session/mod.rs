@@ -66,13 +66,12 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     let (mut probes, mut rings) = Probes::load_job(&pids, cfg.follow_children, emit, cfg.place_probes)?;
     let (session, writer) = setup::begin_session(&cfg, &target, store, &steps.regions, job_name)?;
     let sampled = gpu.as_ref().map(|g| g.logical_gpus()).unwrap_or_default();
+    let gpu_peaks = std::sync::Arc::new(gpu.as_ref().map(|g| g.peaks()).unwrap_or_default());
     let (samplers, gpu_live) = setup::start_samplers(&cfg, target.pid, gpu, &writer, live.machine(&labels))?;
     let (gpu_live, nvml_processes) = gpu_live.unzip();
 
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer.sender(), steps.labels.clone(), steps.regions.clone(), target.pid);
-    let live_sessions = live.sessions();
-    consumer.live = live_sessions.as_ref().map(|l| l.session(&labels, &steps.labels));
     consumer.keep_gemm_rows(cfg.launch_mode == LaunchMode::All);
     let watcher = LibraryWatcher::new(target.pid, torch::TorchWatch::new(&cfg, &steps.regions));
     let ctx = JobContext {
@@ -83,9 +82,12 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         regions: steps.regions.clone(),
         gpus: sampled,
         nvml_processes,
+        gpu_peaks,
         sampler_cvd: target.var("CUDA_VISIBLE_DEVICES"),
-        live: live_sessions,
+        live: live.sessions(),
     };
+    // The first target's MFU is over the GPUs NVML lists it on, else all (as in `step_gpu`).
+    consumer.live = ctx.live_for(&session.start, None, None);
     let mut job = Job::new(ctx, target.pid, consumer, watcher);
     let mut python = None;
     let outcome = match attach::attach_all(&cfg, &target, &mut probes, &mut job.watcher, &steps) {

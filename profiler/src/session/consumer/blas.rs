@@ -8,7 +8,9 @@ use profiler_common::BlasCall;
 
 use super::Consumer;
 use crate::{
+    correlate::mfu::{DEFAULT_PRECISION, Precision, dominant},
     events::BlasEvent,
+    metrics::FlopsAt,
     store::{GemmRow, StepGemms, StoreMsg},
 };
 
@@ -80,6 +82,20 @@ struct StepSums {
 }
 
 impl StepSums {
+    /// The precision that did the most FLOPs (as `correlate::mfu::dominant`
+    /// picks it from the `gemms` rows at the end).
+    fn precision(&self) -> Option<Precision> {
+        let groups: Vec<(Option<Precision>, i64)> = self
+            .by_types
+            .iter()
+            .map(|(&(d, c), &f)| {
+                let (d, c) = (d.map(data_type_name), c.map(compute_type_name));
+                (Precision::of(d.as_deref(), c.as_deref()), i64::try_from(f).unwrap_or(i64::MAX))
+            })
+            .collect();
+        dominant(&groups).unwrap_or(Some(DEFAULT_PRECISION))
+    }
+
     /// The types that did the most FLOPs (the lowest codes among equals).
     fn dominant(&self) -> (Option<String>, Option<String>) {
         let best = self.by_types.iter().max_by_key(|(types, flops)| (**flops, std::cmp::Reverse(**types)));
@@ -103,10 +119,14 @@ pub(in crate::session) struct GemmState {
 }
 
 impl GemmState {
-    /// Step (`label`, `step`)'s GEMM FLOPs so far; None while the process has issued no GEMM.
-    pub fn step_flops(&self, label: &str, step: u64) -> Option<u64> {
+    /// Step (`label`, `step`)'s GEMM FLOPs so far and their dominant
+    /// precision; None while the process has issued no GEMM.
+    pub fn step_flops(&self, label: &str, step: u64) -> Option<FlopsAt> {
         let per_step: &HashMap<(&str, u64), StepSums> = &self.per_step;
-        self.any.then(|| per_step.get(&(label, step)).map_or(0, |s| s.flops))
+        self.any.then(|| match per_step.get(&(label, step)) {
+            Some(s) => FlopsAt { flops: s.flops, precision: s.precision() },
+            None => FlopsAt { flops: 0, precision: Some(DEFAULT_PRECISION) },
+        })
     }
 }
 
@@ -475,5 +495,30 @@ mod tests {
         assert_eq!(compute_type_name(77), "CUBLAS_COMPUTE_32F_FAST_TF32");
         assert_eq!(compute_type_name(0), "CUDA_R_32F");
         assert_eq!(compute_type_name(200), "cublasComputeType(200)");
+    }
+
+    /// The live MFU's precision per step: the one that did most of the step's
+    /// FLOPs, several type pairs of one precision counted together; the
+    /// default for a step without GEMMs; None before any GEMM.
+    #[test]
+    fn a_steps_precision_is_the_one_with_most_flops() {
+        let mut g = GemmState::default();
+        assert_eq!(g.step_flops("train", 0), None, "no GEMM in the process yet");
+        g.any = true;
+        let sums = g.per_step.entry(("train", 0)).or_default();
+        // 30 FLOPs of FP32, 25 + 25 of BF16 (data 16BF, compute 32F and FAST_16BF): BF16.
+        sums.by_types = HashMap::from([((Some(R_32F), Some(COMPUTE_32F)), 30), ((Some(14), Some(68)), 25)]);
+        sums.by_types.insert((Some(R_32F), Some(75)), 25);
+        sums.flops = 80;
+        assert_eq!(g.step_flops("train", 0), Some(FlopsAt { flops: 80, precision: Some(Precision::Bf16) }));
+        assert_eq!(
+            g.step_flops("train", 1),
+            Some(FlopsAt { flops: 0, precision: Some(DEFAULT_PRECISION) }),
+            "a step without GEMMs"
+        );
+        // Types no precision is known for: none.
+        let sums = g.per_step.entry(("train", 2)).or_default();
+        sums.by_types = HashMap::from([((Some(99), None), 10)]);
+        assert_eq!(g.step_flops("train", 2).map(|f| f.precision), Some(None));
     }
 }
