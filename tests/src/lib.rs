@@ -205,26 +205,28 @@ pub struct Trainer {
     pub child: Child,
     pub truth: PathBuf,
     go: PathBuf,
+    /// The trainer holds after loading its libraries until this exists.
+    probed: PathBuf,
 }
 
 impl Trainer {
-    /// Starts `trainer ARGS --truth … --wait-file …` with the stand-in
-    /// libraries on LD_LIBRARY_PATH.
+    /// Starts `trainer ARGS --truth … --wait-file … --probed-file …` with the
+    /// stand-in libraries on LD_LIBRARY_PATH.
     pub fn spawn(dir: &Path, args: &[&str]) -> Trainer {
         Self::spawn_with(dir, args, Some(fixtures()))
     }
 
     pub fn spawn_with(dir: &Path, args: &[&str], ld_library_path: Option<PathBuf>) -> Trainer {
         let truth = dir.join("truth.txt");
-        let go = dir.join("go");
+        let (go, probed) = (dir.join("go"), dir.join("probed"));
         let mut c = Command::new(fixtures().join("trainer"));
-        c.args(args).arg("--truth").arg(&truth).arg("--wait-file").arg(&go);
+        c.args(args).arg("--truth").arg(&truth).arg("--wait-file").arg(&go).arg("--probed-file").arg(&probed);
         match ld_library_path {
             Some(p) => c.env("LD_LIBRARY_PATH", p),
             None => c.env_remove("LD_LIBRARY_PATH"),
         };
         let child = c.spawn().expect("start trainer");
-        Trainer { child, truth, go }
+        Trainer { child, truth, go, probed }
     }
 
     pub fn pid(&self) -> u32 {
@@ -237,7 +239,20 @@ impl Trainer {
     }
 
     pub fn go(&self) {
+        std::fs::write(&self.probed, b"").expect("write probed file");
         std::fs::write(&self.go, b"").expect("write go file");
+    }
+
+    /// Lets it load its libraries, and run once `agent` has said it probes
+    /// each of `libraries` (a path's end, as `probing PATH (N probes)` names
+    /// it): a library the trainer loads late is probed before its first
+    /// launch however slow the machine, not by a sleep's grace.
+    pub fn go_once_probed(&self, agent: &Agent, libraries: &[&str]) {
+        std::fs::write(&self.go, b"").expect("write go file");
+        for lib in libraries {
+            agent.wait_for(&format!("{lib} ("), Duration::from_secs(60));
+        }
+        std::fs::write(&self.probed, b"").expect("write probed file");
     }
 
     pub fn wait(&mut self) -> ExitStatus {
@@ -260,6 +275,8 @@ impl Drop for Trainer {
 pub struct Agent {
     pub child: Child,
     stderr: Arc<Mutex<Vec<String>>>,
+    /// Set by the reader thread at the pipe's end.
+    stderr_ended: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Agent {
@@ -280,14 +297,16 @@ impl Agent {
             .spawn()
             .expect("start profiler");
         let stderr = Arc::new(Mutex::new(Vec::new()));
-        let sink = stderr.clone();
+        let stderr_ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (sink, ended) = (stderr.clone(), stderr_ended.clone());
         let pipe = child.stderr.take().expect("stderr piped");
         std::thread::spawn(move || {
             for line in BufReader::new(pipe).lines().map_while(Result::ok) {
                 sink.lock().expect("lock").push(line);
             }
+            ended.store(true, std::sync::atomic::Ordering::Release);
         });
-        let agent = Agent { child, stderr };
+        let agent = Agent { child, stderr, stderr_ended };
         if ready {
             agent.wait_for("tracing PID", Duration::from_secs(30));
         }
@@ -328,9 +347,13 @@ impl Agent {
     /// returns the status and everything it printed.
     pub fn finish(mut self) -> (ExitStatus, String) {
         let status = self.child.wait().expect("wait profiler");
-        // Let the reader thread take the last lines.
-        std::thread::sleep(Duration::from_millis(50));
         wait_for_probe_removal();
+        // Every line read: the pipe ends once no process holds it (a target
+        // `run` started, or a rank, may hold it longer: 5 s at most then).
+        let t0 = Instant::now();
+        while !self.stderr_ended.load(std::sync::atomic::Ordering::Acquire) && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
         (status, self.stderr())
     }
 }

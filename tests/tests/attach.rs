@@ -29,7 +29,11 @@ fn attach_and_run_with_env(
     let db = dir.join("p.db");
     let mut trainer = Trainer::spawn(&dir, trainer_args);
     let agent = Agent::attach_with_env(trainer.pid(), &db, profiler_args, env);
-    trainer.go();
+    match trainer_args.contains(&"--after-dlopen-ms") {
+        // Every such trainer here loads the runtime after the attach.
+        true => trainer.go_once_probed(&agent, &["libcudart.so.12"]),
+        false => trainer.go(),
+    }
     assert!(trainer.wait().success(), "trainer failed");
     let (status, stderr) = agent.finish();
     assert!(status.success(), "profiler failed: {stderr}");
@@ -125,8 +129,8 @@ fn threads_sharing_a_counter_slot_keep_exact_counts() {
 /// from one in progress.
 fn runtime_launches_are_counted_once(name: &str, deeper: bool) {
     // The runtime is found in the maps after the loader's hook reports its
-    // dlopen (its path is not predictable), so the trainer gives the agent
-    // time before launching, as cuInit would.
+    // dlopen (its path is not predictable); the trainer launches once the
+    // profiler says it probes it (attach_and_run).
     let mut args = vec!["--steps", "20", "--launches", "64", "--api", "all", "--after-dlopen-ms", "500"];
     if deeper {
         args.extend(["--driver-deeper", "--rejected-runtime"]);
@@ -288,8 +292,8 @@ fn late_dlopen_of_the_driver_is_probed_before_it_loads() {
 }
 
 /// A library loaded from a path nobody could predict is probed once the
-/// dynamic loader's hook reports the dlopen: polling the maps (every 10 s
-/// here) could not have found it before the trainer's launches, 200 ms later.
+/// dynamic loader's hook reports the dlopen (`how`), not by polling the maps
+/// (every 10 s here); the trainer launches once the profiler says it probes it.
 #[test]
 fn late_dlopen_from_an_unpredictable_path_is_found_through_the_loader_hook() {
     let dir = workdir("hidden");
@@ -302,7 +306,7 @@ fn late_dlopen_from_an_unpredictable_path_is_found_through_the_loader_hook() {
         None,
     );
     let agent = Agent::attach(trainer.pid(), &db, &["--step-symbol", "train_step", "--maps-interval", "10000"]);
-    trainer.go();
+    trainer.go_once_probed(&agent, &["hidden/libcuda.so.1"]);
     assert!(trainer.wait().success());
     let (status, stderr) = agent.finish();
     assert!(status.success(), "{stderr}");
@@ -628,7 +632,7 @@ fn sync_wait_is_counted_once_and_charged_to_its_step() {
     {
         let mut args = vec!["--steps", "10", "--launches", "5", "--sync-us", "3000"];
         if runtime {
-            // The runtime is found in the maps: give the watcher time, as cuInit would.
+            // The runtime is found in the maps after its dlopen: attach_and_run waits for its probes.
             args.extend(["--runtime-sync", "--after-dlopen-ms", "500"]);
         }
         let (db, truth, s) = attach_and_run(name, &args, &["--step-symbol", "train_step"]);

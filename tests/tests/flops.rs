@@ -122,10 +122,23 @@ fn db_calls(db: &Path, session: i64) -> Vec<String> {
 fn traced(name: &str, args: &[&str], extra: &[&str]) -> (TruthFile, PathBuf, i64, String) {
     let dir = workdir(name);
     let db = dir.join("p.db");
-    let mut trainer = GemmTrainer::spawn(&dir, args);
+    let probed = dir.join("probed");
+    let mut args = args.to_vec();
+    if args.contains(&"--late") {
+        args.extend(["--probed-file", probed.to_str().expect("utf-8")]);
+    }
+    let mut trainer = GemmTrainer::spawn(&dir, &args);
     let mut flags = vec!["--step-symbol", "train_step"];
     flags.extend(extra);
     let agent = Agent::attach(trainer.child.id(), &db, &flags);
+    if args.contains(&"--late") {
+        // Loaded after the attach: the trainer's GEMMs begin once both are probed.
+        std::fs::write(&trainer.go, b"").expect("write go file");
+        for lib in ["libcublas.so.13 for GEMMs", "libcublasLt.so.13 for GEMMs"] {
+            agent.wait_for(lib, std::time::Duration::from_secs(60));
+        }
+        std::fs::write(&probed, b"").expect("write probed file");
+    }
     let truth = trainer.run();
     let (status, stderr) = agent.finish();
     assert!(status.success(), "{stderr}");
@@ -153,8 +166,7 @@ fn flops_per_step_are_exact_through_every_entry_point() {
 #[test]
 fn flops_with_launches_count_and_a_late_dlopen_keep_only_the_sums() {
     // PyTorch loads cuBLAS on its first GEMM: the libraries come after the attach.
-    let (truth, db, session, stderr) =
-        traced("flops-count", &["--steps", "4", "--late", "--after-dlopen-ms", "1500"], &["--launches", "count"]);
+    let (truth, db, session, stderr) = traced("flops-count", &["--steps", "4", "--late"], &["--launches", "count"]);
     assert_eq!(db_steps(&db, session), truth_steps(&truth), "{stderr}");
     // The precision to set the FLOPs against, without the rows.
     assert_eq!(db_types(&db, session), truth_types(&truth));

@@ -376,7 +376,7 @@ fn a_collector_that_refuses_connections_costs_one_warning_not_the_profile() {
     assert_eq!(warnings.len(), 1, "one warning for a whole session of failed pushes: {stderr}");
     assert!(warnings[0].contains(&url), "{}", warnings[0]);
     let s = last_session(&db);
-    assert_steps_match(&trainer.truth().steps, &steps(&db, s.id), 5_000_000);
+    assert_steps_match(&trainer.truth().steps, &steps(&db, s.id), STEP_TOLERANCE_NS);
 }
 
 #[test]

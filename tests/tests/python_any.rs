@@ -321,18 +321,15 @@ fn any_cpython_run_mode_follows_a_scripts_interpreter_line() {
 
 /// Starts two ranks of the trainer with the launcher's own interpreter (as
 /// torchrun does: `sys.executable`, `RANK` in the environment), each writing
-/// its truth to `DIR/truth{RANK}.txt`; argv: TRAINER DIR TRAINER-ARGS…. The
-/// ranks start their steps a second after they start (the profiler sees a
-/// new process at its next drain of the rings, 20 ms, and writes the hook
-/// once its interpreter exists: a step before then would go unseen).
+/// its truth to `DIR/truth{RANK}.txt`; argv: TRAINER DIR TRAINER-ARGS…. Each
+/// rank starts its steps once its interpreter holds the frame hook
+/// (`--wait-hook`: the profiler writes it once it has seen the new process
+/// and its interpreter exists; a step before then would go unseen).
 const RANK_LAUNCHER: &str = r#"
-import os, subprocess, sys, time
+import os, subprocess, sys
 trainer, out, args = sys.argv[1], sys.argv[2], sys.argv[3:]
-go = f"{out}/go"
-ranks = [subprocess.Popen([sys.executable, trainer, *args, "--truth", f"{out}/truth{r}.txt", "--wait-file", go],
+ranks = [subprocess.Popen([sys.executable, trainer, *args, "--truth", f"{out}/truth{r}.txt", "--wait-hook"],
                           env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"}) for r in range(2)]
-time.sleep(1.0)
-open(go, "w").close()
 sys.exit(max(p.wait() for p in ranks))
 "#;
 
@@ -415,11 +412,20 @@ fn words(pid: u32, address: u64, size: usize) -> Vec<u64> {
     b.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
 }
 
-/// The median of the call-cost windows written after line `from`.
-fn cost_after(file: &Path, from: usize) -> (f64, usize) {
+/// The call cost in the windows written after line `from`: the cheapest
+/// window (what a call costs when nothing else ran: load from other processes
+/// only adds to a window), and the median.
+fn cost_after(file: &Path, from: usize) -> (Cost, usize) {
     let text = std::fs::read_to_string(file).unwrap_or_default();
     let v: Vec<f64> = text.lines().skip(from).filter_map(|l| l.parse().ok()).collect();
-    (percentile(&v, 50.0).unwrap_or(f64::NAN), from + v.len())
+    let cost = Cost { least: v.iter().copied().reduce(f64::min), median: percentile(&v, 50.0) };
+    (cost, from + v.len())
+}
+
+/// ns per call over windows of calls (see [`cost_after`]); None without a window.
+struct Cost {
+    least: Option<f64>,
+    median: Option<f64>,
 }
 
 /// After a normal detach (Ctrl-C) the interpreter's `eval_frame` is NULL
@@ -475,8 +481,16 @@ fn any_cpython_detach_restores_eval_frame_and_call_cost() {
             .expect("the step probes' row");
         assert!(row.contains(&format!("interp+{offset:#x} eval_frame")), "{name}: eval_frame at +{offset:#x}: {row}");
         assert_eq!(restored[written[0]], 0, "{name}: eval_frame is NULL again after detach");
-        println!("{name}: ns per call: {before:.0} before, {during:.0} attached, {after:.0} after detach");
-        assert!(after < before * 1.5, "{name}: a call costs {after:.0} ns after detach, {before:.0} ns before");
+        let median = |c: &Cost| c.median.map_or("-".into(), |m| format!("{m:.0}"));
+        println!(
+            "{name}: ns per call (median): {} before, {} attached, {} after detach",
+            median(&before),
+            median(&during),
+            median(&after)
+        );
+        // The cheapest windows: what a loaded machine cannot inflate (attached, ≈ 15× more).
+        let (a, b) = (after.least.expect("windows after detach"), before.least.expect("windows before"));
+        assert!(a < b * 1.5, "{name}: a call costs {a:.0} ns after detach, {b:.0} ns before (cheapest windows)");
     }
 }
 
@@ -534,8 +548,15 @@ fn any_cpython_detach_restores_eval_frame_in_every_rank() {
     let snapshot = |[pid, interp, _]: [u64; 3]| words(pid as u32, interp, SPAN);
     let untouched: Vec<Vec<u64>> = ranks.iter().map(|r| snapshot(*r)).collect();
     let agent = Agent::attach(launcher.id(), &db, &["--children", "--no-gpu", "--step-python", "f"]);
-    std::thread::sleep(Duration::from_millis(1500));
-    let attached: Vec<Vec<u64>> = ranks.iter().map(|r| snapshot(*r)).collect();
+    // Until every rank holds the hook in a word that was NULL (each rank's write is its watcher's).
+    let hooked = |i: usize, now: &[u64]| (0..now.len()).any(|w| untouched[i][w] == 0 && now[w] == ranks[i][2]);
+    let attached: Vec<Vec<u64>> = loop {
+        let now: Vec<Vec<u64>> = ranks.iter().map(|r| snapshot(*r)).collect();
+        if (0..ranks.len()).all(|i| hooked(i, &now[i])) || started.elapsed() > Duration::from_secs(60) {
+            break now;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     agent.signal(libc::SIGINT);
     let (status, stderr) = agent.finish();
     let restored: Vec<Vec<u64>> = ranks.iter().map(|r| snapshot(*r)).collect();

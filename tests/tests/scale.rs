@@ -26,7 +26,11 @@ fn traced(name: &str, lib: &str, trainer_args: &[&str], env: &[(&str, &str)]) ->
     };
     let mut trainer = Trainer::spawn_with(&dir, trainer_args, Some(PathBuf::from(ld)));
     let agent = Agent::attach_with_env(trainer.pid(), &db, &["--step-symbol", "train_step", "--no-gpu"], env);
-    trainer.go();
+    match trainer_args.contains(&"--after-dlopen-ms") {
+        // The runtime, loaded after the attach, probed before the first launch.
+        true => trainer.go_once_probed(&agent, &["libcudart.so.12"]),
+        false => trainer.go(),
+    }
     assert!(trainer.wait().success(), "trainer failed");
     let (status, stderr) = agent.finish();
     assert!(status.success(), "profiler failed: {stderr}");
@@ -157,10 +161,12 @@ fn a_full_step_ring_marks_the_steps_it_cost_and_no_others() {
         assert!((t.start_ns - d.start_ns) < STEP_TOLERANCE_NS as u64 && (end - t.end_ns) < STEP_TOLERANCE_NS as u64);
         exact += 1;
     }
-    // After the burst, once the agent has drained the full ring (a 20 ms tick
-    // and the drain: the first 20 steps, 2 ms apart, may still find it
-    // full), every step is there and exact.
-    let after: Vec<&TruthStep> = r.truth.steps[3020..].iter().collect();
+    // After the last step a loss marked, every step is there and exact; and
+    // that is most of the 150 after the burst (the agent drains the ring on
+    // its next 20 ms tick: not every later step merged into one that never ends).
+    let cut = db.iter().filter(|(_, m)| *m == Some(1)).map(|(d, _)| d.end_ns.unwrap_or(d.start_ns)).max();
+    let after: Vec<&TruthStep> = r.truth.steps.iter().filter(|t| cut.is_some_and(|c| t.start_ns > c)).collect();
+    assert!(after.len() >= 100, "only {} steps after the last marked one", after.len());
     let matched = after
         .iter()
         .filter(|t| {
@@ -173,7 +179,7 @@ fn a_full_step_ring_marks_the_steps_it_cost_and_no_others() {
         4 * r.truth.steps.len(),
         db.len()
     );
-    assert_eq!(matched, after.len(), "steps after the burst missing or merged");
+    assert_eq!(matched, after.len(), "steps after the last marked one missing or merged");
     assert!(r.stderr.contains("steps are marked steps.incomplete = 1"), "{}", r.stderr);
 }
 
@@ -226,7 +232,7 @@ fn detaching_many_probes_keeps_every_record_from_before_the_stop() {
         args.push(a.into());
     }
     let agent = Agent::start_with_env(&args, &[("RUST_LOG", "info")], true);
-    trainer.go();
+    trainer.go_once_probed(&agent, &["libcudart.so.12"]);
     let (status, stderr) = agent.finish();
     assert!(status.success(), "profiler failed: {stderr}");
     // It finishes its step and writes its truth.

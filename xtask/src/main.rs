@@ -276,10 +276,18 @@ fn test_phases(args: &[String], tally: &mut Tally) -> Result<()> {
         ("PROFILER_TORCH_PYTHONS", pythons.as_os_str()),
         ("RUST_BACKTRACE", backtrace.as_os_str()),
     ];
+    // Every binary runs, a failed one or not: one CI run shows every failure.
+    let mut failed = Vec::new();
     for exe in root::test_executables("integration-tests")? {
         let mut c = root::command(&exe, &env, "loading eBPF programs")?;
         c.current_dir(root::package_dir("tests")).args(["--test-threads=1", "--show-output"]).args(args);
-        run_tests(&mut c, tally)?;
+        if let Err(e) = run_tests(&mut c, tally) {
+            say(format!("{e:#}"));
+            failed.push(exe.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned()));
+        }
+    }
+    if !failed.is_empty() {
+        bail!("integration tests failed in {}", failed.join(", "));
     }
     Ok(())
 }
@@ -380,8 +388,20 @@ fn demo() -> Result<()> {
     Ok(())
 }
 
-fn main() -> Result<()> {
-    match Cli::parse().task {
+/// The error, with its causes, is the last thing printed: no backtrace of
+/// xtask itself (RUST_BACKTRACE=1 would give one) after a test run's totals.
+fn main() -> std::process::ExitCode {
+    match run_task(Cli::parse().task) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_task(task: Task) -> Result<()> {
+    match task {
         Task::Setup => {
             toolchain::ensure_ebpf_toolchain()?;
             toolchain::ensure_nonfree()
