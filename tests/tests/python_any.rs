@@ -319,6 +319,44 @@ fn any_cpython_run_mode_follows_a_scripts_interpreter_line() {
     check_steps(&db, &truth, &python);
 }
 
+/// `run -- python3 …` where `python3` is pyenv's shim (a bash script that
+/// execs `pyenv exec`, which execs the CPython pyenv picks, here by
+/// `PYENV_VERSION`): the profiler probes that CPython (as `pyenv which`
+/// names it), the one process runs the shim, pyenv and then Python, and the
+/// steps are exact.
+#[test]
+fn any_cpython_run_mode_follows_a_pyenv_shim() {
+    let root = std::env::var_os("PYENV_ROOT").map_or_else(|| PathBuf::from("/root/.pyenv"), PathBuf::from);
+    let shim = root.join("shims/python3");
+    let versions = root.join("versions");
+    let python = writing_pythons().into_iter().find(|p| p.python.starts_with(&versions));
+    let (Some(python), true) = (python, shim.exists()) else {
+        skip(&format!("no pyenv shim {} for a CPython 3.11+ without USDT probes", shim.display()));
+        return;
+    };
+    let version = python.python.strip_prefix(&versions).ok().and_then(|v| v.iter().next()).expect("a version");
+    let dir = workdir("python-any-shim");
+    let (db, truth) = (dir.join("p.db"), dir.join("truth.txt"));
+    wait_for_probe_removal();
+    let out = run_steps(&db)
+        .arg(&shim)
+        .arg(py_trainer())
+        .args(trainer_args("40"))
+        .arg("--truth")
+        .arg(&truth)
+        .env("PYENV_ROOT", &root)
+        .env("PYENV_VERSION", version)
+        .output()
+        .expect("profiler run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let exe: String = open(&db)
+        .query_row("SELECT exe FROM sessions WHERE id = ?1", [last_session(&db).id], |r| r.get(0))
+        .expect("the first target's executable");
+    assert!(Path::new(&exe).starts_with(versions.join(version)), "the shim's CPython, not bash: {exe}; {stderr}");
+    check_steps(&db, &truth, &python);
+}
+
 /// Starts two ranks of the trainer with the launcher's own interpreter (as
 /// torchrun does: `sys.executable`, `RANK` in the environment), each writing
 /// its truth to `DIR/truth{RANK}.txt`; argv: TRAINER DIR TRAINER-ARGS…. Each

@@ -32,7 +32,7 @@ pub struct ExportArgs {
     /// File to write (default, or `-`: standard output).
     #[arg(short, long, value_name = "PATH")]
     output: Option<PathBuf>,
-    /// Session id (default: the latest).
+    /// Session id (default: of the newest job's processes, the one with the most steps).
     #[arg(long, value_name = "N")]
     session: Option<i64>,
     /// Table or view to export with --format csv (rows of the session only,

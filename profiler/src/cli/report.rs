@@ -40,7 +40,7 @@ pub struct ReportArgs {
     /// The profile to read.
     #[arg(default_value = "profile.db")]
     pub(super) db: PathBuf,
-    /// Session id (default: the latest).
+    /// Session id (default: of the newest job's processes, the one with the most steps).
     #[arg(long, value_name = "N")]
     pub(super) session: Option<i64>,
     /// Only steps with this label (default: every label).
@@ -191,14 +191,33 @@ impl ProfileDb {
             .prepare("SELECT id FROM sessions ORDER BY id")
             .and_then(|mut q| q.query_map([], |r| r.get(0))?.collect())
             .with_context(|| format!("reading the sessions of {}", self.path.display()))?;
-        let Some(&latest) = ids.last() else {
+        if ids.is_empty() {
             bail!("{} has no sessions yet", self.path.display());
-        };
+        }
         match requested {
-            None => Ok(latest),
+            None => {
+                self.newest_jobs_busiest().with_context(|| format!("reading the sessions of {}", self.path.display()))
+            }
             Some(n) if ids.contains(&n) => Ok(n),
             Some(n) => bail!("{} has no session {n}; its sessions are {}", self.path.display(), id_list(&ids)),
         }
+    }
+}
+
+impl ProfileDb {
+    /// The session a report shows when none is named: of the newest job's
+    /// processes (a `run` follows children: a launcher, its helpers, its
+    /// ranks), the one with the most steps; the first of them (the target
+    /// named) among equals.
+    fn newest_jobs_busiest(&self) -> rusqlite::Result<i64> {
+        self.conn.query_row(
+            "SELECT s.id FROM sessions s
+             WHERE s.job IS (SELECT job FROM sessions ORDER BY id DESC LIMIT 1)
+             ORDER BY (SELECT count(*) FROM steps t WHERE t.session_id = s.id) DESC, s.id
+             LIMIT 1",
+            [],
+            |r| r.get(0),
+        )
     }
 }
 
@@ -356,6 +375,10 @@ pub struct SessionInfo {
     pub hostname: Option<String>,
     pub kernel_release: Option<String>,
     pub profiler_version: String,
+    pub job: Option<String>,
+    pub rank: Option<i64>,
+    /// The processes (sessions) of its job, itself included.
+    pub job_processes: i64,
 }
 
 /// Whether a session ended, is still being written, or stopped without an end.
@@ -381,14 +404,20 @@ impl SessionState {
     }
 }
 
-/// How `session` stands. Only the newest session of a file can still be
-/// running (a later one started after it), and only while its profiler lives.
+/// How `session` stands. Only the newest job of a file (the processes of
+/// the newest session's profiler run) can still be running, and only while
+/// its profiler lives.
 fn session_state(db: &ProfileDb, session: i64, ended: bool) -> anyhow::Result<SessionState> {
     if ended {
         return Ok(SessionState::Ended);
     }
-    let newest: i64 = db.conn.query_row("SELECT max(id) FROM sessions", [], |r| r.get(0))?;
-    Ok(if newest == session && db.written_by_a_live_profiler { SessionState::Running } else { SessionState::Unclean })
+    let in_newest_job: bool = db.conn.query_row(
+        "SELECT s.id = n.id OR s.job = n.job
+         FROM sessions s, (SELECT id, job FROM sessions ORDER BY id DESC LIMIT 1) n WHERE s.id = ?1",
+        [session],
+        |r| r.get(0),
+    )?;
+    Ok(if in_newest_job && db.written_by_a_live_profiler { SessionState::Running } else { SessionState::Unclean })
 }
 
 #[derive(Debug, Serialize)]
@@ -671,8 +700,9 @@ fn session_info(db: &ProfileDb, session: i64) -> anyhow::Result<SessionInfo> {
         "SELECT id, pid, command, exe, mode, launch_mode, step_source,
                 strftime('%Y-%m-%d %H:%M:%S', (started_ns + unix_offset_ns) / 1e9, 'unixepoch'),
                 (started_ns + unix_offset_ns) / 1e9, (ended_ns - started_ns) / 1e9, end_reason, lost_events,
-                total_launches, stored_launches, unmatched_returns, hostname, kernel_release, profiler_version
-         FROM sessions WHERE id = ?1",
+                total_launches, stored_launches, unmatched_returns, hostname, kernel_release, profiler_version,
+                job, rank, (SELECT count(*) FROM sessions j WHERE j.job IS s.job)
+         FROM sessions s WHERE id = ?1",
         [session],
         |r| {
             Ok(SessionInfo {
@@ -695,6 +725,9 @@ fn session_info(db: &ProfileDb, session: i64) -> anyhow::Result<SessionInfo> {
                 hostname: r.get(15)?,
                 kernel_release: r.get(16)?,
                 profiler_version: r.get(17)?,
+                job: r.get(18)?,
+                rank: r.get(19)?,
+                job_processes: r.get(20)?,
             })
         },
     )?)
@@ -1078,12 +1111,17 @@ fn render_session(o: &mut String, r: &Report) {
         _ => format!("{}, {started}not ended", s.mode),
     };
     let mut rows = vec![("target", format!("pid {}  {}", s.pid, s.command)), ("traced", traced)];
+    if let Some(job) = s.job.as_deref().filter(|_| s.job_processes > 1) {
+        let rank = s.rank.map_or(String::new(), |r| format!(", this one rank {r}"));
+        let line = format!("{job} ({} processes{rank}; see --job)", s.job_processes);
+        rows.push(("job", line));
+    }
     if s.state == SessionState::Unclean {
         rows.push(("end", "did not end cleanly (the profiler was killed?)".into()));
         rows.push(("", "committed rows are all here; the end and totals are not".into()));
     }
     if let Some(sym) = &s.step_symbol {
-        rows.push(("steps from", sym.clone()));
+        rows.push(("steps by", sym.clone()));
     }
     let launches = format!(
         "{} seen, {} stored ({}), {} lost events",
@@ -1391,6 +1429,9 @@ mod tests {
                 hostname: None,
                 kernel_release: None,
                 profiler_version: "0.1.0".into(),
+                job: Some("job-1".into()),
+                rank: None,
+                job_processes: 1,
             },
             capabilities: vec![
                 cap("nvml", "GPU_0/power", None),
@@ -1537,6 +1578,51 @@ mod tests {
             .and_then(|s| s.begin_session(&crate::store::testing::start()))
             .expect("a session");
         (dir, path, id)
+    }
+
+    /// Without `--session`: of the newest job's processes, the one with the
+    /// most steps (a launcher's rank, not its last helper), the first among
+    /// equals; the text report names the job and its size.
+    #[test]
+    fn the_default_session_is_the_newest_jobs_busiest() {
+        let (_dir, path) = crate::store::testing::temp_db();
+        let store = crate::store::Store::open(&path).expect("store");
+        let begin = |job: &str, rank: Option<i64>| {
+            let start = crate::store::SessionStart { job: job.into(), rank, ..crate::store::testing::start() };
+            store.begin_session(&start).expect("a session")
+        };
+        let old = begin("old", None);
+        let (launcher, rank0, rank1, helper) =
+            (begin("new", None), begin("new", Some(0)), begin("new", Some(1)), begin("new", None));
+        drop(store);
+        let conn = Connection::open(&path).expect("open");
+        let steps = |id: i64, n: i64| {
+            for k in 0..n {
+                conn.execute(
+                    "INSERT INTO steps(session_id, label, step, tid, start_ns, end_ns) VALUES (?1, 'train', ?2, 1, ?2, ?2 + 1)",
+                    [id, k],
+                )
+                .expect("step");
+            }
+        };
+        let db = || ProfileDb::open(&path).expect("a profile");
+        assert_eq!(db().session(None).expect("default"), launcher, "no steps: the job's first");
+        steps(old, 9);
+        steps(rank0, 3);
+        steps(rank1, 5);
+        assert_eq!(db().session(None).expect("default"), rank1);
+        assert_eq!(db().session(Some(old)).expect("named"), old);
+        let r = build(&db(), rank1, None, 0).expect("report");
+        assert_eq!((r.session.job.as_deref(), r.session.rank, r.session.job_processes), (Some("new"), Some(1), 4));
+        assert!(render_table(&r).contains("new (4 processes, this one rank 1; see --job)"), "{}", render_table(&r));
+        // While its profiler writes the file, every unended process of the newest job is running; an older one is not.
+        let mut live = db();
+        live.written_by_a_live_profiler = true;
+        let state = |id| build(&live, id, None, 0).expect("report").session.state;
+        assert_eq!(
+            (state(rank1), state(launcher), state(old)),
+            (SessionState::Running, SessionState::Running, SessionState::Unclean)
+        );
     }
 
     /// Steps from PyTorch's markers show their data wait and optimizer time,

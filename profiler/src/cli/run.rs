@@ -79,7 +79,8 @@ pub async fn main(args: RunArgs) -> anyhow::Result<ExitCode> {
     drop(gate_read);
     // A script (`torchrun`, `./train.py`) runs in its interpreter: that is the
     // program probed (its loader, its CPython), though the script is what is run.
-    let exe = script_interpreter(&exe).unwrap_or(exe);
+    // A version manager's shim (pyenv's `python3`) execs the program it picks.
+    let exe = shim_target(&exe).or_else(|| script_interpreter(&exe)).unwrap_or(exe);
     let launched = LaunchedChild { child, release: gate_write, exe, command: args.command.join(" ") };
     let mut cfg = args.trace.into_config();
     cfg.follow_children = !args.no_children;
@@ -125,6 +126,35 @@ fn script_interpreter(path: &std::path::Path) -> Option<std::path::PathBuf> {
     find_program(program).ok()
 }
 
+/// The program a pyenv or asdf shim runs (`exec "…/pyenv" exec "$program"
+/// "$@"`), as the tool's own `which` names it for the shim's name, in this
+/// directory and environment; None for anything else.
+fn shim_target(path: &std::path::Path) -> Option<std::path::PathBuf> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path).ok()?.take(64 * 1024).read_to_string(&mut text).ok()?;
+    if !text.starts_with("#!") {
+        return None;
+    }
+    let unquote = |w: &str| w.trim_matches('"').to_owned();
+    let tool = text.lines().find_map(|l| {
+        let w: Vec<&str> = l.split_whitespace().collect();
+        let tool = std::path::PathBuf::from(unquote(w.get(1)?));
+        let known = tool.file_name().is_some_and(|n| n == "pyenv" || n == "asdf");
+        (w[0] == "exec" && w.get(2) == Some(&"exec") && known).then_some(tool)
+    })?;
+    // pyenv's shim exports the root it was made for.
+    let root = text.lines().find_map(|l| l.trim().strip_prefix("export PYENV_ROOT=").map(unquote));
+    let mut which = std::process::Command::new(&tool);
+    which.arg("which").arg(path.file_name()?).stderr(std::process::Stdio::null());
+    if let Some(root) = root {
+        which.env("PYENV_ROOT", root);
+    }
+    let out = which.output().ok().filter(|o| o.status.success())?;
+    let found = std::path::PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
+    std::fs::canonicalize(found).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,6 +179,45 @@ mod tests {
         std::fs::write(&plain, "echo").expect("file");
         assert_eq!(script_interpreter(&plain), None);
         assert_eq!(script_interpreter(&sh), None, "an ELF file has no #! line");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A pyenv shim is followed to the program `pyenv which NAME` names (the
+    /// shim's exported PYENV_ROOT passed on); a script that is no shim is not.
+    #[test]
+    fn a_version_managers_shim_is_followed_to_its_program() {
+        let dir = std::env::temp_dir().join(format!("profiler-shim-{}", std::process::id()));
+        let shims = dir.join("shims");
+        std::fs::create_dir_all(&shims).expect("dir");
+        let sh = std::fs::canonicalize(which::which("sh").expect("sh on PATH")).expect("canonical");
+        // A stand-in pyenv: `which python3` under the right root answers sh's path.
+        let pyenv = dir.join("pyenv");
+        let answer = format!(
+            "#!/bin/sh\n[ \"$1 $2 $PYENV_ROOT\" = \"which python3 {}\" ] && echo {} && exit 0\nexit 1\n",
+            dir.display(),
+            sh.display()
+        );
+        std::fs::write(&pyenv, answer).expect("pyenv");
+        let shim = shims.join("python3");
+        let text = format!(
+            "#!/usr/bin/env bash\nset -e\nexport PYENV_ROOT=\"{}\"\nexec \"{}\" exec \"$program\" \"$@\"\n",
+            dir.display(),
+            pyenv.display()
+        );
+        std::fs::write(&shim, text).expect("shim");
+        for f in [&pyenv, &shim] {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        }
+        assert_eq!(shim_target(&shim).as_deref(), Some(sh.as_path()));
+        // Another name: the stand-in answers nothing, so no target.
+        let other = shims.join("python9");
+        std::fs::copy(&shim, &other).expect("copy");
+        assert_eq!(shim_target(&other), None);
+        let script = dir.join("train.py");
+        std::fs::write(&script, "#!/usr/bin/env python3\nexec(open('x').read())\n").expect("script");
+        assert_eq!(shim_target(&script), None, "a script that is no shim");
+        assert_eq!(shim_target(&sh), None, "an ELF file");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
