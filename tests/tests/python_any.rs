@@ -331,7 +331,7 @@ fn any_cpython_run_mode_follows_a_pyenv_shim() {
     let versions = root.join("versions");
     let python = writing_pythons().into_iter().find(|p| p.python.starts_with(&versions));
     let (Some(python), true) = (python, shim.exists()) else {
-        skip(&format!("no pyenv shim {} for a CPython 3.11+ without USDT probes", shim.display()));
+        skip(format!("no pyenv shim {} for a CPython 3.11+ without USDT probes", shim.display()));
         return;
     };
     let version = python.python.strip_prefix(&versions).ok().and_then(|v| v.iter().next()).expect("a version");

@@ -1592,7 +1592,7 @@ mod tests {
             store.begin_session(&start).expect("a session")
         };
         let old = begin("old", None);
-        let (launcher, rank0, rank1, helper) =
+        let (launcher, rank0, rank1, _helper) =
             (begin("new", None), begin("new", Some(0)), begin("new", Some(1)), begin("new", None));
         drop(store);
         let conn = Connection::open(&path).expect("open");
