@@ -319,6 +319,56 @@ fn any_cpython_run_mode_follows_a_scripts_interpreter_line() {
     check_steps(&db, &truth, &python);
 }
 
+/// `run -- ./train.sh`, a shell wrapper that starts `python3 …` (not
+/// `exec`): the wrapper is no CPython, so `--step-python` is looked for in the
+/// processes it starts that run the CPython its PATH names; that child's
+/// steps are exact, on a CPython with the frame hook and on Debian's 3.11 (USDT).
+#[test]
+fn any_cpython_run_of_a_shell_wrapper_finds_the_steps_in_its_python() {
+    let all = job_pythons();
+    let (writing, usdt) = (all.iter().find(|p| p.writes()), all.iter().find(|p| p.how.contains(&"USDT")));
+    if writing.is_none() {
+        skip("no CPython 3.11+ without USDT probes for a wrapper's child on this host");
+    }
+    if usdt.is_none() {
+        skip("no CPython with USDT probes for a wrapper's child on this host");
+    }
+    for python in [writing, usdt].into_iter().flatten() {
+        let name = python.python.display().to_string();
+        let dir = workdir(&format!("python-any-wrapper{}", name.replace('/', "_")));
+        let (db, truth, wrapper) = (dir.join("p.db"), dir.join("truth.txt"), dir.join("train.sh"));
+        // PATH's python3 is this interpreter: its own directory first (Debian's 3.11 through a link of that name).
+        let bin = dir.join("bin");
+        std::fs::create_dir_all(&bin).expect("bin");
+        std::os::unix::fs::symlink(&python.python, bin.join("python3")).expect("python3 link");
+        let args = child_trainer_args(&python, "40").join(" ");
+        let body =
+            format!("#!/bin/sh\necho wrapper\npython3 {} {args} --truth {}\n", py_trainer().display(), truth.display());
+        std::fs::write(&wrapper, body).expect("the wrapper");
+        std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+        let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+        wait_for_probe_removal();
+        let out = run_steps(&db).arg(&wrapper).env("PATH", path).output().expect("profiler run");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{name}: {stderr}");
+        assert!(stderr.contains("is not CPython: --step-python looks in the processes it starts"), "{stderr}");
+        let child: i64 = open(&db)
+            .query_row("SELECT session_id FROM steps GROUP BY session_id ORDER BY count(*) DESC LIMIT 1", [], |r| {
+                r.get(0)
+            })
+            .unwrap_or_else(|e| panic!("{name}: no steps at all ({e}): {stderr}"));
+        let t = Truth::read(&truth);
+        let all = steps(&db, child);
+        for label in ["train", "validate"] {
+            let want: Vec<TruthStep> = t.steps.iter().filter(|x| x.label == label).cloned().collect();
+            let got: Vec<DbStep> = all.iter().filter(|x| x.label == label).cloned().collect();
+            assert!(!want.is_empty(), "the trainer ran {label} steps");
+            assert_steps_match(&want, &got, STEP_TOLERANCE_NS);
+        }
+        println!("{name}: the wrapper's python child, {} steps exact", all.len());
+    }
+}
+
 /// `run -- python3 …` where `python3` is pyenv's shim (a bash script that
 /// execs `pyenv exec`, which execs the CPython pyenv picks, here by
 /// `PYENV_VERSION`): the profiler probes that CPython (as `pyenv which`
@@ -361,24 +411,42 @@ fn any_cpython_run_mode_follows_a_pyenv_shim() {
 /// torchrun does: `sys.executable`, `RANK` in the environment), each writing
 /// its truth to `DIR/truth{RANK}.txt`; argv: TRAINER DIR TRAINER-ARGS…. Each
 /// rank starts its steps once its interpreter holds the frame hook
-/// (`--wait-hook`: the profiler writes it once it has seen the new process
-/// and its interpreter exists; a step before then would go unseen).
+/// when it is written (`child_trainer_args`: the profiler writes it once it has
+/// seen the new process and its interpreter exists; a step before then would go unseen).
 const RANK_LAUNCHER: &str = r#"
 import os, subprocess, sys
 trainer, out, args = sys.argv[1], sys.argv[2], sys.argv[3:]
-ranks = [subprocess.Popen([sys.executable, trainer, *args, "--truth", f"{out}/truth{r}.txt", "--wait-hook"],
+ranks = [subprocess.Popen([sys.executable, trainer, *args, "--truth", f"{out}/truth{r}.txt"],
                           env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2"}) for r in range(2)]
 sys.exit(max(p.wait() for p in ranks))
 "#;
 
-/// A job on a CPython without USDT probes: `run` follows the launcher's
-/// ranks, and each rank, a process of its own started after the profiler,
-/// gets the frame hook's write: every rank's steps exact.
+/// The trainer's arguments for a process the profiler finds after it
+/// started: with the frame hook, its steps wait for the write (`--wait-hook`);
+/// USDT probes are in every process of the file from the start.
+fn child_trainer_args(python: &Interp, steps: &str) -> Vec<String> {
+    let mut args: Vec<String> = trainer_args(steps).iter().map(|a| a.to_string()).collect();
+    if python.writes() {
+        args.push("--wait-hook".into());
+    }
+    args
+}
+
+/// The CPythons a job's processes can run here: pyenv's and Debian's
+/// python3.11 (USDT), not those run through another glibc's loader.
+fn job_pythons() -> Vec<Interp> {
+    interpreters().into_iter().filter(|p| p.loader.is_none() && !p.how.contains(&"no write (3.10")).collect()
+}
+
+/// A job: `run` follows the launcher's ranks, and each rank, a process of
+/// its own started after the profiler, has its steps seen: on a CPython
+/// without USDT probes through its own frame hook write, on Debian's 3.11
+/// through the USDT probes, in every process of that file: every rank's steps exact.
 #[test]
 fn any_cpython_every_rank_of_a_job_gets_the_frame_hook() {
-    let pythons = writing_pythons();
+    let pythons = job_pythons();
     if pythons.is_empty() {
-        skip("no CPython 3.11+ without USDT probes on this host");
+        skip("no CPython 3.11+ for a job on this host");
         return;
     }
     for python in pythons {
@@ -391,7 +459,7 @@ fn any_cpython_every_rank_of_a_job_gets_the_frame_hook() {
             .args(["-c", RANK_LAUNCHER])
             .arg(py_trainer())
             .arg(&dir)
-            .args(trainer_args("40"))
+            .args(child_trainer_args(&python, "40"))
             .output()
             .expect("profiler run");
         let stderr = String::from_utf8_lossy(&out.stderr);

@@ -173,12 +173,36 @@ pub(super) fn resolve_steps(cfg: &SessionConfig, target: &TargetProcess) -> anyh
     let python = if cfg.python_steps.is_empty() {
         None
     } else {
-        let mut candidates = usdt::python::candidates(exe, &mapped);
-        // `run` mode: nothing is mapped yet; the libpython the command will load.
-        if mapped.is_empty() {
-            candidates.extend(python_any::needed_libpython(exe, target.var("LD_LIBRARY_PATH").as_deref()));
+        let ld_path = target.var("LD_LIBRARY_PATH");
+        let candidates_of = |exe: &Path| {
+            let mut candidates = usdt::python::candidates(exe, &mapped);
+            // `run` mode: nothing is mapped yet; the libpython the command will load.
+            if mapped.is_empty() {
+                candidates.extend(python_any::needed_libpython(exe, ld_path.as_deref()));
+            }
+            candidates
+        };
+        match python_any::resolve(&candidates_of(exe), open_in_target, cfg.target_writes) {
+            Ok(found) => Some(found),
+            // `run` of a wrapper (`bash train.sh`, a batch job's script), following its
+            // children: the steps are in the CPython it starts, the one its PATH names.
+            Err(e) if target.mode == "run" && cfg.follow_children => {
+                let cwd = std::env::current_dir().unwrap_or_default();
+                let path = std::env::var_os("PATH");
+                let Some(python) = crate::programs::path_python(path.as_deref(), &cwd) else { return Err(e.into()) };
+                let Ok(found) = python_any::resolve(&candidates_of(&python), open_in_target, cfg.target_writes) else {
+                    return Err(e.into());
+                };
+                say!(
+                    cfg.quiet,
+                    "{} is not CPython: --step-python looks in the processes it starts that run {} (python3 on PATH)",
+                    exe.display(),
+                    python.display()
+                );
+                Some(found)
+            }
+            Err(e) => return Err(e.into()),
         }
-        Some(python_any::resolve(&candidates, open_in_target, cfg.target_writes)?)
     };
     // Labels live as long as the session's rows refer to them: one small leak per session.
     let mut labels: Vec<&'static str> = cfg

@@ -40,8 +40,8 @@ pub enum AttachError {
     #[error("path {0} contains a NUL byte")]
     PathNul(PathBuf),
     /// The kernel refused the uprobe perf event.
-    #[error("opening a uprobe on {path} at offset {offset:#x} for PID {pid}: {source}{hint}")]
-    PerfEventOpen { path: PathBuf, offset: u64, pid: u32, hint: &'static str, source: io::Error },
+    #[error("opening a uprobe on {path} at offset {offset:#x} for {}: {source}{hint}", pid.map_or("every process".into(), |p| format!("PID {p}")))]
+    PerfEventOpen { path: PathBuf, offset: u64, pid: Option<u32>, hint: &'static str, source: io::Error },
     /// The kernel refused to link the program to the perf event.
     #[error("linking the eBPF program to the uprobe on {path} at offset {offset:#x}: {source}")]
     Link { path: PathBuf, offset: u64, source: io::Error },
@@ -85,7 +85,7 @@ pub fn attach_usdt(
     path: &Path,
     file_offset: u64,
     ref_ctr_offset: Option<u64>,
-    pid: u32,
+    pid: Option<u32>,
     cookie: u64,
 ) -> Result<UsdtLink, AttachError> {
     let perf_event = open_uprobe(path, file_offset, ref_ctr_offset, pid)?;
@@ -97,7 +97,8 @@ pub fn attach_usdt(
     Ok(UsdtLink { link, perf_event })
 }
 
-/// A uprobe perf event at `file_offset` of `path` in process `pid`, with
+/// A uprobe perf event at `file_offset` of `path` in process `pid` (None:
+/// in every process that maps the file, as a job's file-wide probes are), with
 /// `ref_ctr_offset` as its reference counter, and no program: while the
 /// descriptor is open the kernel keeps the breakpoint installed and the
 /// counter raised. [`attach_usdt`] links a program to one; alone, it holds
@@ -106,7 +107,7 @@ pub fn open_uprobe(
     path: &Path,
     file_offset: u64,
     ref_ctr_offset: Option<u64>,
-    pid: u32,
+    pid: Option<u32>,
 ) -> Result<OwnedFd, AttachError> {
     let pmu = uprobe_pmu_type()?;
     let c_path = CString::new(path.as_os_str().as_bytes()).map_err(|_| AttachError::PathNul(path.to_owned()))?;
@@ -120,7 +121,9 @@ pub fn open_uprobe(
     // SAFETY: attr is initialised and c_path outlives the call (the kernel
     // copies the path while opening).
     let fd = unsafe {
-        perf_event_open_sys::perf_event_open(&mut attr, pid as libc::pid_t, -1, -1, PERF_FLAG_FD_CLOEXEC.into())
+        // Every process: pid -1 needs a CPU, and a uprobe's program runs on every CPU whichever is named.
+        let (pid, cpu) = pid.map_or((-1, 0), |p| (p as libc::pid_t, -1));
+        perf_event_open_sys::perf_event_open(&mut attr, pid, cpu, -1, PERF_FLAG_FD_CLOEXEC.into())
     };
     if fd < 0 {
         let source = io::Error::last_os_error();

@@ -23,7 +23,7 @@ use std::{
 use aya::{
     Ebpf,
     maps::{Array, MapError},
-    programs::{ProgramError, UProbe},
+    programs::{ProgramError, UProbe, uprobe::UProbeScope},
 };
 use object::{Object, ObjectSection, ObjectSymbol};
 use profiler_common::{
@@ -357,16 +357,23 @@ pub struct PythonSteps {
 impl PythonSteps {
     /// Fills `PY_TARGETS` and `USDT_ARGS` of `ebpf`, loads `python_entry` /
     /// `python_return` if they are not yet, and attaches them to every
-    /// entry/return site of `probes` in process `pid`.
+    /// entry/return site of `probes` in process `pid`, or in every process
+    /// that maps the file for a job (`scope`; the programs keep only the
+    /// traced ones), whose semaphores the kernel raises in each.
     ///
     /// Targets that name a file go first in the kernel's list, which stops at
     /// the first match: `helper.py:train_step` wins over a bare `train_step`.
     pub fn attach(
         ebpf: &mut Ebpf,
         pid: NonZeroU32,
+        scope: UProbeScope,
         probes: &PythonProbes,
         targets: &[PythonTarget],
     ) -> Result<Self, PythonAttachError> {
+        let only = match scope {
+            UProbeScope::AllProcesses => None,
+            _ => Some(pid.get()),
+        };
         fill_targets(ebpf, targets)?;
         // One USDT_ARGS slot per probe site, entries then returns; the slot
         // travels as the cookie.
@@ -388,14 +395,14 @@ impl PythonSteps {
         let path = crate::probes::in_target_root(pid.get(), &probes.path);
         let mut links = Vec::with_capacity(probes.entry.len() + probes.ret.len());
         for (slot, (program, p)) in sites.enumerate() {
-            let link = attach_usdt(program, &path, p.file_offset, p.semaphore_file_offset, pid.get(), slot as u64)
+            let link = attach_usdt(program, &path, p.file_offset, p.semaphore_file_offset, only, slot as u64)
                 .map_err(|source| PythonAttachError::Attach { probe: p.to_string(), source })?;
             links.push(link);
         }
         // Last, so that no entry fires before its return probe is in place.
         let tracing_switch = match &probes.tracing_switch {
             Some(t) => Some(
-                open_uprobe(&path, t.carrier.file_offset, Some(t.line_semaphore_file_offset), pid.get())
+                open_uprobe(&path, t.carrier.file_offset, Some(t.line_semaphore_file_offset), only)
                     .map_err(|source| PythonAttachError::Attach { probe: format!("{PROVIDER}:{LINE}"), source })?,
             ),
             None => None,
@@ -479,7 +486,7 @@ impl crate::probes::Probes {
         probes: &PythonProbes,
         targets: &[PythonTarget],
     ) -> Result<PythonSteps, PythonAttachError> {
-        PythonSteps::attach(&mut self.ebpf, self.pid, probes, targets)
+        PythonSteps::attach(&mut self.ebpf, self.pid, self.scope, probes, targets)
     }
 }
 

@@ -532,11 +532,12 @@ fn calls_ns(mode: Tracing, calls: u64) -> f64 {
             let fd = prog.fd().expect("loaded");
             let path = in_target_root(pid.get(), &python.path);
             for site in python.entry.iter().chain(&python.ret) {
-                let link = attach_usdt(fd.as_fd(), &path, site.file_offset, site.semaphore_file_offset, pid.get(), 0);
+                let link =
+                    attach_usdt(fd.as_fd(), &path, site.file_offset, site.semaphore_file_offset, Some(pid.get()), 0);
                 links.push(link.expect("attach the empty program"));
             }
             if let Some(t) = &python.tracing_switch {
-                let fd = open_uprobe(&path, t.carrier.file_offset, Some(t.line_semaphore_file_offset), pid.get());
+                let fd = open_uprobe(&path, t.carrier.file_offset, Some(t.line_semaphore_file_offset), Some(pid.get()));
                 switch = Some(fd.expect("line switch"));
             }
             probes = Some(p);
