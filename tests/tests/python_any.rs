@@ -351,7 +351,7 @@ fn any_cpython_run_of_a_shell_wrapper_finds_the_steps_in_its_python() {
         let out = run_steps(&db).arg(&wrapper).env("PATH", path).output().expect("profiler run");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{name}: {stderr}");
-        assert!(stderr.contains("is not CPython: --step-python looks in the processes it starts"), "{stderr}");
+        assert!(stderr.contains("is not CPython: --step-python looks in the processes of the job"), "{stderr}");
         let child: i64 = open(&db)
             .query_row("SELECT session_id FROM steps GROUP BY session_id ORDER BY count(*) DESC LIMIT 1", [], |r| {
                 r.get(0)
@@ -367,6 +367,72 @@ fn any_cpython_run_of_a_shell_wrapper_finds_the_steps_in_its_python() {
         }
         println!("{name}: the wrapper's python child, {} steps exact", all.len());
     }
+}
+
+/// `attach WRAPPER --children` on a shell wrapper whose `python3` child is
+/// already running (waiting for its go): the steps are looked for in the
+/// CPython the wrapper's child runs; they are exact.
+#[test]
+fn any_cpython_attach_children_of_a_shell_wrapper_finds_its_python() {
+    let all = job_pythons();
+    let (writing, usdt) = (all.iter().find(|p| p.writes()), all.iter().find(|p| p.how.contains(&"USDT")));
+    if writing.is_none() || usdt.is_none() {
+        skip("a wrapper's child on the frame hook or on USDT: no such CPython on this host");
+    }
+    for python in [writing, usdt].into_iter().flatten() {
+        attach_wrapper_of(python);
+    }
+}
+
+fn attach_wrapper_of(python: &Interp) {
+    let name = python.python.display().to_string();
+    let dir = workdir(&format!("python-any-attach-wrapper{}", name.replace('/', "_")));
+    let (db, truth, go) = (dir.join("p.db"), dir.join("truth.txt"), dir.join("go"));
+    let args = child_trainer_args(python, "40").join(" ");
+    let script = format!(
+        "{} {} {args} --truth {} --wait-file {}; echo done",
+        python.python.display(),
+        py_trainer().display(),
+        truth.display(),
+        go.display()
+    );
+    let mut wrapper =
+        Command::new("/bin/sh").args(["-c", &script]).env("LD_LIBRARY_PATH", fixtures()).spawn().expect("sh");
+    // Until the child runs the interpreter (its truth file comes only at the end).
+    let t0 = std::time::Instant::now();
+    while !std::fs::read_to_string(format!("/proc/{}/task/{0}/children", wrapper.id()))
+        .unwrap_or_default()
+        .split_whitespace()
+        .any(|c| {
+            std::fs::read_link(format!("/proc/{c}/exe"))
+                .is_ok_and(|e| e == std::fs::canonicalize(&python.python).unwrap_or_default())
+        })
+    {
+        assert!(t0.elapsed() < Duration::from_secs(30), "the wrapper's python never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let agent = Agent::attach(
+        wrapper.id(),
+        &db,
+        &["--children", "--no-gpu", "--step-python", "train_step", "--step-python", "validate=validate"],
+    );
+    std::fs::write(&go, b"").expect("go");
+    assert!(wrapper.wait().expect("wrapper").success());
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "{stderr}");
+    assert!(stderr.contains("is not CPython: --step-python looks in the processes of the job"), "{stderr}");
+    let child: i64 = open(&db)
+        .query_row("SELECT session_id FROM steps GROUP BY session_id ORDER BY count(*) DESC LIMIT 1", [], |r| r.get(0))
+        .unwrap_or_else(|e| panic!("no steps at all ({e}): {stderr}"));
+    let t = Truth::read(&truth);
+    let all_steps = steps(&db, child);
+    for label in ["train", "validate"] {
+        let want: Vec<TruthStep> = t.steps.iter().filter(|x| x.label == label).cloned().collect();
+        let got: Vec<DbStep> = all_steps.iter().filter(|x| x.label == label).cloned().collect();
+        assert!(!want.is_empty(), "the trainer ran {label} steps");
+        assert_steps_match(&want, &got, STEP_TOLERANCE_NS);
+    }
+    println!("{}: the attached wrapper's python child, {} steps exact", python.python.display(), all_steps.len());
 }
 
 /// `run -- python3 …` where `python3` is pyenv's shim (a bash script that

@@ -174,28 +174,27 @@ pub(super) fn resolve_steps(cfg: &SessionConfig, target: &TargetProcess) -> anyh
         None
     } else {
         let ld_path = target.var("LD_LIBRARY_PATH");
-        let candidates_of = |exe: &Path| {
-            let mut candidates = usdt::python::candidates(exe, &mapped);
+        let candidates_of = |exe: &Path, mapped: &[MappedFile]| {
+            let mut candidates = usdt::python::candidates(exe, mapped);
             // `run` mode: nothing is mapped yet; the libpython the command will load.
             if mapped.is_empty() {
                 candidates.extend(python_any::needed_libpython(exe, ld_path.as_deref()));
             }
             candidates
         };
-        match python_any::resolve(&candidates_of(exe), open_in_target, cfg.target_writes) {
+        match python_any::resolve(&candidates_of(exe, &mapped), open_in_target, cfg.target_writes) {
             Ok(found) => Some(found),
-            // `run` of a wrapper (`bash train.sh`, a batch job's script), following its
-            // children: the steps are in the CPython it starts, the one its PATH names.
-            Err(e) if target.mode == "run" && cfg.follow_children => {
-                let cwd = std::env::current_dir().unwrap_or_default();
-                let path = std::env::var_os("PATH");
-                let Some(python) = crate::programs::path_python(path.as_deref(), &cwd) else { return Err(e.into()) };
-                let Ok(found) = python_any::resolve(&candidates_of(&python), open_in_target, cfg.target_writes) else {
-                    return Err(e.into());
-                };
+            // A wrapper (`bash train.sh`, a batch job's script) followed with its
+            // children: the steps are in the CPython it runs or starts.
+            Err(e) if cfg.follow_children => {
+                let found = job_pythons(target).into_iter().find_map(|(python, why)| {
+                    let found = python_any::resolve(&candidates_of(&python, &[]), open_in_target, cfg.target_writes);
+                    Some((found.ok()?, python, why))
+                });
+                let Some((found, python, why)) = found else { return Err(e.into()) };
                 say!(
                     cfg.quiet,
-                    "{} is not CPython: --step-python looks in the processes it starts that run {} (python3 on PATH)",
+                    "{} is not CPython: --step-python looks in the processes of the job that run {} ({why})",
                     exe.display(),
                     python.display()
                 );
@@ -214,6 +213,30 @@ pub(super) fn resolve_steps(cfg: &SessionConfig, target: &TargetProcess) -> anyh
         .collect();
     let regions = super::torch::step_sources(cfg, &mut labels);
     Ok(StepFunctions { symbols, python, labels, regions })
+}
+
+/// The CPythons a job whose first target is none may run, each with why:
+/// those its descendants run now (`attach`), then the `python3` its PATH
+/// names (through a version manager's shim), which a wrapper most likely starts.
+fn job_pythons(target: &TargetProcess) -> Vec<(PathBuf, &'static str)> {
+    let mut out: Vec<(PathBuf, &'static str)> = Vec::new();
+    let cwd = if target.mode == "attach" {
+        for (pid, _) in super::job::descendants(&[target.pid]) {
+            if let Ok(exe) = std::fs::read_link(format!("/proc/{pid}/exe"))
+                && !out.iter().any(|(p, _)| *p == exe)
+            {
+                out.push((exe, "a process it started runs it"));
+            }
+        }
+        std::fs::read_link(format!("/proc/{}/cwd", target.pid)).unwrap_or_default()
+    } else {
+        std::env::current_dir().unwrap_or_default()
+    };
+    let path = target.var("PATH").map(std::ffi::OsString::from);
+    if let Some(python) = crate::programs::path_python(path.as_deref(), &cwd) {
+        out.push((python, "python3 on its PATH"));
+    }
+    out
 }
 
 /// NVML, before anything is attached: with `--require-gpu` its absence is an
