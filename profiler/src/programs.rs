@@ -69,14 +69,35 @@ pub fn shim_target(path: &std::path::Path) -> Option<std::path::PathBuf> {
 }
 
 /// The CPython `python3` (else `python`) names on the PATH `path` (relative
-/// entries against `cwd`), through a version manager's shim: what a wrapper
-/// script (`bash train.sh`, a batch job's script) most likely starts.
-pub fn path_python(path: Option<&std::ffi::OsStr>, cwd: &std::path::Path) -> Option<std::path::PathBuf> {
+/// entries against `cwd`): what a wrapper script (`bash train.sh`, a batch
+/// job's script) most likely starts. A version manager's shim is followed
+/// only with `follow_shims` (running its tool: `run`, whose command runs with
+/// the profiler's rights anyway; never for a process attached to).
+pub fn path_python(
+    path: Option<&std::ffi::OsStr>,
+    cwd: &std::path::Path,
+    follow_shims: bool,
+) -> Option<std::path::PathBuf> {
     ["python3", "python"].iter().find_map(|name| {
         let found = which::which_in(name, path, cwd).ok()?;
         let found = std::fs::canonicalize(&found).unwrap_or(found);
-        Some(shim_target(&found).unwrap_or(found))
+        Some(if follow_shims { program_run_by(&found) } else { found })
     })
+}
+
+/// The program that runs when `exe` is executed: through version managers'
+/// shims and `#!` lines, in any order (a shim that runs a pip console script
+/// whose `#!` names a CPython, a script whose `env python3` is a shim), a
+/// few levels deep.
+pub fn program_run_by(exe: &std::path::Path) -> std::path::PathBuf {
+    let mut exe = exe.to_path_buf();
+    for _ in 0..4 {
+        match shim_target(&exe).or_else(|| script_interpreter(&exe)) {
+            Some(next) if next != exe => exe = next,
+            _ => break,
+        }
+    }
+    exe
 }
 
 #[cfg(test)]
@@ -134,12 +155,15 @@ mod tests {
             std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o755)).expect("chmod");
         }
         assert_eq!(shim_target(&shim).as_deref(), Some(sh.as_path()));
+        assert_eq!(program_run_by(&shim), sh, "sh itself runs no further program");
+        // A script whose `#!` names the shim: followed through both (`./train.py` under pyenv).
+        let script = dir.join("train.py");
+        std::fs::write(&script, format!("#!{}\nprint()\n", shim.display())).expect("script");
+        assert_eq!(program_run_by(&script), sh);
         // Another name: the stand-in answers nothing, so no target.
         let other = shims.join("python9");
         std::fs::copy(&shim, &other).expect("copy");
         assert_eq!(shim_target(&other), None);
-        let script = dir.join("train.py");
-        std::fs::write(&script, "#!/usr/bin/env python3\nexec(open('x').read())\n").expect("script");
         assert_eq!(shim_target(&script), None, "a script that is no shim");
         assert_eq!(shim_target(&sh), None, "an ELF file");
         let _ = std::fs::remove_dir_all(&dir);

@@ -66,8 +66,20 @@ fn db_steps(db: &Path, session: i64) -> BTreeMap<i64, (i64, i64)> {
         .collect()
 }
 
-/// Per step: the (data type, compute type) that did most of its FLOPs, from
-/// the truth's `gemm` lines (asserting that one did: no tie to break).
+/// The precision class of a GEMM's (data type, compute type), as cuBLAS names them.
+fn class(data: &str, compute: &str) -> &'static str {
+    match () {
+        _ if compute.contains("FAST_TF32") => "tf32",
+        _ if compute.contains("FAST_16BF") || data.contains("16BF") => "bf16",
+        _ if compute.contains("FAST_16F") || data.contains("16F") => "fp16",
+        _ if data.contains("64F") => "fp64",
+        _ => "fp32",
+    }
+}
+
+/// Per step: the (data type, compute type) stored for it: of the precision
+/// class that did most of its FLOPs, the pair that did most, from the truth's
+/// `gemm` lines (asserting that one did: no tie to break).
 fn truth_types(t: &TruthFile) -> BTreeMap<i64, (String, String)> {
     let mut by_step: BTreeMap<i64, BTreeMap<(String, String), u128>> = BTreeMap::new();
     for r in t.records("gemm") {
@@ -81,10 +93,18 @@ fn truth_types(t: &TruthFile) -> BTreeMap<i64, (String, String)> {
     by_step
         .into_iter()
         .map(|(step, types)| {
-            let max = types.values().max().copied().unwrap_or(0);
-            let top: Vec<_> = types.into_iter().filter(|(_, f)| *f == max).collect();
-            assert_eq!(top.len(), 1, "step {step}: one type pair does the most FLOPs: {top:?}");
-            (step, top[0].0.clone())
+            let mut classes: BTreeMap<&str, u128> = BTreeMap::new();
+            for ((d, c), f) in &types {
+                *classes.entry(class(d, c)).or_default() += f;
+            }
+            let most = classes.values().max().copied().unwrap_or(0);
+            let top: Vec<&str> = classes.iter().filter(|(_, f)| **f == most).map(|(k, _)| *k).collect();
+            assert_eq!(top.len(), 1, "step {step}: one precision does the most FLOPs: {classes:?}");
+            let within: Vec<_> = types.into_iter().filter(|((d, c), _)| class(d, c) == top[0]).collect();
+            let max = within.iter().map(|(_, f)| *f).max().unwrap_or(0);
+            let pairs: Vec<_> = within.into_iter().filter(|(_, f)| *f == max).collect();
+            assert_eq!(pairs.len(), 1, "step {step}: one type pair of {} does the most FLOPs: {pairs:?}", top[0]);
+            (step, pairs[0].0.clone())
         })
         .collect()
 }
@@ -337,13 +357,6 @@ fn mfu_per_step_is_the_steps_flops_over_the_h200_peak_at_its_precision() {
         "tf32" => 494.5,
         "bf16" | "fp16" => 989.5,
         other => panic!("the trainer uses no {other} GEMM"),
-    };
-    let class = |data: &str, compute: &str| match () {
-        _ if compute.contains("FAST_TF32") => "tf32",
-        _ if data.contains("16BF") => "bf16",
-        _ if data.contains("16F") => "fp16",
-        _ if data.contains("64F") => "fp64",
-        _ => "fp32",
     };
     let mut by_step: BTreeMap<i64, BTreeMap<&str, u128>> = BTreeMap::new();
     for r in truth.records("gemm") {

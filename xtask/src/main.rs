@@ -295,9 +295,27 @@ fn test_phases(args: &[String], tally: &mut Tally) -> Result<()> {
 /// Runs a `cargo test` command, passing its stdout through as it comes, and
 /// collects what [`Tally`] keeps of it.
 fn run_tests(cmd: &mut Command, tally: &mut Tally) -> Result<()> {
-    use std::io::{Read, Write};
     let mut child =
         cmd.stdout(std::process::Stdio::piped()).spawn().with_context(|| format!("cannot start {cmd:?}"))?;
+    // Each binary's output is read from its start: no section state carried over from the last.
+    tally.in_failures = false;
+    tally.in_panic = false;
+    let passed = pass_through(&mut child, tally);
+    if passed.is_err() {
+        // Not left running beside the next binary.
+        let _ = child.kill();
+    }
+    let status = child.wait()?;
+    passed?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+/// Copies a test binary's stdout through, line by line into `tally`.
+fn pass_through(child: &mut std::process::Child, tally: &mut Tally) -> Result<()> {
+    use std::io::{Read, Write};
     let mut pipe = child.stdout.take().context("stdout is piped")?;
     let mut out = std::io::stdout();
     let (mut buf, mut line) = ([0u8; 8192], Vec::new());
@@ -319,10 +337,6 @@ fn run_tests(cmd: &mut Command, tally: &mut Tally) -> Result<()> {
             tally.line(&String::from_utf8_lossy(&line));
             line.clear();
         }
-    }
-    let status = child.wait()?;
-    if !status.success() {
-        bail!("{cmd:?} failed: {status}");
     }
     Ok(())
 }

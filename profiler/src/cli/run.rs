@@ -11,7 +11,7 @@ use clap::Args;
 use super::TraceArgs;
 use crate::{
     privileges,
-    programs::{find_program, script_interpreter, shim_target},
+    programs::{find_program, program_run_by},
     session::{self, LaunchedChild, Target},
 };
 
@@ -81,7 +81,7 @@ pub async fn main(args: RunArgs) -> anyhow::Result<ExitCode> {
     // A script (`torchrun`, `./train.py`) runs in its interpreter: that is the
     // program probed (its loader, its CPython), though the script is what is run.
     // A version manager's shim (pyenv's `python3`) execs the program it picks.
-    let exe = shim_target(&exe).or_else(|| script_interpreter(&exe)).unwrap_or(exe);
+    let exe = program_run_by(&exe);
     let launched = LaunchedChild { child, release: gate_write, exe, command: args.command.join(" ") };
     let mut cfg = args.trace.into_config();
     cfg.follow_children = !args.no_children;

@@ -211,7 +211,8 @@ impl Peaks {
 pub fn dominant(groups: &[(Option<Precision>, i64)]) -> Option<Option<Precision>> {
     let mut sums: std::collections::BTreeMap<Option<Precision>, i64> = Default::default();
     for &(p, f) in groups {
-        *sums.entry(p).or_default() += f;
+        let sum = sums.entry(p).or_default();
+        *sum = sum.saturating_add(f);
     }
     // Ties go to the first in the map's order, so the answer never depends on row order.
     sums.into_iter().rev().max_by_key(|&(_, f)| f).map(|(p, _)| p)

@@ -302,6 +302,12 @@ impl Probes {
         Ok(())
     }
 
+    /// Whether the probes are file-wide (a job): every process that maps a
+    /// probed file takes the breakpoints, the programs keep the traced ones.
+    pub fn file_wide(&self) -> bool {
+        matches!(self.scope, UProbeScope::AllProcesses)
+    }
+
     /// Whether `path` (by device and inode) is looked at for the first time
     /// by a job whose probes are file-wide, and is marked as looked at: one
     /// attach serves every process of the job that maps it. Always true for

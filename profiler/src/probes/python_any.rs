@@ -45,7 +45,15 @@ pub enum PythonResolveError {
         "{usdt}; nor can the PEP 523 frame hook be used: {hook}. Run the training under CPython 3.10–3.14, \
          or mark steps in native code with --step-symbol"
     )]
-    Neither { usdt: Box<PythonProbeError>, hook: String },
+    Neither { usdt: Box<PythonProbeError>, hook: String, none_is_cpython: bool },
+}
+
+impl PythonResolveError {
+    /// No candidate is a CPython at all (not ELF, or no interpreter's
+    /// symbols): a wrapper, not an interpreter the profiler cannot use.
+    pub fn none_is_cpython(&self) -> bool {
+        matches!(self, Self::Neither { none_is_cpython: true, .. })
+    }
 }
 
 /// The mechanism for `candidates` (target-visible paths: the executable,
@@ -60,9 +68,12 @@ pub fn resolve<B: AsRef<[u8]>>(
         Err(e) => e,
     };
     let mut reasons = Vec::new();
+    let mut none_is_cpython = true;
     for path in candidates {
         let Some(bytes) = open(path) else { continue };
-        match cpython::inspect(bytes.as_ref()) {
+        let inspected = cpython::inspect(bytes.as_ref());
+        none_is_cpython &= matches!(inspected, Err(cpython::CPythonError::NotElf | cpython::CPythonError::Missing(_)));
+        match inspected {
             Ok(build) if build.needs_write() && !allow_writes => {
                 let (major, minor) = build.version;
                 return Err(PythonResolveError::WritesRefused { path: path.clone(), major, minor });
@@ -71,7 +82,7 @@ pub fn resolve<B: AsRef<[u8]>>(
             Err(e) => reasons.push(format!("{}: {e}", path.display())),
         }
     }
-    Err(PythonResolveError::Neither { usdt: Box::new(usdt), hook: reasons.join("; ") })
+    Err(PythonResolveError::Neither { usdt: Box::new(usdt), hook: reasons.join("; "), none_is_cpython })
 }
 
 /// The `libpython*` an executable needs (DT_NEEDED), found through its

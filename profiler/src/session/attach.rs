@@ -174,6 +174,11 @@ fn attach_usdt_python(
     libraries: &mut Vec<ProbedFileRow>,
 ) -> anyhow::Result<PythonStepProbes> {
     let handle = probes.attach_python(py, targets)?;
+    let everywhere = if probes.file_wide() {
+        ", in every process of this interpreter on the machine (a job's probes are file-wide)"
+    } else {
+        ""
+    };
     let mut how = match py.version {
         Some((major, minor)) => format!("USDT python:function__entry/return (CPython {major}.{minor})"),
         None => "USDT python:function__entry/return".to_string(),
@@ -182,7 +187,7 @@ fn attach_usdt_python(
         how.push_str(" + line semaphore (CPython 3.11)");
         say!(
             cfg.quiet,
-            "CPython 3.11 fires function__entry only on its tracing path: Python calls now cost about 2 µs more each while attached"
+            "CPython 3.11 fires function__entry only on its tracing path: Python calls now cost about 2 µs more each while attached{everywhere}"
         );
     }
     libraries.push(ProbedFileRow::now(&py.path, "step", handle.sites() as u32, how));

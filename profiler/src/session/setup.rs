@@ -186,7 +186,7 @@ pub(super) fn resolve_steps(cfg: &SessionConfig, target: &TargetProcess) -> anyh
             Ok(found) => Some(found),
             // A wrapper (`bash train.sh`, a batch job's script) followed with its
             // children: the steps are in the CPython it runs or starts.
-            Err(e) if cfg.follow_children => {
+            Err(e) if cfg.follow_children && e.none_is_cpython() => {
                 let found = job_pythons(target).into_iter().find_map(|(python, why)| {
                     let found = python_any::resolve(&candidates_of(&python, &[]), open_in_target, cfg.target_writes);
                     Some((found.ok()?, python, why))
@@ -233,7 +233,7 @@ fn job_pythons(target: &TargetProcess) -> Vec<(PathBuf, &'static str)> {
         std::env::current_dir().unwrap_or_default()
     };
     let path = target.var("PATH").map(std::ffi::OsString::from);
-    if let Some(python) = crate::programs::path_python(path.as_deref(), &cwd) {
+    if let Some(python) = crate::programs::path_python(path.as_deref(), &cwd, target.mode == "run") {
         out.push((python, "python3 on its PATH"));
     }
     out

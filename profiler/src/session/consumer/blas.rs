@@ -81,25 +81,38 @@ struct StepSums {
     by_types: HashMap<(Option<u32>, Option<u32>), u64>,
 }
 
+/// A (data type, compute type) pair's names and precision.
+fn named_types(&(d, c): &(Option<u32>, Option<u32>)) -> (Option<String>, Option<String>, Option<Precision>) {
+    let (d, c) = (d.map(data_type_name), c.map(compute_type_name));
+    let p = Precision::of(d.as_deref(), c.as_deref());
+    (d, c, p)
+}
+
 impl StepSums {
-    /// The precision that did the most FLOPs (as `correlate::mfu::dominant`
-    /// picks it from the `gemms` rows at the end).
+    /// The precision that did the most FLOPs, several type pairs of one
+    /// precision counted together (as `correlate::mfu::dominant` picks it
+    /// from the `gemms` rows at the end).
     fn precision(&self) -> Option<Precision> {
-        let groups: Vec<(Option<Precision>, i64)> = self
-            .by_types
-            .iter()
-            .map(|(&(d, c), &f)| {
-                let (d, c) = (d.map(data_type_name), c.map(compute_type_name));
-                (Precision::of(d.as_deref(), c.as_deref()), i64::try_from(f).unwrap_or(i64::MAX))
-            })
-            .collect();
+        let groups: Vec<(Option<Precision>, i64)> =
+            self.by_types.iter().map(|(t, &f)| (named_types(t).2, i64::try_from(f).unwrap_or(i64::MAX))).collect();
         dominant(&groups).unwrap_or(Some(DEFAULT_PRECISION))
     }
 
-    /// The types that did the most FLOPs (the lowest codes among equals).
+    /// The types stored for the step (`steps.gemm_data_type`, …): of the
+    /// dominant precision's pairs, the one with the most FLOPs (the lowest
+    /// codes among equals), so that the MFU derived from them without
+    /// `gemms` rows uses the precision the rows would give.
     fn dominant(&self) -> (Option<String>, Option<String>) {
-        let best = self.by_types.iter().max_by_key(|(types, flops)| (**flops, std::cmp::Reverse(**types)));
-        best.map_or((None, None), |((d, c), _)| (d.map(data_type_name), c.map(compute_type_name)))
+        let precision = self.precision();
+        let best = self
+            .by_types
+            .iter()
+            .filter(|(t, _)| named_types(t).2 == precision)
+            .max_by_key(|(types, flops)| (**flops, std::cmp::Reverse(**types)));
+        best.map_or((None, None), |(t, _)| {
+            let (d, c, _) = named_types(t);
+            (d, c)
+        })
     }
 }
 
@@ -511,6 +524,10 @@ mod tests {
         sums.by_types.insert((Some(R_32F), Some(75)), 25);
         sums.flops = 80;
         assert_eq!(g.step_flops("train", 0), Some(FlopsAt { flops: 80, precision: Some(Precision::Bf16) }));
+        // The types stored for it are a BF16 pair (of two equal ones, the lower codes: FP32 data with
+        // FAST_16BF compute), not the FP32 pair that did the most FLOPs alone.
+        let stored = (Some("CUDA_R_32F".into()), Some("CUBLAS_COMPUTE_32F_FAST_16BF".into()));
+        assert_eq!(g.per_step[&("train", 0)].dominant(), stored);
         assert_eq!(
             g.step_flops("train", 1),
             Some(FlopsAt { flops: 0, precision: Some(DEFAULT_PRECISION) }),
