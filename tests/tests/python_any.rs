@@ -341,7 +341,7 @@ fn any_cpython_run_of_a_shell_wrapper_finds_the_steps_in_its_python() {
         let bin = dir.join("bin");
         std::fs::create_dir_all(&bin).expect("bin");
         std::os::unix::fs::symlink(&python.python, bin.join("python3")).expect("python3 link");
-        let args = child_trainer_args(&python, "40").join(" ");
+        let args = child_trainer_args(python, "40").join(" ");
         let body =
             format!("#!/bin/sh\necho wrapper\npython3 {} {args} --truth {}\n", py_trainer().display(), truth.display());
         std::fs::write(&wrapper, body).expect("the wrapper");
