@@ -3,7 +3,7 @@ use std::{collections::HashMap, sync::Arc, time::Instant};
 
 use super::{
     Families, SeriesLabels,
-    series::{LiveCounter, LiveGauge, LiveHistogram},
+    series::{Labels, LiveCounter, LiveGauge, LiveHistogram},
 };
 use crate::{correlate::mfu::Precision, probes::KernelCounters, store::StepRow};
 
@@ -36,6 +36,8 @@ struct StepSeries {
     flops_rate: LiveGauge,
     /// Made with the first MFU known: absent, not 0, where it never is.
     mfu: Option<LiveGauge>,
+    /// Its series' labels (the MFU gauge's when it is made).
+    labels: Labels,
     /// Steps ended since `since` (for the rate gauge).
     ended: u64,
     /// Ended a step here once: only then does this process set the rate (a
@@ -56,10 +58,24 @@ impl StepSeries {
             sync_share: f.sync_share.series(&l),
             flops_rate: f.last_step_flops_rate.series(&l),
             mfu: None,
+            labels: l,
             ended: 0,
             ever: false,
         }
     }
+}
+
+/// `label`'s series in `steps`, made on its first use (no allocation once it exists).
+fn step_series<'a>(
+    steps: &'a mut HashMap<String, StepSeries>,
+    families: &Families,
+    labels: &SeriesLabels,
+    label: &str,
+) -> &'a mut StepSeries {
+    if !steps.contains_key(label) {
+        steps.insert(label.to_owned(), StepSeries::new(families, labels, label));
+    }
+    steps.get_mut(label).expect("inserted above")
 }
 
 /// A session's live series. Owned by its consumer; updated once per drained batch.
@@ -106,8 +122,7 @@ impl SessionMetrics {
     }
 
     fn step_series(&mut self, label: &str) -> &mut StepSeries {
-        let (families, labels) = (&self.families, &self.labels);
-        self.steps.entry(label.to_owned()).or_insert_with(|| StepSeries::new(families, labels, label))
+        step_series(&mut self.steps, &self.families, &self.labels, label)
     }
 
     /// Counts one GEMM's FLOPs.
@@ -126,17 +141,13 @@ impl SessionMetrics {
             let secs = end_ns.saturating_sub(r.start_ns) as f64 / 1e9;
             let step = gemms(&r.label, r.step).filter(|_| secs > 0.0);
             let mfu = step.and_then(|g| Some(g.flops as f64 / (self.peak.as_ref()?(g.precision?)? * secs)));
-            let (families, labels) = (&self.families, &self.labels);
-            let s =
-                self.steps.entry(r.label.to_string()).or_insert_with(|| StepSeries::new(families, labels, &r.label));
+            let families = &self.families;
+            let s = step_series(&mut self.steps, families, &self.labels, &r.label);
             if let Some(g) = step {
                 s.flops_rate.set(g.flops as f64 / secs);
             }
             match mfu.filter(|m| m.is_finite()) {
-                Some(mfu) => {
-                    let l = labels.with(Some(("label", r.label.to_string())));
-                    s.mfu.get_or_insert_with(|| families.last_step_mfu.series(&l)).set(mfu);
-                }
+                Some(mfu) => s.mfu.get_or_insert_with(|| families.last_step_mfu.series(&s.labels)).set(mfu),
                 // Unknown for this step (no peak for its GPUs or precision): not the last one's figure.
                 None if step.is_some() => s.mfu.iter().for_each(|g| g.set(f64::NAN)),
                 None => {}
