@@ -319,6 +319,24 @@ fn any_cpython_run_mode_follows_a_scripts_interpreter_line() {
     check_steps(&db, &truth, &python);
 }
 
+/// The session with the most steps (a wrapper's python child) holds exactly
+/// the trainer's steps of both labels (truth file `truth`); how many.
+/// `context` is printed on failure.
+fn busiest_session_matches(db: &Path, truth: &Path, context: &str) -> usize {
+    let child: i64 = open(db)
+        .query_row("SELECT session_id FROM steps GROUP BY session_id ORDER BY count(*) DESC LIMIT 1", [], |r| r.get(0))
+        .unwrap_or_else(|e| panic!("no steps at all ({e}): {context}"));
+    let t = Truth::read(truth);
+    let all = steps(db, child);
+    for label in ["train", "validate"] {
+        let want: Vec<TruthStep> = t.steps.iter().filter(|x| x.label == label).cloned().collect();
+        let got: Vec<DbStep> = all.iter().filter(|x| x.label == label).cloned().collect();
+        assert!(!want.is_empty(), "the trainer ran {label} steps");
+        assert_steps_match(&want, &got, STEP_TOLERANCE_NS);
+    }
+    all.len()
+}
+
 /// `run -- ./train.sh`, a shell wrapper that starts `python3 …` (not
 /// `exec`): the wrapper is no CPython, so `--step-python` is looked for in the
 /// processes it starts that run the CPython its PATH names; that child's
@@ -352,20 +370,8 @@ fn any_cpython_run_of_a_shell_wrapper_finds_the_steps_in_its_python() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{name}: {stderr}");
         assert!(stderr.contains("is not CPython: --step-python looks in the processes of the job"), "{stderr}");
-        let child: i64 = open(&db)
-            .query_row("SELECT session_id FROM steps GROUP BY session_id ORDER BY count(*) DESC LIMIT 1", [], |r| {
-                r.get(0)
-            })
-            .unwrap_or_else(|e| panic!("{name}: no steps at all ({e}): {stderr}"));
-        let t = Truth::read(&truth);
-        let all = steps(&db, child);
-        for label in ["train", "validate"] {
-            let want: Vec<TruthStep> = t.steps.iter().filter(|x| x.label == label).cloned().collect();
-            let got: Vec<DbStep> = all.iter().filter(|x| x.label == label).cloned().collect();
-            assert!(!want.is_empty(), "the trainer ran {label} steps");
-            assert_steps_match(&want, &got, STEP_TOLERANCE_NS);
-        }
-        println!("{name}: the wrapper's python child, {} steps exact", all.len());
+        let n = busiest_session_matches(&db, &truth, &format!("{name}: {stderr}"));
+        println!("{name}: the wrapper's python child, {n} steps exact");
     }
 }
 
@@ -421,18 +427,8 @@ fn attach_wrapper_of(python: &Interp) {
     let (status, stderr) = agent.finish();
     assert!(status.success(), "{stderr}");
     assert!(stderr.contains("is not CPython: --step-python looks in the processes of the job"), "{stderr}");
-    let child: i64 = open(&db)
-        .query_row("SELECT session_id FROM steps GROUP BY session_id ORDER BY count(*) DESC LIMIT 1", [], |r| r.get(0))
-        .unwrap_or_else(|e| panic!("no steps at all ({e}): {stderr}"));
-    let t = Truth::read(&truth);
-    let all_steps = steps(&db, child);
-    for label in ["train", "validate"] {
-        let want: Vec<TruthStep> = t.steps.iter().filter(|x| x.label == label).cloned().collect();
-        let got: Vec<DbStep> = all_steps.iter().filter(|x| x.label == label).cloned().collect();
-        assert!(!want.is_empty(), "the trainer ran {label} steps");
-        assert_steps_match(&want, &got, STEP_TOLERANCE_NS);
-    }
-    println!("{}: the attached wrapper's python child, {} steps exact", python.python.display(), all_steps.len());
+    let n = busiest_session_matches(&db, &truth, &stderr);
+    println!("{}: the attached wrapper's python child, {n} steps exact", python.python.display());
 }
 
 /// `run -- python3 …` where `python3` is pyenv's shim (a bash script that
