@@ -368,6 +368,16 @@ fn torchrun_ranks_on_cpu_with_run_and_attach_children() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     check_torch_ranks(&db, &dir, 1);
+    // `report` without --session shows a rank that trained, not torchrun itself (the first
+    // session) nor another of its processes, and says how many processes the job has.
+    let report =
+        Command::new(profiler_bin()).args(["report", db.to_str().expect("utf-8"), "--format", "json"]).output();
+    let report = report.expect("run report");
+    assert!(report.status.success(), "{}", String::from_utf8_lossy(&report.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&report.stdout).expect("report JSON");
+    let (id, sessions) = (json["session"]["id"].as_i64().expect("a session id"), job_sessions(&db));
+    assert!(json["session"]["rank"].is_i64() && !steps(&db, id).is_empty(), "default session {id}: {sessions:?}");
+    assert_eq!(json["session"]["job_processes"].as_i64(), Some(sessions.len() as i64));
     // `attach --children` right after torchrun starts: the workers it has started by then are
     // found in /proc, the later ones by the fork hook. They train once the agent is in.
     let dir = workdir("mp_torchrun_attach");
