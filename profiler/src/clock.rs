@@ -1,15 +1,15 @@
 //! The one clock: CLOCK_MONOTONIC nanoseconds, as `bpf_ktime_get_ns()` reads it.
 
-fn read(clock: libc::clockid_t) -> i128 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: valid clock id and a valid out-pointer.
-    unsafe { libc::clock_gettime(clock, &mut ts) };
+use rustix::time::{ClockId, clock_gettime};
+
+fn read(clock: ClockId) -> i128 {
+    let ts = clock_gettime(clock);
     ts.tv_sec as i128 * 1_000_000_000 + ts.tv_nsec as i128
 }
 
 /// CLOCK_MONOTONIC now, in ns.
 pub fn monotonic_ns() -> u64 {
-    read(libc::CLOCK_MONOTONIC) as u64
+    read(ClockId::Monotonic) as u64
 }
 
 /// Unix time minus CLOCK_MONOTONIC, in ns: add it to any `*_ns` column to get
@@ -17,9 +17,9 @@ pub fn monotonic_ns() -> u64 {
 pub fn unix_offset_ns() -> i64 {
     let mut best: Option<(i128, i128)> = None;
     for _ in 0..5 {
-        let a = read(libc::CLOCK_MONOTONIC);
-        let r = read(libc::CLOCK_REALTIME);
-        let b = read(libc::CLOCK_MONOTONIC);
+        let a = read(ClockId::Monotonic);
+        let r = read(ClockId::Realtime);
+        let b = read(ClockId::Monotonic);
         let width = b - a;
         let off = r - (a + b) / 2;
         if best.is_none_or(|(w, _)| width < w) {

@@ -17,6 +17,7 @@ mod session;
 mod steps;
 mod stop_signals;
 mod store;
+mod thread_panic;
 
 use std::process::ExitCode;
 
@@ -46,15 +47,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// The message a thread's panic was raised with (the writer's, a sampler's).
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(no message)".into())
 }
 
 /// The one way a unit test says it did not check something on this host: a

@@ -28,7 +28,7 @@
 //! it ends began unseen.
 use std::collections::HashMap;
 
-use crate::{events::RegionEvent, store::StepPhases as Phases};
+use crate::{events::RegionEvent, steps::StepPhases as Phases};
 
 /// The optimizer's step (`torch.optim.Optimizer`'s `profile_hook_step`).
 pub const OPTIMIZER_STEP: &str = "Optimizer.step#";

@@ -683,17 +683,34 @@ pub fn free_port() -> u16 {
 
 /// `GET path` on 127.0.0.1:port; the body of a 200 reply, else None.
 pub fn http_get(port: u16, path: &str) -> Option<String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
-    let mut reply = String::new();
-    s.read_to_string(&mut reply).ok()?;
-    let (head, body) = reply.split_once("\r\n\r\n")?;
-    head.lines().next().is_some_and(|l| l.contains(" 200 ")).then(|| body.to_owned())
+    http_get_query(port, path, &[])
 }
 
-/// The value of the first exposition line (Prometheus text format) that starts with `series`.
-pub fn exposed(text: &str, series: &str) -> Option<f64> {
-    text.lines().find(|l| l.starts_with(series))?.rsplit(' ').next()?.parse().ok()
+/// `GET path?query` (each pair URL-encoded) on 127.0.0.1:port; the body of a 200 reply, else None.
+pub fn http_get_query(port: u16, path: &str, query: &[(&str, &str)]) -> Option<String> {
+    let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(10)).build().ok()?;
+    let reply = client.get(format!("http://127.0.0.1:{port}{path}")).query(query).send().ok()?;
+    (reply.status() == reqwest::StatusCode::OK).then(|| reply.text().ok()).flatten()
+}
+
+/// The value of the first sample of `metric` (Prometheus text format) that
+/// carries every one of `labels` (it may carry others).
+pub fn exposed(text: &str, metric: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let scrape = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).ok()?;
+    let sample = scrape
+        .samples
+        .into_iter()
+        .find(|s| s.metric == metric && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))?;
+    match sample.value {
+        prometheus_parse::Value::Counter(v)
+        | prometheus_parse::Value::Gauge(v)
+        | prometheus_parse::Value::Untyped(v) => Some(v),
+        _ => None,
+    }
+}
+
+/// CLOCK_MONOTONIC now, in ns: the clock the profiler and the fixtures stamp with.
+pub fn monotonic_ns() -> i64 {
+    let ts = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    ts.tv_sec * 1_000_000_000 + ts.tv_nsec
 }

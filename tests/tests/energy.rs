@@ -25,13 +25,6 @@ const DRAM_W: f64 = 10.0;
 /// Small enough that package-0 wraps during the run (30 W ⇒ every 2 s).
 const MAX_RANGE_UJ: u64 = 60_000_000;
 
-fn monotonic_s() -> f64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: valid clock id and out-pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
-}
-
 /// Writes the zones and keeps their counters at `start + P·t` (µJ, wrapping)
 /// every millisecond, as the hardware would, until dropped.
 struct FakeRapl {
@@ -55,7 +48,7 @@ impl FakeRapl {
         let r = root.clone();
         let thread = std::thread::spawn(move || {
             while !flag.load(Ordering::Relaxed) {
-                let t = monotonic_s();
+                let t = monotonic_ns() as f64 / 1e9;
                 for (i, (zone, _, watts)) in ZONES.iter().enumerate() {
                     // Each counter starts at a different phase, near its wrap.
                     let start = MAX_RANGE_UJ as f64 * (0.9 - 0.1 * i as f64);

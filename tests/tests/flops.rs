@@ -337,7 +337,7 @@ fn mfu_per_step_is_the_steps_flops_over_the_h200_peak_at_its_precision() {
     // The steps done (the trainer holds before exiting): the endpoint, once it counts all four.
     std::fs::write(&trainer.go, b"").expect("write go file");
     let t0 = std::time::Instant::now();
-    let series = |text: &str, name: &str| exposed(text, &format!("{name}{{job=\"mfu\",host="));
+    let series = |text: &str, name: &str| exposed(text, name, &[("job", "mfu")]);
     let live_mfu = loop {
         let text = http_get(port, "/metrics").unwrap_or_default();
         if series(&text, "profiler_steps_total") == Some(4.0) {

@@ -15,11 +15,7 @@ use serde_json::Value;
 
 /// Debian's Chromium, if installed.
 fn chromium() -> Option<PathBuf> {
-    which("chromium").or_else(|| which("chromium-browser"))
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(name)).find(|p| p.is_file())
+    which::which("chromium").or_else(|_| which::which("chromium-browser")).ok()
 }
 
 /// Flags for a headless run that reaches nothing but the page: background

@@ -22,15 +22,6 @@ use prost::Message;
 /// How long the test waits for something that normally takes well under a second.
 const PATIENCE: Duration = Duration::from_secs(60);
 
-fn url_encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'_' | b'-' | b'.' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
 /// A Prometheus server in a test's folder, killed when dropped.
 struct Prometheus {
     child: Child,
@@ -72,7 +63,7 @@ impl Prometheus {
 
     /// `query`'s result vector: (labels, value) per series.
     fn query(&self, query: &str) -> Vec<(serde_json::Value, f64)> {
-        let Some(body) = http_get(self.port, &format!("/api/v1/query?query={}", url_encode(query))) else {
+        let Some(body) = http_get_query(self.port, "/api/v1/query", &[("query", query)]) else {
             return Vec::new();
         };
         let v: serde_json::Value = serde_json::from_str(&body).expect("query JSON");
@@ -141,17 +132,17 @@ fn one_of(db: &Path, sql: &str, session: i64, v: f64) -> bool {
     values.iter().any(|x| (x - v).abs() <= 1e-6 * x.abs().max(1.0))
 }
 
-/// Polls the profiler's endpoint until `series` reads the same twice 1.5 s
+/// Polls the profiler's endpoint until `metric` of job `trainer` reads the same twice 1.5 s
 /// apart (the launch and loss totals are refreshed every second); returns that value.
-fn settled(port: u16, series: &str) -> f64 {
+fn settled(port: u16, metric: &str) -> f64 {
     let t0 = Instant::now();
     let mut last = None;
     loop {
-        let now = http_get(port, "/metrics").and_then(|t| exposed(&t, series));
+        let now = http_get(port, "/metrics").and_then(|t| exposed(&t, metric, &[("job", "trainer")]));
         if now.is_some() && now == last {
             return now.unwrap_or_default();
         }
-        assert!(t0.elapsed() < PATIENCE, "{series} never settled (last {now:?})");
+        assert!(t0.elapsed() < PATIENCE, "{metric} never settled (last {now:?})");
         last = now;
         std::thread::sleep(Duration::from_millis(1500));
     }
@@ -175,13 +166,13 @@ fn prometheus_scrapes_the_live_step_metrics() {
     );
     trainer.go();
     // Some steps, then the trainer stops where it is: the figures stop moving.
-    let series = r#"profiler_steps_total{job="trainer""#;
     prometheus.wait_until("20 steps exposed", || {
-        http_get(port, "/metrics").and_then(|t| exposed(&t, series).filter(|n| *n >= 20.0))
+        let text = http_get(port, "/metrics")?;
+        exposed(&text, "profiler_steps_total", &[("job", "trainer")]).filter(|n| *n >= 20.0)
     });
     trainer.signal(libc::SIGSTOP);
-    let steps = settled(port, series);
-    let launches = settled(port, r#"profiler_launches_total{job="trainer""#);
+    let steps = settled(port, "profiler_steps_total");
+    let launches = settled(port, "profiler_launches_total");
     let step_labels = prometheus.wait_for_value(r#"profiler_steps_total{job="trainer",label="train"}"#, steps);
     prometheus.wait_for_value(r#"profiler_launches_total{job="trainer"}"#, launches);
     prometheus.wait_for_value(r#"profiler_step_duration_seconds_count{job="trainer"}"#, steps);

@@ -242,7 +242,7 @@ fn attach_to_a_running_loop_records_its_steps() {
     let mut l = Loop::start(&py, "torch-running", &["--forever"]);
     l.go();
     std::thread::sleep(Duration::from_millis(500));
-    let t0 = clock_ns();
+    let t0 = monotonic_ns();
     let agent = Agent::attach(l.child.id(), &l.db(), &["--no-gpu", "--duration", "3"]);
     let (status, stderr) = agent.finish();
     let _ = l.child.kill();
@@ -278,13 +278,6 @@ fn incomplete_steps(db: &Path) -> Vec<i64> {
         .prepare("SELECT step FROM steps WHERE session_id = ?1 AND label = 'train' AND incomplete = 1")
         .expect("prepare");
     q.query_map([s.id], |r| r.get(0)).expect("query").collect::<Result<_, _>>().expect("rows")
-}
-
-fn clock_ns() -> i64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: a valid timespec to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec * 1_000_000_000 + ts.tv_nsec
 }
 
 #[test]

@@ -70,7 +70,9 @@ impl SamplerThread {
         self.join.thread().unpark();
         // The thread is named `sampler-NAME` (see `spawn`).
         let name = self.join.thread().name().and_then(|n| n.strip_prefix("sampler-")).unwrap_or("?").to_owned();
-        self.join.join().map_err(|payload| format!("the {name} sampler panicked: {}", crate::panic_message(&*payload)))
+        self.join.join().map_err(|payload| {
+            format!("the {name} sampler panicked: {}", crate::thread_panic::panic_message(&*payload))
+        })
     }
 }
 

@@ -19,6 +19,7 @@ mod drain;
 mod event_loop;
 mod job;
 mod kernels;
+mod loss;
 mod nccl;
 mod setup;
 mod status;

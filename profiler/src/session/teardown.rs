@@ -104,7 +104,7 @@ pub(super) async fn finish(
     let secs = (ended_ns - session.started_ns) as f64 / 1e9;
     let (id, output) = (session.id, &session.output);
     say!(cfg.quiet, "session {id} ended ({end_reason}) after {secs:.1} s: {} → {}", report, output.display());
-    for warning in crate::steps::loss_warnings(&kc, marked_steps, steps_without_start) {
+    for warning in super::loss::loss_warnings(&kc, marked_steps, steps_without_start) {
         eprintln!("profiler: warning: {warning}");
     }
     if end_reason.starts_with("error") {

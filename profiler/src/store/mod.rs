@@ -28,8 +28,7 @@ pub use self::{
     merge::{MergeInput, MergeSummary, merge_into},
     rows::{
         AtFinish, Capability, CollectiveRow, GpmReadings, GpuRow, GpuSampleRow, KernelRow, LaunchRow, Losses,
-        ProbedFileRow, RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepPhases, StepRow, SyncRow,
-        SystemSampleRow,
+        ProbedFileRow, RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepRow, SyncRow, SystemSampleRow,
     },
     schema::{SCHEMA_VERSION, quoted},
     writer::{RowSender, StoreWriter},

@@ -2,6 +2,8 @@
 //! one struct per table (or per kind of update), no SQL.
 use profiler_common::LaunchApi;
 
+use crate::steps::StepPhases;
+
 /// What the session row holds at the start.
 #[derive(Clone, Debug)]
 pub struct SessionStart {
@@ -86,15 +88,6 @@ pub struct StepRow {
     pub launches: Option<u64>,
     /// Where a step from PyTorch's optimizer markers spent its time; None for other sources.
     pub phases: Option<StepPhases>,
-}
-
-/// Time a step's thread spent in PyTorch's DataLoader `__next__` (since the
-/// previous optimizer step) and in the optimizer's step, ns
-/// (`steps.data_wait_ns`, `steps.optimizer_ns`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StepPhases {
-    pub data_wait_ns: u64,
-    pub optimizer_ns: u64,
 }
 
 /// One PyTorch `record_function` region (a `regions` row).

@@ -47,7 +47,7 @@ impl StoreWriter {
         self.send(StoreMsg::Finish(end, at_finish));
         drop(self.tx);
         self.join.join().unwrap_or_else(|payload| {
-            let message = crate::panic_message(&*payload);
+            let message = crate::thread_panic::panic_message(&*payload);
             Ok(WriterStats {
                 first_error: Some(format!("the database writer panicked: {message}")),
                 ..Default::default()
