@@ -2,6 +2,7 @@
 //! launch and every training step into SQLite.
 mod cli;
 mod clock;
+mod compare;
 mod correlate;
 mod events;
 #[cfg(test)]

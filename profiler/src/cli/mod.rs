@@ -2,6 +2,7 @@
 //! options they share and turns them into the engine's own config.
 mod attach;
 mod bare_probe;
+mod compare;
 mod doctor;
 mod export;
 mod html;
@@ -42,6 +43,8 @@ enum Command {
     Export(export::ExportArgs),
     /// Merge profiles (one per node) into one new file: sessions renumbered, every row kept.
     Merge(merge::MergeArgs),
+    /// Compare two runs per label, with each change's 95 % interval; --fail-if gates CI on them.
+    Compare(compare::CompareArgs),
     /// Check what will and will not work on this machine (and for PID) before tracing.
     Doctor(doctor::DoctorArgs),
     /// Benchmark helper: attach an empty uprobe to LIBRARY:SYMBOL in PID until SIGINT/SIGTERM.
@@ -198,6 +201,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Report(a) => report::main(a).await,
         Command::Export(a) => export::main(a).await,
         Command::Merge(a) => merge::main(a).await,
+        Command::Compare(a) => compare::main(a).await,
         Command::Doctor(a) => doctor::main(a).await,
         Command::BareProbe(a) => bare_probe::main(a).await,
     }
