@@ -10,6 +10,7 @@ mod metrics;
 mod ownership;
 mod privileges;
 mod probes;
+mod profile;
 mod programs;
 mod regions;
 mod samplers;
