@@ -51,6 +51,7 @@ pub(crate) mod testing {
     //! job and ranks set as the multi-process agent sets them.
     use std::path::Path;
 
+    use super::ProfileDb;
     use crate::store::{CollectiveRow, ProbedFileRow, SessionStart, StepRow, Store, StoreMsg};
 
     pub(crate) const MS: u64 = 1_000_000;
@@ -122,18 +123,19 @@ pub(crate) mod testing {
         }
         ids
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::{testing::job_profile, *};
-
-    fn open() -> (tempfile::TempDir, ProfileDb, Vec<i64>) {
+    /// [`job_profile`] in a temporary directory, opened: (the directory, the profile, j1's session ids).
+    pub(crate) fn open() -> (tempfile::TempDir, ProfileDb, Vec<i64>) {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("p.db");
         let ids = job_profile(&path);
         (dir, ProfileDb::open(&path).expect("a profile"), ids)
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{testing::open, *};
 
     #[test]
     fn the_latest_job_is_the_default_and_an_unknown_one_is_named() {

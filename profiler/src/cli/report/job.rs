@@ -262,13 +262,6 @@ mod tests {
     use super::*;
     use crate::profile::jobs::testing::*;
 
-    fn open() -> (tempfile::TempDir, ProfileDb, Vec<i64>) {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("p.db");
-        let ids = job_profile(&path);
-        (dir, ProfileDb::open(&path).expect("a profile"), ids)
-    }
-
     #[test]
     fn each_step_names_its_slowest_and_fastest_rank_and_the_spread() {
         let (_dir, db, ids) = open();

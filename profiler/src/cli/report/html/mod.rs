@@ -1,7 +1,7 @@
 //! `profiler report --html`: one self-contained HTML page of plots for a
 //! session or a whole job, readable offline (inline SVG drawn by plotters,
 //! inline CSS, no script, nothing fetched). The figures come from the same
-//! queries as the text report (`report::build`, `report::load_steps`); this
+//! queries as the text report (`build::build`, `profile::steps::load_steps`); this
 //! module adds the per-step and over-time series and the job views.
 mod data;
 mod downsample;
