@@ -11,6 +11,7 @@ mod metrics;
 mod ownership;
 mod privileges;
 mod probes;
+mod profile;
 mod programs;
 mod regions;
 mod samplers;

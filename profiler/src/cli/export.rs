@@ -18,7 +18,13 @@ use clap::{Args, ValueEnum};
 use rusqlite::types::ValueRef;
 use serde::{Serialize, Serializer, ser::SerializeMap};
 
-use super::report::{ProfileDb, kernel_display, kernel_names, reader_went_away};
+use super::output::reader_went_away;
+use crate::profile::{
+    ProfileDb,
+    jobs::resolve_job,
+    kernels::{kernel_display, kernel_names},
+    series::rapl_power,
+};
 
 mod job;
 
@@ -54,7 +60,7 @@ enum ExportFormat {
 pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
     let db = ProfileDb::open(&args.db)?;
     let session = db.session(args.session)?;
-    let job = args.job.as_deref().map(|j| super::report_job::resolve_job(&db, j)).transpose()?;
+    let job = args.job.as_deref().map(|j| resolve_job(&db, j)).transpose()?;
     let table = match (args.format, &args.table) {
         (ExportFormat::Csv, None) => {
             bail!("--format csv needs --table T (one of: {})", db.tables().collect::<Vec<_>>().join(", "))
@@ -599,28 +605,14 @@ fn write_counters<W: Write>(db: &ProfileDb, session: i64, t: Timeline, w: &mut T
 
     // RAPL counters are cumulative joules per domain: the power over each
     // interval is drawn from the interval's start.
-    let mut q = db
-        .conn
-        .prepare("SELECT domain, ts_ns, energy_j FROM rapl_samples WHERE session_id = ?1 ORDER BY domain, ts_ns")?;
-    let mut rows = q.query([session])?;
-    let mut prev: Option<(String, i64, f64)> = None;
-    while let Some(r) = rows.next()? {
-        let domain: String = r.get(0)?;
-        let ts: i64 = r.get(1)?;
-        let e: f64 = r.get(2)?;
-        if let Some((d, t0, e0)) = &prev
-            && *d == domain
-            && ts > *t0
-        {
-            let name = match domain.as_str() {
-                "package" => "CPU package power".to_string(),
-                "dram" => "DRAM power".to_string(),
-                other => format!("RAPL {other} power"),
-            };
-            w.event(&t.counter(&name, "W", *t0, (e - e0) / ((ts - t0) as f64 / 1e9)))?;
-        }
-        prev = Some((domain, ts, e));
-    }
+    rapl_power(db, session, |p| {
+        let name = match p.domain {
+            "package" => "CPU package power".to_string(),
+            "dram" => "DRAM power".to_string(),
+            other => format!("RAPL {other} power"),
+        };
+        w.event(&t.counter(&name, "W", p.start_ns, p.watts))
+    })?;
 
     sample_counters(
         db,

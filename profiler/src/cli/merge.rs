@@ -10,7 +10,7 @@ use std::{
 use anyhow::{Context, bail};
 use clap::Args;
 
-use super::report::ProfileDb;
+use crate::profile::ProfileDb;
 use crate::store::{MergeInput, MergeSummary, merge_into, profile_files, side_file, written_by_a_live_profiler};
 
 #[derive(Args, Debug)]

@@ -5,10 +5,9 @@ mod bare_probe;
 mod compare;
 mod doctor;
 mod export;
-mod html;
 mod merge;
+mod output;
 mod report;
-mod report_job;
 mod run;
 
 use std::{io::IsTerminal, path::PathBuf, process::ExitCode, time::Duration};
@@ -196,8 +195,6 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Attach(a) => attach::main(a).await,
         Command::Run(a) => run::main(a).await,
-        Command::Report(a) if a.html => html::main(&a),
-        Command::Report(a) if a.job.is_some() => report_job::main(&a),
         Command::Report(a) => report::main(a).await,
         Command::Export(a) => export::main(a).await,
         Command::Merge(a) => merge::main(a).await,

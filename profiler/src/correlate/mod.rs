@@ -9,6 +9,7 @@
 pub mod gpm;
 pub mod mfu;
 pub mod per_step;
+pub mod power;
 pub mod step_mfu;
 
 /// A cumulative counter (energy in J, wrap-corrected, non-decreasing) as the

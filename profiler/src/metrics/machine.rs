@@ -6,7 +6,10 @@ use super::{
     Families, SeriesLabels,
     series::{GaugeFamily, Labels, LiveCounter, LiveGauge},
 };
-use crate::store::{GpuSampleRow, RaplSampleRow};
+use crate::{
+    correlate::power::mean_power_w,
+    store::{GpuSampleRow, RaplSampleRow},
+};
 
 const MIB: f64 = 1024.0 * 1024.0;
 
@@ -80,8 +83,8 @@ impl MachineMetrics {
             });
             if let Some((ns, j)) = d.last {
                 d.energy.add(r.energy_j - j);
-                if r.ts_ns > ns {
-                    d.power.set((r.energy_j - j) / ((r.ts_ns - ns) as f64 / 1e9));
+                if let Some(w) = mean_power_w((ns, j), (r.ts_ns, r.energy_j)) {
+                    d.power.set(w);
                 }
             } else {
                 d.energy.add(r.energy_j);

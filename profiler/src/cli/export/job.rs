@@ -7,7 +7,7 @@ use std::io::Write;
 use serde::Serialize;
 
 use super::{EventCounts, Timeline, TraceWriter, TracedProcess, write_session};
-use crate::cli::report::ProfileDb;
+use crate::profile::ProfileDb;
 
 #[derive(Serialize)]
 struct CollectiveArgs {
@@ -83,7 +83,7 @@ fn hostname(db: &ProfileDb, session: i64) -> rusqlite::Result<Option<String>> {
 /// Writes every session of `job`, each as its own process (its pid; its
 /// session id when pids of two machines coincide).
 pub(super) fn export_job_perfetto(db: &ProfileDb, job: &str, out: impl Write) -> anyhow::Result<EventCounts> {
-    let sessions = crate::cli::report_job::job_sessions(db, job)?;
+    let sessions = crate::profile::jobs::job_sessions(db, job)?;
     let mut processes =
         sessions.iter().map(|&(id, _, _)| TracedProcess::read(db, id)).collect::<rusqlite::Result<Vec<_>>>()?;
     // A merged profile's job spans machines: name each track's host, and
@@ -127,7 +127,7 @@ mod tests {
     use serde_json::Value;
 
     use super::*;
-    use crate::cli::report_job::testing::{DURATIONS, job_profile};
+    use crate::profile::jobs::testing::{DURATIONS, job_profile};
 
     /// Job j1 written through the store, rank 1's clock a second later in
     /// Unix time; its Perfetto trace as JSON.

@@ -1,7 +1,7 @@
 //! `profiler report --html`: one self-contained HTML page of plots for a
 //! session or a whole job, readable offline (inline SVG drawn by plotters,
 //! inline CSS, no script, nothing fetched). The figures come from the same
-//! queries as the text report (`report::build`, `report::load_steps`); this
+//! queries as the text report (`build::build`, `profile::steps::load_steps`); this
 //! module adds the per-step and over-time series and the job views.
 mod data;
 mod downsample;
@@ -16,7 +16,8 @@ use std::process::ExitCode;
 use anyhow::Context;
 
 use self::{page::Page, steps::LabelSteps};
-use super::report::{ProfileDb, ReportArgs, build, load_steps};
+use super::{ReportArgs, build::build};
+use crate::profile::{ProfileDb, jobs::resolve_job, steps::load_steps};
 
 /// GEMM shapes listed under "top GEMM shapes by FLOPs".
 const TOP_GEMMS: usize = 10;
@@ -33,7 +34,7 @@ pub fn main(args: &ReportArgs) -> anyhow::Result<ExitCode> {
 fn render(db: &ProfileDb, args: &ReportArgs) -> anyhow::Result<String> {
     let label = args.label.as_deref();
     if let Some(requested) = &args.job {
-        let j = &super::report_job::resolve_job(db, requested)?;
+        let j = &resolve_job(db, requested)?;
         let members = data::job_members(db, j)?;
         if let Some(l) = label {
             let labels = data::job_labels(db, j)?;
@@ -263,7 +264,7 @@ mod tests {
         let table = &skipped[skipped.find("<table id=\"job-train-slowest-count\"").expect("the counts")..];
         let table = &table[..table.find("</table>").expect("end")];
         assert!(table.contains("the first 4 step numbers, warm-up, left out"), "{table}");
-        let text = crate::cli::report_job::build(&db, "j", Some("train"), 4).expect("the text job report");
+        let text = super::super::job::build(&db, "j", Some("train"), 4).expect("the text job report");
         assert_eq!(text.compared_steps, 16);
         for r in &text.ranks {
             let share = 100.0 * r.slowest_steps as f64 / text.compared_steps as f64;

@@ -9,7 +9,7 @@ use super::{
     plots::{Figure, Frame, LineChart, Stroke, line_chart},
     steps::{legend_of, line},
 };
-use crate::cli::report::ProfileDb;
+use crate::profile::ProfileDb;
 
 /// How a member is named on the page.
 fn who(m: &JobMember) -> String {
@@ -48,7 +48,7 @@ pub fn section(
         let warm = steps.first().filter(|_| skip > 0).map(|s| WarmUp { first: s.step, skip });
         per_rank(page, db, job, l, members, &anchor, warm)?;
         // The slowest-rank counts are the text report's (`report --job --skip`).
-        let counts = crate::cli::report_job::build(db, job, Some(l), skip)?;
+        let counts = super::super::job::build(db, job, Some(l), skip)?;
         spread_and_slowest(page, &steps, &counts, l, members, &anchor, warm)?;
     }
     Ok(())
@@ -101,7 +101,7 @@ fn per_rank(
 fn spread_and_slowest(
     page: &mut Page,
     steps: &[JobStep],
-    counts: &crate::cli::report_job::JobReport,
+    counts: &super::super::job::JobReport,
     label: &str,
     members: &[JobMember],
     anchor: &str,

@@ -1,10 +1,10 @@
 //! What the HTML report reads beyond the text report's figures: per-step
 //! energy, the samplers' time series, GEMM FLOPs, and a job's ranks. The
 //! steps themselves, the session's header and its percentiles come from
-//! `report` (the same queries and structs as the text report).
+//! the text report's `build` and the read model (`crate::profile`).
 use std::collections::{BTreeMap, HashMap};
 
-use super::super::report::{CapabilityRow, ProfileDb};
+use crate::profile::{ProfileDb, series, sessions::CapabilityRow};
 
 /// One source's energy per step: (label, step) → (J, ± J).
 pub type PerStep = HashMap<(String, i64), (f64, Option<f64>)>;
@@ -79,24 +79,16 @@ pub fn gpu_series(db: &ProfileDb, session: i64, started_ns: i64) -> anyhow::Resu
 /// CPU package and DRAM power over time (W, from consecutive RAPL counter
 /// readings), times in s from `started_ns`.
 pub fn rapl_power(db: &ProfileDb, session: i64, started_ns: i64) -> anyhow::Result<[Vec<(f64, f64)>; 2]> {
-    let mut q = db.conn.prepare(
-        "SELECT domain, ts_ns, energy_j FROM rapl_samples
-         WHERE session_id = ?1 AND domain IN ('package', 'dram') ORDER BY domain, ts_ns",
-    )?;
-    let mut rows = q.query([session])?;
     let mut out: [Vec<(f64, f64)>; 2] = Default::default();
-    let mut last: Option<(String, i64, f64)> = None;
-    while let Some(r) = rows.next()? {
-        let (domain, ts, j): (String, i64, f64) = (r.get(0)?, r.get(1)?, r.get(2)?);
-        if let Some((d, t0, j0)) = &last
-            && *d == domain
-            && ts > *t0
-        {
-            let series = if domain == "package" { &mut out[0] } else { &mut out[1] };
-            series.push(((ts - started_ns) as f64 / 1e9, (j - j0) / ((ts - t0) as f64 / 1e9)));
-        }
-        last = Some((domain, ts, j));
-    }
+    series::rapl_power(db, session, |p| {
+        let series = match p.domain {
+            "package" => &mut out[0],
+            "dram" => &mut out[1],
+            _ => return Ok(()),
+        };
+        series.push(((p.end_ns - started_ns) as f64 / 1e9, p.watts));
+        Ok(())
+    })?;
     Ok(out)
 }
 
@@ -139,7 +131,7 @@ pub struct JobMember {
 /// The sessions of job `job`, in the text report's order (by rank, those
 /// without one last).
 pub fn job_members(db: &ProfileDb, job: &str) -> anyhow::Result<Vec<JobMember>> {
-    let sessions = crate::cli::report_job::job_sessions(db, job)?;
+    let sessions = crate::profile::jobs::job_sessions(db, job)?;
     Ok(sessions.into_iter().map(|(session, rank, pid)| JobMember { session, rank, pid }).collect())
 }
 

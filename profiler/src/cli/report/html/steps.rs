@@ -4,13 +4,14 @@
 //! downsampled (min/max per bucket for lines, means per bar for stacks).
 use std::collections::HashMap;
 
+use super::super::build::LabelReport;
 use super::{
     data::{PerStep, StepEnergy, why_missing},
     downsample::{BUCKETS, chunks, min_max},
     page::Page,
     plots::{Bar, Figure, Frame, LegendEntry, Line, LineChart, Mark, Stroke, line_chart, look, stacked_bars},
 };
-use crate::cli::report::{CapabilityRow, LabelReport, StepRow};
+use crate::profile::{sessions::CapabilityRow, steps::StepRow};
 
 /// Bars per stacked chart at most; more steps share a bar (their mean).
 const BARS: usize = 400;

@@ -4,8 +4,9 @@
 //! with their legends, "not measured" notes and tables.
 use std::fmt::Write as _;
 
+use super::super::build::Report;
 use super::plots::{Figure, Stroke, css, escape};
-use crate::cli::report::{Report, SessionState};
+use crate::profile::sessions::SessionState;
 
 const STYLE: &str = "body{font-family:sans-serif;margin:1.5em auto;max-width:1040px;color:#222;line-height:1.4}
 h1{font-size:1.5em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}

@@ -10,7 +10,11 @@ use super::{
     plots::{Figure, Frame, LineChart, ranked_bars, si},
     steps::{legend_of, line},
 };
-use crate::cli::report::{CapabilityRow, KernelRow, StepRow, kernel_display};
+use crate::profile::{
+    kernels::{TopKernel, kernel_display},
+    sessions::CapabilityRow,
+    steps::StepRow,
+};
 
 /// Shaded intervals behind a timeline at most (a pixel column each, at worst).
 const BANDS: usize = 500;
@@ -134,7 +138,7 @@ fn timeline(page: &mut Page, id: &str, title: &str, unit: &str, chart: LineChart
 
 /// The most launched kernels, and the GEMM shapes with the most FLOPs where
 /// the session recorded GEMMs.
-pub fn kernels(page: &mut Page, anchor: &str, top: Option<&[KernelRow]>, gemms: &[GemmShape]) -> anyhow::Result<()> {
+pub fn kernels(page: &mut Page, anchor: &str, top: Option<&[TopKernel]>, gemms: &[GemmShape]) -> anyhow::Result<()> {
     let id = format!("{anchor}-top-kernels");
     let title = "Top kernels by launches (whole session)";
     match top {
