@@ -282,8 +282,9 @@ fn no_change(m: &'static Metric, verdict: &str) -> MetricChange {
     }
 }
 
-/// One metric compared between the sides.
-pub fn compare_metric(m: &'static Metric, a: &SideSteps, b: &SideSteps) -> MetricChange {
+/// One metric compared between the sides; changes within ±`noise_pct` % of
+/// A are taken as run-to-run noise (exact counts have none).
+pub fn compare_metric(m: &'static Metric, a: &SideSteps, b: &SideSteps, noise_pct: f64) -> MetricChange {
     let (sa, sb) = match (series(a, m), series(b, m)) {
         (Some(sa), Some(sb)) => (sa, sb),
         (None, None) => return no_change(m, "not in either"),
@@ -297,7 +298,7 @@ pub fn compare_metric(m: &'static Metric, a: &SideSteps, b: &SideSteps) -> Metri
     } else {
         stats::compare(&sa, &sb, m.statistic)
     };
-    let significant = if m.exact { c.diff != 0.0 } else { c.significant() };
+    let significant = if m.exact { c.diff != 0.0 } else { c.significant(noise_pct) };
     let verdict = match (significant, c.diff > 0.0, m.time) {
         (false, _, _) if m.exact => "same",
         (false, _, _) => "no significant change",
@@ -376,14 +377,14 @@ fn kernel_changes(a: &SideSteps, b: &SideSteps) -> Option<Vec<KernelChange>> {
     Some(out)
 }
 
-/// Every metric of one label compared.
-pub fn compare_label(label: &str, mut a: SideSteps, mut b: SideSteps) -> LabelComparison {
+/// Every metric of one label compared (`noise_pct`: see [`compare_metric`]).
+pub fn compare_label(label: &str, mut a: SideSteps, mut b: SideSteps, noise_pct: f64) -> LabelComparison {
     let energy_domains = common_energy(&mut a, &mut b);
     LabelComparison {
         label: label.to_owned(),
         steps_a: a.steps.len(),
         steps_b: b.steps.len(),
-        metrics: METRICS.iter().map(|m| compare_metric(m, &a, &b)).collect(),
+        metrics: METRICS.iter().map(|m| compare_metric(m, &a, &b, noise_pct)).collect(),
         verdicts: verdict_mix(&a, &b),
         kernels: kernel_changes(&a, &b),
         energy_domains,
@@ -415,7 +416,7 @@ mod tests {
         let cols = ["duration_ns", "launches", "energy_j"];
         let a: Vec<f64> = (0..200).map(|i| 10.0 + (i % 7) as f64 * 0.1).collect();
         let b: Vec<f64> = a.iter().map(|d| d + 2.0).collect();
-        let l = compare_label("train", side(&a, 50.0, &cols), side(&b, 50.0, &cols));
+        let l = compare_label("train", side(&a, 50.0, &cols), side(&b, 50.0, &cols), 0.0);
         let p50 = change(&l, "step_p50");
         assert_eq!(p50.verdict, "slower");
         assert!((p50.change.expect("change") - 2.0).abs() < 1e-9);
@@ -423,7 +424,7 @@ mod tests {
         assert_eq!(change(&l, "launches_per_step").verdict, "same");
         assert_eq!(change(&l, "gpu_energy_per_step").verdict, "higher");
         assert_eq!(l.energy_domains, vec!["GPU"]);
-        let l = compare_label("train", side(&a, 50.0, &cols), side(&a, 51.0, &cols));
+        let l = compare_label("train", side(&a, 50.0, &cols), side(&a, 51.0, &cols), 0.0);
         let launches = change(&l, "launches_per_step");
         assert_eq!((launches.verdict.as_str(), launches.change), ("higher", Some(1.0)));
         assert_eq!(change(&l, "step_p50").verdict, "no significant change");
@@ -434,7 +435,7 @@ mod tests {
         let a = side(&[1.0, 2.0], 3.0, &["duration_ns", "launches"]);
         let mut b = side(&[1.0, 2.0], 3.0, &["duration_ns", "launches", "cpu_ns"]);
         b.steps[0].cpu_ms = Some(0.5);
-        let l = compare_label("train", a, b);
+        let l = compare_label("train", a, b, 0.0);
         assert_eq!(change(&l, "cpu_p50").verdict, "not in A");
         assert_eq!(change(&l, "blocked_p50").verdict, "not in either");
         assert_eq!(change(&l, "data_wait_p50").verdict, "not in either");
@@ -447,7 +448,7 @@ mod tests {
         let mut b = a.clone();
         a.kernels = Some(vec![("gemm".into(), 4.0), ("relu".into(), 2.0), ("old".into(), 1.0)]);
         b.kernels = Some(vec![("gemm".into(), 8.0), ("relu".into(), 2.2), ("new".into(), 3.0)]);
-        let k = compare_label("train", a, b).kernels.expect("kernels");
+        let k = compare_label("train", a, b, 0.0).kernels.expect("kernels");
         let got: Vec<(&str, &str)> = k.iter().map(|c| (c.kernel.as_str(), c.change)).collect();
         assert_eq!(got, vec![("gemm", "changed"), ("new", "appeared"), ("old", "disappeared")]);
     }

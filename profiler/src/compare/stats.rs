@@ -70,9 +70,11 @@ impl Change {
         })
     }
 
-    /// The interval excludes no change.
-    pub fn significant(&self) -> bool {
-        self.diff_low > 0.0 || self.diff_high < 0.0
+    /// The interval lies wholly outside ±`noise_pct` % of A: it excludes
+    /// every change that run-to-run noise could make (0: excludes no change).
+    pub fn significant(&self, noise_pct: f64) -> bool {
+        let margin = noise_pct / 100.0 * self.a.abs();
+        self.diff_low > margin || self.diff_high < -margin
     }
 }
 
@@ -197,7 +199,7 @@ mod tests {
         for seed in 0..20 {
             let a = Series::new(correlated(400, 100.0, seed));
             let b = Series::new(correlated(400, 100.0, seed + 1000));
-            if compare(&a, &b, Statistic::Quantile(0.5)).significant() {
+            if compare(&a, &b, Statistic::Quantile(0.5)).significant(0.0) {
                 false_alarms += 1;
             }
         }
@@ -206,7 +208,7 @@ mod tests {
         let a = Series::new(correlated(400, 100.0, 1));
         let b = Series::new(correlated(400, 110.0, 2));
         let c = compare(&a, &b, Statistic::Quantile(0.5));
-        assert!(c.significant() && c.diff_low > 5.0 && c.diff_high < 15.0, "{c:?}");
+        assert!(c.significant(0.0) && c.diff_low > 5.0 && c.diff_high < 15.0, "{c:?}");
         assert!(c.diff_low <= c.diff && c.diff <= c.diff_high);
     }
 
@@ -231,7 +233,7 @@ mod tests {
         assert_eq!(statistic(&s, Statistic::Mean, Some(&[0, 0]), &mut scratch), 4.0);
         // Identical constant series: no change, an interval of zero width.
         let c = compare(&Series::new(vec![5.0; 50]), &Series::new(vec![5.0; 50]), Statistic::Mean);
-        assert!(!c.significant() && c.diff == 0.0 && c.diff_low == 0.0 && c.diff_high == 0.0);
+        assert!(!c.significant(0.0) && c.diff == 0.0 && c.diff_low == 0.0 && c.diff_high == 0.0);
         assert_eq!(c.relative_pct(), Some((0.0, 0.0, 0.0)));
     }
 }

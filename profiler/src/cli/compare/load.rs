@@ -7,7 +7,7 @@ use anyhow::{Context, bail};
 use serde::Serialize;
 
 use crate::{
-    cli::report::ProfileDb,
+    profile::ProfileDb,
     compare::{SideSteps, StepValues},
 };
 

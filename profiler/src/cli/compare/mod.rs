@@ -6,13 +6,14 @@ mod html;
 mod load;
 mod render;
 
-use std::{io::Write, path::PathBuf, process::ExitCode};
+use std::{path::PathBuf, process::ExitCode};
 
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 
 use self::load::{Side, SideInfo, SideSpec};
+use super::output::ReportFormat;
 use crate::compare::{
     LabelComparison, compare_label,
     gate::{self, Condition},
@@ -41,6 +42,10 @@ pub struct CompareArgs {
     /// 'step_p50 > +5%', 'energy_per_step > +3%', 'data_wait_p50 > +2ms'. Repeatable.
     #[arg(long = "fail-if", value_name = "METRIC OP THRESHOLD", value_parser = gate::parse)]
     fail_if: Vec<Condition>,
+    /// Changes within ±PCT % of A count as run-to-run noise, not as a change:
+    /// one run per side cannot measure how much a second run would move.
+    #[arg(long, value_name = "PCT", default_value_t = 5.0)]
+    noise: f64,
     /// Output format.
     #[arg(long, value_enum, default_value_t = CompareFormat::Table)]
     format: CompareFormat,
@@ -63,6 +68,8 @@ pub struct Comparison {
     pub a: SideInfo,
     pub b: SideInfo,
     pub skip: u64,
+    /// `--noise`: changes within ± this % of A read as no significant change.
+    pub noise_pct: f64,
     pub labels: Vec<LabelComparison>,
     /// Labels only one side has.
     pub only_in_a: Vec<String>,
@@ -93,17 +100,12 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<ExitCode> {
     if let Some(path) = &args.html {
         std::fs::write(path, html::page(&comparison)).with_context(|| format!("writing {}", path.display()))?;
     }
-    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-    let written = match args.format {
-        CompareFormat::Table => out.write_all(render::table(&comparison).as_bytes()),
-        CompareFormat::Json => serde_json::to_writer_pretty(&mut out, &comparison)
-            .map_err(std::io::Error::from)
-            .and_then(|()| out.write_all(b"\n")),
+    let format = match args.format {
+        CompareFormat::Table => ReportFormat::Table,
+        CompareFormat::Json => ReportFormat::Json,
     };
-    match written.and_then(|()| out.flush()) {
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
-        r => r.context("writing the comparison")?,
-    }
+    // No CSV form: the closure is never called.
+    super::output::print(&comparison, format, render::table, |_, _| Ok(()))?;
     let failed: Vec<&GateOutcome> = comparison.gates.iter().filter(|g| g.failed).collect();
     for g in &failed {
         eprintln!("profiler: fail-if: {} ({}): {}", g.condition, g.label, g.change);
@@ -113,6 +115,9 @@ pub async fn main(args: CompareArgs) -> anyhow::Result<ExitCode> {
 
 /// Reads both sides and compares every label they share.
 fn build(args: &CompareArgs) -> anyhow::Result<Comparison> {
+    if !(0.0..100.0).contains(&args.noise) {
+        bail!("--noise {} is not a share of A; give a percentage from 0 to 100, e.g. --noise 5", args.noise);
+    }
     let a = Side::open(&SideSpec::parse(&args.a, args.job))?;
     let b = Side::open(&SideSpec::parse(&args.b, args.job))?;
     let (la, lb) = (a.labels()?, b.labels()?);
@@ -146,7 +151,7 @@ fn build(args: &CompareArgs) -> anyhow::Result<Comparison> {
                 );
             }
         }
-        compared.push(compare_label(label, sa, sb));
+        compared.push(compare_label(label, sa, sb, args.noise));
     }
     let gates = gate_outcomes(&args.fail_if, &compared)?;
     Ok(Comparison {
@@ -157,6 +162,7 @@ fn build(args: &CompareArgs) -> anyhow::Result<Comparison> {
         a: a.info,
         b: b.info,
         skip: args.skip,
+        noise_pct: args.noise,
         labels: compared,
         gates,
     })
