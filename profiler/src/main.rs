@@ -2,6 +2,7 @@
 //! launch and every training step into SQLite.
 mod cli;
 mod clock;
+mod command_path;
 mod correlate;
 mod events;
 #[cfg(test)]
@@ -10,10 +11,10 @@ mod metrics;
 mod ownership;
 mod privileges;
 mod probes;
-mod programs;
 mod regions;
 mod samplers;
 mod session;
+mod step_label;
 mod steps;
 mod stop_signals;
 mod store;

@@ -17,7 +17,7 @@ use clap::{Args, Parser, Subcommand};
 pub use run::{EXEC_GATE, exec_gate};
 
 use crate::{
-    probes::{step_symbol::StepSymbolSpec, usdt::python::PythonStepSpec},
+    probes::{python::spec::PythonStepSpec, step_symbol::StepSymbolSpec},
     samplers::gpu::GpuConfig,
     session::{LaunchMode, SessionConfig},
 };

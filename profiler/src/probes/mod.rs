@@ -2,15 +2,12 @@
 //! libraries (found in the target's maps, or predicted before they load) and
 //! the step function.
 pub mod blas;
-pub mod cpython;
 pub mod elf;
-pub mod frame_alias;
-pub mod frame_hook;
 mod job;
 pub mod maps;
 pub mod nccl;
 pub mod placement;
-pub mod python_any;
+pub mod python;
 pub mod step_symbol;
 pub mod torch;
 pub mod usdt;

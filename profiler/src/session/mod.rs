@@ -36,7 +36,7 @@ pub use teardown::Summary;
 use watcher::LibraryWatcher;
 
 use crate::{
-    probes::{Probes, python_any::PythonStepProbes},
+    probes::{Probes, python::mechanism::PythonStepProbes},
     store::Store,
 };
 
