@@ -2,7 +2,12 @@
 //! executable, then in the mapped libraries) or `--step-symbol FILE:SYMBOL`.
 use std::path::{Path, PathBuf};
 
-use super::elf::{self, FunctionSymbol};
+use profiler_common::programs;
+
+use super::{
+    ProbeError, Probes,
+    elf::{self, FunctionSymbol},
+};
 
 /// What the user asked for.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -148,6 +153,14 @@ pub fn resolve<B: AsRef<[u8]>>(
         format!("; near matches: {}", list.join(", "))
     };
     Err(StepSymbolError::NotFound { symbol: spec.symbol.clone(), searched, near })
+}
+
+impl Probes {
+    /// Entry and return probes on the step function.
+    pub fn attach_step(&mut self, path: &Path, file_offset: u64, probe_id: u32) -> Result<(), ProbeError> {
+        self.attach(programs::STEP_ENTER, path, file_offset, probe_id.into())?;
+        self.attach(programs::STEP_EXIT, path, file_offset, probe_id.into())
+    }
 }
 
 #[cfg(test)]

@@ -62,21 +62,21 @@ fn attach_loader(
     libraries: &mut Vec<ProbedFileRow>,
 ) {
     let (pid, exe) = (target.pid, &target.exe);
-    match probes::loader_of(pid, exe) {
+    match probes::loader::loader_of(pid, exe) {
         Some(loader) => match probes.attach_loader(&probes::in_target_root(pid, &loader)) {
             Ok(Some(offset)) => {
                 libraries.push(ProbedFileRow::now(
                     &loader,
                     "loader",
                     1,
-                    format!("{} at file offset {offset:#x}", probes::LOADER_HOOK),
+                    format!("{} at file offset {offset:#x}", probes::loader::LOADER_HOOK),
                 ));
                 watcher.loader_hooked = true;
             }
             Ok(None) => log::warn!(
                 "{} exports no {}: new CUDA libraries are found by polling the maps",
                 loader.display(),
-                probes::LOADER_HOOK
+                probes::loader::LOADER_HOOK
             ),
             Err(e) => log::warn!("could not probe the dynamic loader {}: {e}", loader.display()),
         },
