@@ -43,6 +43,7 @@ use crate::{
     probes::{
         elf,
         placement::{self, Placement, PlacementReason},
+        python,
         usdt::{self, ArgLocation, ArgSpecError, UsdtArg},
     },
 };
@@ -506,7 +507,7 @@ fn check_notes(d: &[u8]) -> Result<(), TestCaseError> {
         let _ = p.to_string();
     }
     // What `attach` does with the file: CPython's probes, version and tracing switch.
-    let _ = usdt::python::resolve(&[PathBuf::from("fuzzed")], |_| Some(d));
+    let _ = python::usdt::resolve(&[PathBuf::from("fuzzed")], |_| Some(d));
     Ok(())
 }
 
@@ -1073,7 +1074,7 @@ fn fuzz_seeds_parse_to_their_ground_truth() {
     let probes = usdt::parse_notes(PYTHON_USDT_ELF).expect("the python3.11 cut parses");
     assert!(usdt::find(&probes, "python", "function__entry").count() >= 1, "{probes:?}");
     assert!(probes.iter().all(|p| p.semaphore_file_offset.is_some() && p.args.is_ok()), "{probes:?}");
-    let py = usdt::python::resolve(&[PathBuf::from("corpus")], |_| Some(PYTHON_USDT_ELF)).expect("resolves");
+    let py = python::usdt::resolve(&[PathBuf::from("corpus")], |_| Some(PYTHON_USDT_ELF)).expect("resolves");
     assert_eq!(py.version, Some((3, 11)));
     assert!(py.tracing_switch.is_some());
     if let Ok(full) = std::fs::read(SYSTEM_PYTHON) {

@@ -2,6 +2,7 @@
 //! launch and every training step into SQLite.
 mod cli;
 mod clock;
+mod command_path;
 mod compare;
 mod correlate;
 mod events;
@@ -12,10 +13,10 @@ mod ownership;
 mod privileges;
 mod probes;
 mod profile;
-mod programs;
 mod regions;
 mod samplers;
 mod session;
+mod step_label;
 mod steps;
 mod stop_signals;
 mod store;

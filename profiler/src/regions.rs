@@ -65,7 +65,8 @@ impl StepMode {
     }
 }
 
-/// `--step-region [LABEL=]NAME_PREFIX`: regions whose name starts with the
+/// `--step-region [LABEL=]NAME_PREFIX` (the prefix as
+/// [`crate::step_label`] reads it): regions whose name starts with the
 /// prefix are steps.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RegionStepSpec {
@@ -75,14 +76,9 @@ pub struct RegionStepSpec {
 
 impl RegionStepSpec {
     pub fn parse(s: &str) -> Result<Self, String> {
-        let (label, prefix) = match s.split_once('=') {
-            Some((l, p)) if !l.is_empty() && !l.contains('#') && !l.contains('(') => (l, p),
-            _ => ("train", s),
-        };
-        if prefix.is_empty() {
-            return Err(format!("'{s}' names no region: give a region name prefix, e.g. ProfilerStep#"));
-        }
-        Ok(Self { label: label.to_owned(), prefix: prefix.to_owned() })
+        let (label, prefix) = crate::step_label::split(s)
+            .map_err(|e| format!("--step-region '{s}': {e} (a region name prefix, e.g. ProfilerStep#)"))?;
+        Ok(Self { label, prefix: prefix.to_owned() })
     }
 }
 

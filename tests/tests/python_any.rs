@@ -274,7 +274,7 @@ fn any_cpython_run_mode_writes_the_hook_before_the_first_step() {
             .arg("--truth")
             .arg(&truth)
             // When the hook was written, said on stderr: shown if a check below fails.
-            .env("RUST_LOG", "warn,profiler::probes::frame_hook=info")
+            .env("RUST_LOG", "warn,profiler::probes::python::frame_hook=info")
             .output()
             .expect("profiler run");
         let stderr = String::from_utf8_lossy(&out.stderr);

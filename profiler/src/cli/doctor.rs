@@ -22,7 +22,10 @@ use crate::{
     privileges,
     probes::{
         maps::{cuda_libraries, mapped_files},
-        usdt::python::{self, PythonProbeError, PythonProbes},
+        python::{
+            interpreter::candidates,
+            usdt::{self as python, PythonProbeError, PythonProbes},
+        },
     },
     samplers::{
         gpu,
@@ -378,11 +381,11 @@ fn process_checks(pid: i32) -> (String, Vec<Check>) {
     }
     // As python::find_in_process does when the executable cannot be read.
     let exe_or = exe.clone().unwrap_or_else(|| PathBuf::from("the target's executable"));
-    let candidates = python::candidates(&exe_or, &mapped_files(&maps));
+    let candidates = candidates(&exe_or, &mapped_files(&maps));
     checks.push(python_check(pid, &exe_or, &candidates));
     // Which way `--step-python` would see this process's functions, and why.
     if exe.is_some() {
-        match crate::probes::python_any::mechanism_for(pid as u32, &candidates) {
+        match crate::probes::python::mechanism::mechanism_for(pid as u32, &candidates) {
             Some(Ok(line)) => checks.push(Check::info("--step-python", line)),
             Some(Err(e)) => checks.push(Check::info("--step-python", format!("unavailable: {e}"))),
             None => {}
@@ -587,7 +590,7 @@ mod tests {
     fn this_process_is_not_python() {
         let me = procfs::process::Process::myself().expect("self");
         let exe = me.exe().expect("exe");
-        let c = python_check(me.pid, &exe, &python::candidates(&exe, &mapped_files(&me.maps().expect("maps"))));
+        let c = python_check(me.pid, &exe, &candidates(&exe, &mapped_files(&me.maps().expect("maps"))));
         assert_eq!(c.status, Status::Info, "{c:?}");
     }
 

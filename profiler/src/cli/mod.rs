@@ -17,7 +17,7 @@ use clap::{Args, Parser, Subcommand};
 pub use run::{EXEC_GATE, exec_gate};
 
 use crate::{
-    probes::{step_symbol::StepSymbolSpec, usdt::python::PythonStepSpec},
+    probes::{python::spec::PythonStepSpec, step_symbol::StepSymbolSpec},
     samplers::gpu::GpuConfig,
     session::{LaunchMode, SessionConfig},
 };
@@ -59,11 +59,12 @@ pub struct TraceArgs {
     output: PathBuf,
     /// A step function: SYMBOL (searched in the executable, then in its mapped
     /// libraries; C++/Rust names may be given demangled) or FILE:SYMBOL, with an
-    /// optional LABEL= (default `train`). Repeatable.
-    #[arg(long, value_name = "[LABEL=][FILE:]SYMBOL")]
-    step_symbol: Vec<String>,
+    /// optional LABEL= (letters, digits, `_.-`; default `train`; `=NAME` takes
+    /// all after the `=` as the name, for one that holds a `=`). Repeatable.
+    #[arg(long, value_name = "[LABEL=][FILE:]SYMBOL", value_parser = StepSymbolSpec::parse)]
+    step_symbol: Vec<StepSymbolSpec>,
     /// A Python step function by name, optionally in a file ending in
-    /// FILE_SUFFIX, with an optional LABEL= (default `train`). Repeatable.
+    /// FILE_SUFFIX, with an optional LABEL= as for --step-symbol. Repeatable.
     /// CPython 3.10–3.14: its USDT probes where the build has them, else the
     /// PEP 523 frame hook (one pointer written into the target, restored on detach).
     #[arg(long, value_name = "[LABEL=][FILE_SUFFIX:]NAME", value_parser = parse_python_step)]
@@ -74,8 +75,8 @@ pub struct TraceArgs {
     steps: crate::regions::StepMode,
     /// A PyTorch `record_function` region whose name starts with
     /// NAME_PREFIX is a step (e.g. `ProfilerStep#`, or a user's
-    /// `record_function("train_step")`), with an optional LABEL= (default
-    /// `train`). Repeatable.
+    /// `record_function("train_step")`), with an optional LABEL= as for
+    /// --step-symbol. Repeatable.
     #[arg(long, value_name = "[LABEL=]NAME_PREFIX", value_parser = crate::regions::RegionStepSpec::parse)]
     step_region: Vec<crate::regions::RegionStepSpec>,
     /// Never write into the target: refuse the frame hook that --step-python
@@ -164,7 +165,7 @@ impl TraceArgs {
     fn into_config(self) -> SessionConfig {
         SessionConfig {
             output: self.output,
-            steps: self.step_symbol.iter().map(|s| StepSymbolSpec::parse(s)).collect(),
+            steps: self.step_symbol,
             python_steps: self.step_python,
             target_writes: !self.no_target_writes,
             launch_mode: self.launches,
@@ -278,5 +279,57 @@ mod tests {
             .expect("parses");
         let Command::Run(r) = cli.command else { panic!("run expected") };
         assert_eq!(r.command, vec!["trainer", "--steps", "3"]);
+    }
+
+    /// The step flags as `attach` parses them.
+    fn step_flags(args: &[&str]) -> Result<TraceArgs, clap::Error> {
+        let cli = Cli::try_parse_from(["profiler", "attach", "1"].iter().chain(args))?;
+        let Command::Attach(a) = cli.command else { panic!("attach expected") };
+        Ok(a.trace)
+    }
+
+    #[test]
+    fn step_symbol_takes_the_label_prefix() {
+        let one = |v: &str| step_flags(&["--step-symbol", v]).map(|t| t.step_symbol[0].clone());
+        let spec =
+            |label: &str, symbol: &str| StepSymbolSpec { label: label.into(), file: None, symbol: symbol.into() };
+        assert_eq!(one("eval=validate").expect("LABEL=NAME"), spec("eval", "validate"));
+        assert_eq!(one("=operator=").expect("=NAME"), spec("train", "operator="));
+        assert_eq!(one("train_step").expect("NAME"), spec("train", "train_step"));
+        for bad in ["", "eval=", "a b=f", "Vec::operator="] {
+            let e = one(bad).expect_err(bad).to_string();
+            assert!(e.contains("LABEL=NAME"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn step_python_takes_the_label_prefix() {
+        let one = |v: &str| step_flags(&["--step-python", v]).map(|t| t.step_python[0].clone());
+        let spec = |label: &str, function: &str| PythonStepSpec {
+            label: label.into(),
+            file_suffix: None,
+            function: function.into(),
+        };
+        assert_eq!(one("validate=validate").expect("LABEL=NAME"), spec("validate", "validate"));
+        assert_eq!(one("=train_step").expect("=NAME"), spec("train", "train_step"));
+        assert_eq!(one("train_step").expect("NAME"), spec("train", "train_step"));
+        for bad in ["", "val=", "a b=f"] {
+            let e = one(bad).expect_err(bad).to_string();
+            assert!(e.contains("LABEL=NAME"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn step_region_takes_the_label_prefix() {
+        use crate::regions::RegionStepSpec;
+        let one = |v: &str| step_flags(&["--step-region", v]).map(|t| t.step_region[0].clone());
+        let spec = |label: &str, prefix: &str| RegionStepSpec { label: label.into(), prefix: prefix.into() };
+        assert_eq!(one("user=train_step").expect("LABEL=NAME"), spec("user", "train_step"));
+        assert_eq!(one("=ProfilerStep#").expect("=NAME"), spec("train", "ProfilerStep#"));
+        assert_eq!(one("ProfilerStep#").expect("NAME"), spec("train", "ProfilerStep#"));
+        for bad in ["", "eval=", "Step#1=x"] {
+            let e = one(bad).expect_err(bad).to_string();
+            assert!(e.contains("LABEL=NAME"), "{bad}: {e}");
+        }
     }
 }

@@ -10,8 +10,8 @@ use clap::Args;
 
 use super::TraceArgs;
 use crate::{
+    command_path::{find_program, program_run_by},
     privileges,
-    programs::{find_program, program_run_by},
     session::{self, LaunchedChild, Target},
 };
 

@@ -211,7 +211,7 @@ mod tests {
         let loader = std::fs::read(&interp).expect("read the loader");
         assert_eq!(interpreter(&loader).expect("parse"), None, "the loader itself has no interpreter");
         let syms = function_symbols(&loader).expect("parse the loader");
-        let hook = crate::probes::LOADER_HOOK;
+        let hook = crate::probes::loader::LOADER_HOOK;
         assert!(syms.iter().any(|s| s.name == hook), "{} exports {hook}", interp.display());
     }
 

@@ -1,16 +1,19 @@
-//! Loading the eBPF object and attaching its programs to the target: CUDA
-//! libraries (found in the target's maps, or predicted before they load) and
-//! the step function.
+//! Loading the eBPF object and attaching its programs to the target. What is
+//! here is what every probe family shares (loading, the one attach call,
+//! counters, detach, reading the target's files and memory); each family's
+//! own attach code is in the module named for it: CUDA launches [`cuda`],
+//! the dynamic loader's hook [`loader`], native steps [`step_symbol`], Python
+//! steps [`python`], PyTorch regions [`torch`], BLAS calls [`blas`], NCCL
+//! collectives [`nccl`], the job's processes and children [`job`].
 pub mod blas;
-pub mod cpython;
+pub mod cuda;
 pub mod elf;
-pub mod frame_alias;
-pub mod frame_hook;
 mod job;
+pub mod loader;
 pub mod maps;
 pub mod nccl;
 pub mod placement;
-pub mod python_any;
+pub mod python;
 pub mod step_symbol;
 pub mod torch;
 pub mod usdt;
@@ -31,11 +34,9 @@ use aya::{
     },
 };
 use profiler_common::{
-    ApiLayer, CodeRanges, EVENTS_BYTES, LaunchApi, LaunchRecord, LaunchStage, ORDERED_EVENTS_BYTES, RUNTIME_TEXTS,
-    STAGE_LEN, STAGES, SyncApi, globals, maps as map_names, name_call, programs,
+    CodeRanges, EVENTS_BYTES, LaunchApi, LaunchRecord, LaunchStage, ORDERED_EVENTS_BYTES, STAGE_LEN, STAGES, globals,
+    maps as map_names, programs,
 };
-
-use self::maps::LibraryKind;
 
 /// The eBPF object built by `cargo xtask build-ebpf`, embedded at build time.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/profiler-ebpf.o"));
@@ -322,110 +323,6 @@ impl Probes {
         }
     }
 
-    /// Probes the launch entry points, host synchronisation calls and (for
-    /// the driver) kernel-naming calls `path` exports; returns where each probe
-    /// went (empty when the file exports none), or None when this file (by
-    /// device and inode) was already probed, under whatever name. On an error
-    /// none of its probes stay attached.
-    ///
-    /// `text`: where a runtime library's code is mapped in the target, so that
-    /// the driver probes can tell the runtime's calls to the driver.
-    pub fn attach_cuda_library(
-        &mut self,
-        kind: LibraryKind,
-        path: &Path,
-        text: &[(u64, u64)],
-        tgid: u32,
-    ) -> Result<Option<Vec<PlacedProbe>>, ProbeError> {
-        let meta = std::fs::metadata(path).map_err(|source| ProbeError::Read { path: path.to_owned(), source })?;
-        let file = (meta.dev(), meta.ino());
-        if !self.probed.insert(file) {
-            // Probed for another process of the job (file-wide): this one's
-            // runtime code is at its own addresses.
-            if kind == LibraryKind::Runtime {
-                self.add_runtime_text(tgid, text)?;
-            }
-            return Ok(None);
-        }
-        // All or nothing: a library probed half way would count some of its
-        // launches and miss the others for the rest of the session. On any
-        // failure the probes attached so far come off (dropping a link
-        // detaches it), and the file is left for the next look to try again.
-        let links_before = self.links.len();
-        let placed = self.probe_library(kind, path, text, tgid);
-        if placed.is_err() {
-            self.links.truncate(links_before);
-            self.probed.remove(&file);
-        }
-        placed.map(Some)
-    }
-
-    /// The probes of [`Self::attach_cuda_library`], all of them or an error.
-    fn probe_library(
-        &mut self,
-        kind: LibraryKind,
-        path: &Path,
-        text: &[(u64, u64)],
-        tgid: u32,
-    ) -> Result<Vec<PlacedProbe>, ProbeError> {
-        // Mapped, not read: only the symbol tables and the entry blocks are touched.
-        let data = map_file(path).map_err(|source| ProbeError::Read { path: path.to_owned(), source })?;
-        let symbols =
-            elf::function_symbols(&data).map_err(|source| ProbeError::Elf { path: path.to_owned(), source })?;
-        let layer = match kind {
-            LibraryKind::Driver => ApiLayer::Driver,
-            LibraryKind::Runtime => ApiLayer::Runtime,
-        };
-        if layer == ApiLayer::Runtime && symbols.iter().any(|s| s.name.starts_with("cuda")) {
-            // Before the runtime probes exist: from now on the driver probes
-            // look for a runtime launch in progress on their thread.
-            self.add_runtime_text(tgid, text)?;
-            let map =
-                self.ebpf.map_mut(map_names::RUNTIME_PROBED).ok_or(ProbeError::Missing(map_names::RUNTIME_PROBED))?;
-            let mut flag: Array<&mut MapData, u32> =
-                Array::try_from(map).map_err(|source| ProbeError::Map { name: map_names::RUNTIME_PROBED, source })?;
-            flag.set(0, 1, 0).map_err(|source| ProbeError::Map { name: map_names::RUNTIME_PROBED, source })?;
-        }
-        let mut placed = Vec::new();
-        for api in LaunchApi::ALL.into_iter().filter(|a| a.layer() == layer) {
-            let Some(sym) = symbols.iter().find(|s| s.name == api.symbol()) else {
-                continue;
-            };
-            let ProbePoint { offset, stack_adjust, reason } = self.probe_point(&data, sym);
-            // The program reads the stack `stack_adjust` bytes further up when
-            // pushes ran before the probe; the shared program that does takes
-            // it from the cookie.
-            let cookie = api as u64 | (stack_adjust << 32);
-            self.attach(api.program(stack_adjust), path, sym.file_offset + offset, cookie)?;
-            placed.push(PlacedProbe { symbol: api.symbol(), offset, reason });
-        }
-        // Host synchronisation calls: not hot, so at their entry; the return
-        // probe first, so that a runtime call's mark on its thread (which
-        // keeps the driver call it makes from counting twice) is always cleared.
-        for api in SyncApi::ALL.into_iter().filter(|a| a.layer() == layer) {
-            let Some(sym) = symbols.iter().find(|s| s.name == api.symbol()) else {
-                continue;
-            };
-            self.attach(programs::SYNC_EXIT, path, sym.file_offset, api as u64)?;
-            self.attach(programs::SYNC_ENTER, path, sym.file_offset, api as u64)?;
-            placed.push(PlacedProbe { symbol: api.symbol(), offset: 0, reason: "sync entry and return".into() });
-        }
-        // The calls that name kernels (driver only; rare: entry and return).
-        if layer == ApiLayer::Driver {
-            for (symbol, which) in [
-                ("cuModuleGetFunction", name_call::MODULE_GET_FUNCTION),
-                ("cuLibraryGetKernel", name_call::LIBRARY_GET_KERNEL),
-                ("cuKernelGetFunction", name_call::KERNEL_GET_FUNCTION),
-            ] {
-                let Some(sym) = symbols.iter().find(|s| s.name == symbol) else { continue };
-                self.attach(programs::NAME_EXIT, path, sym.file_offset, which.into())?;
-                self.attach(programs::NAME_ENTER, path, sym.file_offset, which.into())?;
-                placed.push(PlacedProbe { symbol, offset: 0, reason: "kernel name entry and return".into() });
-            }
-        }
-        Ok(placed)
-    }
-
     /// Where a hot probe on `sym` (in the file `data`) goes: placement's choice,
     /// or the entry under `--probe-at-entry`.
     pub fn probe_point(&self, data: &[u8], sym: &elf::FunctionSymbol) -> ProbePoint {
@@ -435,23 +332,6 @@ impl Probes {
         let code = data.get(sym.file_offset as usize..).unwrap_or_default();
         let p = placement::choose(&code[..code.len().min(placement::WINDOW)], sym.address, kernel);
         ProbePoint { offset: p.offset, stack_adjust: p.stack_adjust, reason: p.to_string() }
-    }
-
-    /// Entry and return probes on the step function.
-    pub fn attach_step(&mut self, path: &Path, file_offset: u64, probe_id: u32) -> Result<(), ProbeError> {
-        self.attach(programs::STEP_ENTER, path, file_offset, probe_id.into())?;
-        self.attach(programs::STEP_EXIT, path, file_offset, probe_id.into())
-    }
-
-    /// Adds a runtime library's code ranges in process `tgid` to `RUNTIME_TEXT`.
-    fn add_runtime_text(&mut self, tgid: u32, text: &[(u64, u64)]) -> Result<(), ProbeError> {
-        for (start, end) in self.add_code_ranges(map_names::RUNTIME_TEXT, tgid, text)? {
-            log::warn!(
-                "more than {RUNTIME_TEXTS} runtime code mappings in process {tgid}: driver launches made by the \
-                 runtime from {start:#x}-{end:#x} count as driver launches too"
-            );
-        }
-        Ok(())
     }
 
     /// Adds `text` (`[start, end)` in process `tgid`) to the first free
@@ -477,22 +357,6 @@ impl Probes {
         }
         maps.insert(tgid, ranges, 0).map_err(|source| ProbeError::Map { name, source })?;
         Ok(left_out)
-    }
-
-    /// Probes the dynamic loader at `path` (as the agent sees it) on its
-    /// [`LOADER_HOOK`], so that each `dlopen` and `dlclose` of the target
-    /// writes a `LoaderChange` record; returns the hook's file offset, or None
-    /// when the file does not export it.
-    pub fn attach_loader(&mut self, path: &Path) -> Result<Option<u64>, ProbeError> {
-        let data = map_file(path).map_err(|source| ProbeError::Read { path: path.to_owned(), source })?;
-        let symbols =
-            elf::function_symbols(&data).map_err(|source| ProbeError::Elf { path: path.to_owned(), source })?;
-        let Some(hook) = symbols.iter().find(|s| s.name == LOADER_HOOK) else {
-            return Ok(None);
-        };
-        // At the entry: it runs a few times per dlopen, never on a hot path.
-        self.attach(programs::LOADER, path, hook.file_offset, 0)?;
-        Ok(Some(hook.file_offset))
     }
 
     /// The benchmark's floor: an empty program on `file_offset` of `path`.
@@ -622,16 +486,6 @@ pub fn map_file(path: &Path) -> std::io::Result<memmap2::Mmap> {
     // SAFETY: a read-only private mapping of a file we only read; a concurrent
     // truncation could fault, which executable files in use do not see.
     unsafe { memmap2::Mmap::map(&f) }
-}
-
-/// The function glibc's and musl's dynamic loaders call before and after each
-/// change to the loaded objects, for debuggers (`r_debug.r_brk`).
-pub const LOADER_HOOK: &str = "_dl_debug_state";
-
-/// The dynamic loader `exe` (a path in the target's view) runs under, in the
-/// target's view; None for a static executable or an unreadable one.
-pub fn loader_of(pid: u32, exe: &Path) -> Option<PathBuf> {
-    elf::interpreter(&open_in_target(pid, exe)?).ok().flatten()
 }
 
 /// A file of the target's, mapped: through the target's root (its mount

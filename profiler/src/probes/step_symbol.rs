@@ -1,13 +1,21 @@
-//! Finding the step function: `--step-symbol SYMBOL` (searched in the
-//! executable, then in the mapped libraries) or `--step-symbol FILE:SYMBOL`.
+//! Native steps: finding the step function (`--step-symbol SYMBOL`, searched
+//! in the executable, then in the mapped libraries, or `--step-symbol
+//! FILE:SYMBOL`) and attaching its entry and return probes.
 use std::path::{Path, PathBuf};
 
-use super::elf::{self, FunctionSymbol};
+use profiler_common::programs;
+
+use crate::step_label;
+
+use super::{
+    ProbeError, Probes,
+    elf::{self, FunctionSymbol},
+};
 
 /// What the user asked for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StepSymbolSpec {
-    /// The steps' label (`LABEL=` prefix; `train` by default).
+    /// The steps' label (the `LABEL=` prefix as [`step_label`] reads it).
     pub label: String,
     /// A path (has a `/`) or a file name (`libtrainer.so`) to search alone.
     pub file: Option<String>,
@@ -15,21 +23,13 @@ pub struct StepSymbolSpec {
 }
 
 impl StepSymbolSpec {
-    /// `FILE:SYMBOL` when the part before the first lone `:` names a file (has a
-    /// `/`, or a `.so` name); otherwise the whole text is a symbol, so that C++
-    /// names like `Trainer::step` need no quoting.
-    pub fn parse(s: &str) -> Self {
-        // `LABEL=`: a plain word before the first `=`.
-        let (label, s) = match s.split_once('=') {
-            Some((l, rest))
-                if !l.is_empty()
-                    && !rest.is_empty()
-                    && l.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) =>
-            {
-                (l.to_owned(), rest)
-            }
-            _ => ("train".to_owned(), s),
-        };
+    /// After the `[LABEL=]` prefix ([`step_label::split`]): `FILE:SYMBOL` when
+    /// the part before the first lone `:` names a file (has a `/`, or a `.so`
+    /// name); otherwise the whole text is a symbol, so that C++ names like
+    /// `Trainer::step` need no quoting. A symbol holding `=` (`operator=`) is
+    /// written `=SYMBOL`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let (label, s) = step_label::split(s).map_err(|e| format!("--step-symbol '{s}': {e}"))?;
         let bytes = s.as_bytes();
         let mut i = 0;
         while i < bytes.len() {
@@ -37,18 +37,18 @@ impl StepSymbolSpec {
                 let lone = bytes.get(i + 1) != Some(&b':') && (i == 0 || bytes[i - 1] != b':');
                 let file = &s[..i];
                 if lone && (file.contains('/') || file.ends_with(".so") || file.contains(".so.")) && i + 1 < s.len() {
-                    return Self { label, file: Some(file.to_owned()), symbol: s[i + 1..].to_owned() };
+                    return Ok(Self { label, file: Some(file.to_owned()), symbol: s[i + 1..].to_owned() });
                 }
             }
             i += 1;
         }
-        Self { label, file: None, symbol: s.to_owned() }
+        Ok(Self { label, file: None, symbol: s.to_owned() })
     }
 }
 
 impl std::fmt::Display for StepSymbolSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.label != "train" {
+        if self.label != step_label::DEFAULT_LABEL || self.symbol.contains('=') {
             write!(f, "{}=", self.label)?;
         }
         match &self.file {
@@ -150,47 +150,61 @@ pub fn resolve<B: AsRef<[u8]>>(
     Err(StepSymbolError::NotFound { symbol: spec.symbol.clone(), searched, near })
 }
 
+impl Probes {
+    /// Entry and return probes on the step function.
+    pub fn attach_step(&mut self, path: &Path, file_offset: u64, probe_id: u32) -> Result<(), ProbeError> {
+        self.attach(programs::STEP_ENTER, path, file_offset, probe_id.into())?;
+        self.attach(programs::STEP_EXIT, path, file_offset, probe_id.into())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn parses_file_and_symbol_forms() {
+        let parse = |s: &str| StepSymbolSpec::parse(s).expect(s);
         let t = |file: Option<&str>, symbol: &str| StepSymbolSpec {
             label: "train".into(),
             file: file.map(String::from),
             symbol: symbol.into(),
         };
-        assert_eq!(StepSymbolSpec::parse("train_step"), t(None, "train_step"));
+        assert_eq!(parse("train_step"), t(None, "train_step"));
         assert_eq!(
-            StepSymbolSpec::parse("eval=/opt/lib.so:validate"),
+            parse("eval=/opt/lib.so:validate"),
             StepSymbolSpec { label: "eval".into(), file: Some("/opt/lib.so".into()), symbol: "validate".into() }
         );
-        assert_eq!(StepSymbolSpec::parse("eval=/opt/lib.so:validate").to_string(), "eval=/opt/lib.so:validate");
-        assert_eq!(StepSymbolSpec::parse("operator=").symbol, "operator=", "not a label: nothing after =");
-        assert_eq!(StepSymbolSpec::parse("/opt/bin/trainer:train_step"), t(Some("/opt/bin/trainer"), "train_step"));
-        assert_eq!(StepSymbolSpec::parse("libtrainer.so:step"), t(Some("libtrainer.so"), "step"));
-        assert_eq!(StepSymbolSpec::parse("Trainer::step"), t(None, "Trainer::step"));
-        assert_eq!(StepSymbolSpec::parse("./a.out:ns::Trainer::step"), t(Some("./a.out"), "ns::Trainer::step"));
+        assert_eq!(parse("eval=/opt/lib.so:validate").to_string(), "eval=/opt/lib.so:validate");
+        assert_eq!(parse("=operator=").symbol, "operator=", "= first: the rest is the name");
+        assert_eq!(parse("=operator=").to_string(), "train=operator=", "shown as it re-parses");
+        assert!(StepSymbolSpec::parse("operator=").is_err(), "a label with nothing after it");
+        assert!(StepSymbolSpec::parse("Vec::operator=").is_err(), "not a label");
+        assert_eq!(parse("/opt/bin/trainer:train_step"), t(Some("/opt/bin/trainer"), "train_step"));
+        assert_eq!(parse("libtrainer.so:step"), t(Some("libtrainer.so"), "step"));
+        assert_eq!(parse("Trainer::step"), t(None, "Trainer::step"));
+        assert_eq!(parse("./a.out:ns::Trainer::step"), t(Some("./a.out"), "ns::Trainer::step"));
     }
 
     #[test]
     fn resolves_in_own_test_binary_and_reports_near_matches() {
+        let parse = |s: &str| StepSymbolSpec::parse(s).expect(s);
         let exe = std::env::current_exe().expect("exe");
         let bytes = std::fs::read(&exe).expect("read");
         let cands = vec![exe.clone()];
-        let ok = resolve(&StepSymbolSpec::parse("main"), &cands, |_| Some(bytes.as_slice())).expect("main exists");
+        let ok = resolve(&parse("main"), &cands, |_| Some(bytes.as_slice())).expect("main exists");
         assert_eq!(ok.symbol, "main");
         assert_eq!(ok.path, exe);
-        let err = resolve(&StepSymbolSpec::parse("mainn"), &cands, |_| Some(bytes.as_slice())).expect_err("typo");
+        let err = resolve(&parse("mainn"), &cands, |_| Some(bytes.as_slice())).expect_err("typo");
         let msg = err.to_string();
         assert!(msg.contains("not found") && msg.contains("near matches: main"), "{msg}");
     }
 
     #[test]
     fn file_name_filter_with_no_match_is_an_error() {
+        let parse = |s: &str| StepSymbolSpec::parse(s).expect(s);
         let cands = vec![PathBuf::from("/usr/bin/trainer")];
-        let err = resolve(&StepSymbolSpec::parse("libx.so:step"), &cands, |_| None::<Vec<u8>>).expect_err("no file");
+        let err = resolve(&parse("libx.so:step"), &cands, |_| None::<Vec<u8>>).expect_err("no file");
         assert!(matches!(err, StepSymbolError::NoSuchFile(_)));
     }
 }

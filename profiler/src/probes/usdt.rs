@@ -3,9 +3,8 @@
 //! decoded into the `pt_regs` locations the eBPF side reads.
 //!
 //! No I/O here: callers hand in the file (bytes or parsed), so tests run on fixtures.
-//! Attaching lives in [`attach`], CPython's probes in [`python`].
+//! Attaching lives in [`attach`]; CPython's probes are `probes::python::usdt`'s.
 pub mod attach;
-pub mod python;
 
 use std::{collections::HashMap, fmt};
 
@@ -560,7 +559,5 @@ fn parse_desc(desc: &[u8], is_64: bool, endian: Endianness) -> Result<RawNote, U
     Ok(RawNote { pc, base, semaphore, provider: text(provider), name: text(name), args: text(args) })
 }
 
-#[cfg(test)]
-mod root_tests;
 #[cfg(test)]
 mod tests;

@@ -7,10 +7,14 @@ use super::{
 };
 use crate::{
     probes::{
-        self, Probes, frame_hook,
+        self, Probes,
         maps::{self, LibraryKind},
-        python_any::{PythonMechanism, PythonStepProbes},
-        usdt::{self, python::PythonProbes},
+        python::{
+            frame_hook::write::FieldState,
+            mechanism::{PythonMechanism, PythonStepProbes},
+            spec::PythonTarget,
+            usdt::PythonProbes,
+        },
     },
     store::ProbedFileRow,
 };
@@ -58,21 +62,21 @@ fn attach_loader(
     libraries: &mut Vec<ProbedFileRow>,
 ) {
     let (pid, exe) = (target.pid, &target.exe);
-    match probes::loader_of(pid, exe) {
+    match probes::loader::loader_of(pid, exe) {
         Some(loader) => match probes.attach_loader(&probes::in_target_root(pid, &loader)) {
             Ok(Some(offset)) => {
                 libraries.push(ProbedFileRow::now(
                     &loader,
                     "loader",
                     1,
-                    format!("{} at file offset {offset:#x}", probes::LOADER_HOOK),
+                    format!("{} at file offset {offset:#x}", probes::loader::LOADER_HOOK),
                 ));
                 watcher.loader_hooked = true;
             }
             Ok(None) => log::warn!(
                 "{} exports no {}: new CUDA libraries are found by polling the maps",
                 loader.display(),
-                probes::LOADER_HOOK
+                probes::loader::LOADER_HOOK
             ),
             Err(e) => log::warn!("could not probe the dynamic loader {}: {e}", loader.display()),
         },
@@ -141,18 +145,18 @@ fn attach_python(
     first_label: usize,
     libraries: &mut Vec<ProbedFileRow>,
 ) -> anyhow::Result<PythonStepProbes> {
-    let targets: Vec<usdt::python::PythonTarget> = cfg
+    let targets: Vec<PythonTarget> = cfg
         .python_steps
         .iter()
         .enumerate()
-        .map(|(i, spec)| usdt::python::PythonTarget { spec: spec.clone(), label_id: (first_label + i) as u32 })
+        .map(|(i, spec)| PythonTarget { spec: spec.clone(), label_id: (first_label + i) as u32 })
         .collect();
     match py {
         PythonMechanism::Usdt(usdt) => attach_usdt_python(cfg, probes, usdt, &targets, libraries),
         PythonMechanism::FrameHook { path, build } => {
             let handle = probes.attach_frame_hook(path, build, &targets)?;
             say!(cfg.quiet, "--step-python: {}", py.describe());
-            if let Some(frame_hook::FieldState::Other(v)) = handle.found {
+            if let Some(FieldState::Other(v)) = handle.found {
                 say!(
                     cfg.quiet,
                     "eval_frame already holds another PEP 523 hook ({v:#x}): left alone; calls it does not pass to \
@@ -170,7 +174,7 @@ fn attach_usdt_python(
     cfg: &SessionConfig,
     probes: &mut Probes,
     py: &PythonProbes,
-    targets: &[usdt::python::PythonTarget],
+    targets: &[PythonTarget],
     libraries: &mut Vec<ProbedFileRow>,
 ) -> anyhow::Result<PythonStepProbes> {
     let handle = probes.attach_python(py, targets)?;

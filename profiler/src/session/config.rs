@@ -2,7 +2,7 @@
 use std::{os::fd::OwnedFd, path::PathBuf, time::Duration};
 
 use crate::{
-    probes::{step_symbol::StepSymbolSpec, usdt::python::PythonStepSpec},
+    probes::{python::spec::PythonStepSpec, step_symbol::StepSymbolSpec},
     regions::{RegionStepSpec, StepMode},
     samplers::gpu::GpuConfig,
 };

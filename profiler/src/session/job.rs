@@ -22,7 +22,7 @@ use crate::{
     clock,
     correlate::mfu::Peaks,
     events::{self, Event, ProcessChange, ProcessEvent},
-    probes::{self, Probes, python_any::FrameHookMembers},
+    probes::{self, Probes, python::frame_hook::FrameHookMembers},
     regions::RegionSteps,
     store::{AtFinish, Losses, RowSender, SessionEnd, SessionStart, StoreMsg},
 };

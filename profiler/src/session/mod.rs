@@ -37,7 +37,7 @@ pub use teardown::Summary;
 use watcher::LibraryWatcher;
 
 use crate::{
-    probes::{Probes, python_any::PythonStepProbes},
+    probes::{Probes, python::mechanism::PythonStepProbes},
     store::Store,
 };
 

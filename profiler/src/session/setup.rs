@@ -17,9 +17,11 @@ use crate::{
     probes::{
         self,
         maps::{self, MappedFile},
-        python_any::{self, PythonMechanism},
+        python::{
+            interpreter,
+            mechanism::{self, PythonMechanism},
+        },
         step_symbol::{self, ResolvedStep},
-        usdt,
     },
     regions::RegionSteps,
     samplers::{
@@ -175,20 +177,20 @@ pub(super) fn resolve_steps(cfg: &SessionConfig, target: &TargetProcess) -> anyh
     } else {
         let ld_path = target.var("LD_LIBRARY_PATH");
         let candidates_of = |exe: &Path, mapped: &[MappedFile]| {
-            let mut candidates = usdt::python::candidates(exe, mapped);
+            let mut candidates = interpreter::candidates(exe, mapped);
             // `run` mode: nothing is mapped yet; the libpython the command will load.
             if mapped.is_empty() {
-                candidates.extend(python_any::needed_libpython(exe, ld_path.as_deref()));
+                candidates.extend(interpreter::needed_libpython(exe, ld_path.as_deref()));
             }
             candidates
         };
-        match python_any::resolve(&candidates_of(exe, &mapped), open_in_target, cfg.target_writes) {
+        match mechanism::resolve(&candidates_of(exe, &mapped), open_in_target, cfg.target_writes) {
             Ok(found) => Some(found),
             // A wrapper (`bash train.sh`, a batch job's script) followed with its
             // children: the steps are in the CPython it runs or starts.
             Err(e) if cfg.follow_children && e.none_is_cpython() => {
                 let found = job_pythons(target).into_iter().find_map(|(python, why)| {
-                    let found = python_any::resolve(&candidates_of(&python, &[]), open_in_target, cfg.target_writes);
+                    let found = mechanism::resolve(&candidates_of(&python, &[]), open_in_target, cfg.target_writes);
                     Some((found.ok()?, python, why))
                 });
                 let Some((found, python, why)) = found else { return Err(e.into()) };
@@ -233,7 +235,7 @@ fn job_pythons(target: &TargetProcess) -> Vec<(PathBuf, &'static str)> {
         std::env::current_dir().unwrap_or_default()
     };
     let path = target.var("PATH").map(std::ffi::OsString::from);
-    if let Some(python) = crate::programs::path_python(path.as_deref(), &cwd, target.mode == "run") {
+    if let Some(python) = crate::command_path::path_python(path.as_deref(), &cwd, target.mode == "run") {
         out.push((python, "python3 on its PATH"));
     }
     out

@@ -12,7 +12,7 @@ use super::{
 };
 use crate::{
     clock,
-    probes::{self, KernelCounters, Probes, python_any::PythonStepProbes},
+    probes::{self, KernelCounters, Probes, python::mechanism::PythonStepProbes},
     samplers::SamplerThread,
     stop_signals,
     store::{AtFinish, Losses, SessionEnd, StoreWriter},

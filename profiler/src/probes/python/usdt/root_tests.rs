@@ -1,29 +1,26 @@
 //! End-to-end checks of USDT attachment on a live CPython: they need root,
 //! the eBPF object embedded in this binary, Debian's python3.11 and the
 //! stand-in libcuda (`cargo xtask build`). Run with
-//! `cargo test -p profiler usdt -- --ignored --nocapture --test-threads 1`.
+//! `cargo test -p profiler python::usdt::root_tests -- --ignored --nocapture --test-threads 1`.
 use std::{
     collections::BTreeMap,
     fs::File,
     io,
     num::NonZeroU32,
-    os::fd::AsFd,
     os::unix::fs::{FileExt, MetadataExt},
     path::{Path, PathBuf},
     process::{Child, Command},
     time::{Duration, Instant},
 };
 
-use aya::programs::UProbe;
-use profiler_common::programs;
-
-use super::{
-    attach::{UsdtLink, attach_usdt, open_uprobe},
-    python::{PythonProbes, PythonStepSpec, PythonSteps, PythonTarget, find_in_process},
-};
+use super::{PythonProbes, find_in_process};
 use crate::{
     events::{Event, decode, records},
-    probes::{Probes, in_target_root, maps::LibraryKind},
+    probes::{
+        Probes, in_target_root,
+        maps::LibraryKind,
+        python::spec::{PythonStepSpec, PythonTarget},
+    },
     steps::{CompletedStep, StepTracker},
 };
 
@@ -396,7 +393,7 @@ fn every_argument_form_reads_the_right_value() {
     let mut target = start(&exe, &["--count", &COUNT.to_string(), "--wait-file", go.to_str().expect("utf-8")]);
     let pid = target.pid();
 
-    let notes = super::parse_notes(&std::fs::read(&exe).expect("read fixture")).expect("notes");
+    let notes = crate::probes::usdt::parse_notes(&std::fs::read(&exe).expect("read fixture")).expect("notes");
     let sites: Vec<_> = notes.iter().filter(|p| p.provider == "fixture").cloned().collect();
     assert_eq!(sites.len(), 6);
     for p in &sites {
@@ -478,144 +475,4 @@ fn the_semaphore_follows_attachments() {
     eprintln!("semaphore released {:?} after the drop", t0.elapsed());
     a.detach();
     b.detach();
-}
-
-/// Sets semaphores (file offsets in `python.path`) by hand, with no uprobe:
-/// what the interpreter's own work behind them costs.
-fn poke_semaphores(pid: NonZeroU32, python: &PythonProbes, offsets: &[u64]) {
-    let mappings = file_mappings(pid.get(), &in_target_root(pid.get(), &python.path)).expect("mappings");
-    let mem = std::fs::OpenOptions::new().write(true).open(format!("/proc/{pid}/mem")).expect("open mem");
-    for &off in offsets {
-        let addr = file_offset_to_address(&mappings, off).expect("semaphore mapped writable");
-        mem.write_all_at(&1u16.to_ne_bytes(), addr).expect("write semaphore");
-    }
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Tracing {
-    None,
-    /// CPython 3.11's tracing dispatch alone: the line semaphore set by hand.
-    LineSemaphore,
-    /// Line, entry and return semaphores set by hand: the interpreter's
-    /// whole share (argument preparation included), no uprobe.
-    AllSemaphores,
-    /// The uprobes (and the line switch) with an empty program.
-    BareProgram,
-    /// The real thing: the name filter matching nothing in the loop.
-    PythonFilter,
-}
-
-/// ns per call of a trivial Python function in py_trainer's --calls loop.
-fn calls_ns(mode: Tracing, calls: u64) -> f64 {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let n = calls.to_string();
-    let mut target = start_trainer(&["--steps", "0", "--calls", &n], dir.path());
-    let pid = target.pid();
-    let python = find_in_process(pid.get()).expect("probes");
-    // What keeps the tracing in place lives until the loop has run.
-    let mut links: Vec<UsdtLink> = Vec::new();
-    let mut switch: Option<std::os::fd::OwnedFd> = None;
-    let mut steps: Option<PythonSteps> = None;
-    let mut probes: Option<Probes> = None;
-    match mode {
-        Tracing::None => {}
-        Tracing::LineSemaphore | Tracing::AllSemaphores => {
-            let mut offsets: Vec<u64> = python.tracing_switch.iter().map(|t| t.line_semaphore_file_offset).collect();
-            if matches!(mode, Tracing::AllSemaphores) {
-                offsets.extend(python.entry.iter().chain(&python.ret).filter_map(|p| p.semaphore_file_offset));
-            }
-            poke_semaphores(pid, &python, &offsets);
-        }
-        Tracing::BareProgram => {
-            let (p, _ring) = Probes::load(pid, false, false).expect("load");
-            let prog: &UProbe = p.ebpf.program(programs::BARE).and_then(|p| p.try_into().ok()).expect("bare");
-            let fd = prog.fd().expect("loaded");
-            let path = in_target_root(pid.get(), &python.path);
-            for site in python.entry.iter().chain(&python.ret) {
-                let link =
-                    attach_usdt(fd.as_fd(), &path, site.file_offset, site.semaphore_file_offset, Some(pid.get()), 0);
-                links.push(link.expect("attach the empty program"));
-            }
-            if let Some(t) = &python.tracing_switch {
-                let fd = open_uprobe(&path, t.carrier.file_offset, Some(t.line_semaphore_file_offset), Some(pid.get()));
-                switch = Some(fd.expect("line switch"));
-            }
-            probes = Some(p);
-        }
-        Tracing::PythonFilter => {
-            let (mut p, _ring) = Probes::load(pid, false, false).expect("load");
-            let targets: Vec<PythonTarget> = ["train_step", "val=validate"]
-                .iter()
-                .enumerate()
-                .map(|(i, s)| PythonTarget { spec: PythonStepSpec::parse(s).expect("spec"), label_id: i as u32 })
-                .collect();
-            steps = Some(p.attach_python(&python, &targets).expect("attach"));
-            probes = Some(p);
-        }
-    }
-    std::fs::write(dir.path().join("go"), b"").expect("go");
-    let status = target.0.wait().expect("wait");
-    assert!(status.success(), "trainer: {status}");
-    // With `sysctl kernel.bpf_stats_enabled=1` and USDT_BPF_STATS set, the
-    // kernel's own accounting says what the programs cost per run.
-    if let Some(p) = probes.as_ref().filter(|_| std::env::var_os("USDT_BPF_STATS").is_some()) {
-        for name in [programs::PYTHON_ENTRY, programs::PYTHON_RETURN, programs::BARE] {
-            if let Some(info) = p.ebpf.program(name).and_then(|p| p.info().ok())
-                && info.run_count() > 0
-            {
-                let per_run = info.run_time().as_nanos() as f64 / info.run_count() as f64;
-                eprintln!("{mode:?} {name}: {} runs, {per_run:.0} ns per run", info.run_count());
-            }
-        }
-    }
-    drop(switch);
-    drop(links);
-    drop(steps);
-    if let Some(p) = probes {
-        p.detach();
-    }
-    let (n, ns) = read_truth(dir.path()).calls.expect("calls line");
-    ns as f64 / n as f64
-}
-
-/// Prints what USDT tracing costs a Python-heavy loop. Not an assertion: a
-/// benchmark (see the "overhead, honestly").
-#[test]
-#[ignore = "benchmark; needs root, the eBPF object, /usr/bin/python3.11 and the stand-in libcuda"]
-fn python_call_overhead() {
-    preconditions();
-    const CALLS: u64 = 1_000_000;
-    const REPEATS: usize = 5;
-    let rows = [
-        ("untraced", Tracing::None),
-        ("line semaphore by hand", Tracing::LineSemaphore),
-        ("all 3 semaphores by hand", Tracing::AllSemaphores),
-        ("uprobes, empty program", Tracing::BareProgram),
-        ("uprobes, python name filter", Tracing::PythonFilter),
-    ];
-    let mut results = Vec::new();
-    for (name, mode) in rows {
-        let mut runs: Vec<f64> = (0..REPEATS).map(|_| calls_ns(mode, CALLS)).collect();
-        runs.sort_by(f64::total_cmp);
-        results.push((name, runs[REPEATS / 2], runs[0], runs[REPEATS - 1]));
-    }
-    let base = results[0].1;
-    println!();
-    println!("Cost per Python call ({CALLS} calls of a trivial function, median of {REPEATS}), {PYTHON}");
-    println!(
-        "| {:<28} | {:>9} | {:>13} | {:>12} | {:>15} |",
-        "tracing", "ns / call", "calls / s", "min–max ns", "added ns / call"
-    );
-    println!("|{:-<30}|{:->11}|{:->15}|{:->14}|{:->17}|", "", "", "", "", "");
-    for (name, median, lo, hi) in &results {
-        println!(
-            "| {:<28} | {:>9.0} | {:>13.0} | {:>5.0}–{:<6.0} | {:>15.0} |",
-            name,
-            median,
-            1e9 / median,
-            lo,
-            hi,
-            median - base
-        );
-    }
 }

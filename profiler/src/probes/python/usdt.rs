@@ -1,7 +1,6 @@
-//! Python step functions through CPython's USDT probes: `--step-python`
-//! specs, finding `python:function__entry` / `function__return` in the
-//! interpreter or the `libpython*.so` it maps, and attaching the kernel-side
-//! name filter (`PY_TARGETS`) and programs to them.
+//! The USDT route of `--step-python`: finding CPython's
+//! `python:function__entry` / `function__return` in the interpreter or the
+//! `libpython*.so` it maps, and attaching the programs to them.
 //!
 //! CPython 3.11 has the notes but fires `function__entry` only on its tracing
 //! path, which it takes while a `sys.settrace`/`setprofile` function or the
@@ -9,12 +8,11 @@
 //! function probes at all (cpython#104280). For 3.11 the line probe's
 //! semaphore is held up too, through a uprobe the kernel owns, so that entries
 //! fire: that puts the interpreter in its slower tracing dispatch while
-//! attached (measured in `python_call_overhead`).
+//! attached (`cargo xtask bench` measures it).
 //!
-//! Parsing and resolution take bytes and paths and do no I/O; [`PythonSteps`]
-//! and [`find_in_process`] are the thin I/O layer.
+//! Resolution takes bytes and paths and does no I/O; [`PythonSteps`] and
+//! [`find_in_process`] are the thin I/O layer.
 use std::{
-    fmt,
     num::NonZeroU32,
     os::fd::{AsFd, BorrowedFd, OwnedFd},
     path::{Path, PathBuf},
@@ -22,19 +20,20 @@ use std::{
 
 use aya::{
     Ebpf,
-    maps::{Array, MapError},
-    programs::{ProgramError, UProbe, uprobe::UProbeScope},
+    maps::Array,
+    programs::{UProbe, uprobe::UProbeScope},
 };
-use object::{Object, ObjectSection, ObjectSymbol};
-use profiler_common::{
-    PY_MAX_TARGETS, PY_NAME_CAP, PyTarget, USDT_MAX_SPECS, UsdtProbeSpec, maps as map_names, programs,
-};
+use profiler_common::{USDT_MAX_SPECS, UsdtProbeSpec, maps as map_names, programs};
 
 use super::{
-    ArgLocation, UsdtError, UsdtProbe,
-    attach::{AttachError, UsdtLink, attach_usdt, open_uprobe},
+    interpreter::python_version,
+    spec::PythonTarget,
+    targets::{PythonAttachError, fill_targets, loaded_uprobe},
 };
-use crate::probes::maps::MappedFile;
+use crate::probes::usdt::{
+    self, ArgLocation, UsdtError, UsdtProbe,
+    attach::{UsdtLink, attach_usdt, open_uprobe},
+};
 
 pub const PROVIDER: &str = "python";
 pub const ENTRY: &str = "function__entry";
@@ -44,102 +43,6 @@ pub const LINE: &str = "line";
 /// is set, so that a uprobe placed on one never fires: the carrier of the
 /// line semaphore. Earlier is less likely to be wanted by another tracer.
 const CARRIERS: [&str; 5] = ["audit", "import__find__load__start", "import__find__load__done", "gc__start", "gc__done"];
-/// Label of a `--step-python` spec that names none.
-pub const DEFAULT_LABEL: &str = "train";
-
-/// `--step-python [LABEL=][FILE_SUFFIX:]NAME`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PythonStepSpec {
-    /// What the steps are called (`steps.label`), e.g. `train`, `val`.
-    pub label: String,
-    /// What the code object's file name must end with, at a `/` boundary.
-    pub file_suffix: Option<String>,
-    /// The function's bare name, as CPython's probes report it (`co_name`).
-    pub function: String,
-}
-
-#[derive(Debug, PartialEq, Eq, thiserror::Error)]
-pub enum PythonSpecError {
-    #[error("--step-python '{0}': no function name")]
-    Empty(String),
-    #[error("--step-python '{0}': empty label before '='")]
-    EmptyLabel(String),
-    #[error(
-        "--step-python '{spec}': CPython's probes report the bare function name (co_name), not '{name}'; \
-         pass '{short}', with FILE_SUFFIX:{short} to tell apart functions of that name"
-    )]
-    Qualified { spec: String, name: String, short: String },
-    #[error("--step-python '{spec}': '{what}' is {len} bytes, the kernel-side filter holds at most {PY_NAME_CAP}")]
-    TooLong { spec: String, what: String, len: usize },
-    #[error("--step-python '{0}': not a Python identifier")]
-    NotIdentifier(String),
-}
-
-impl PythonStepSpec {
-    pub fn parse(spec: &str) -> Result<Self, PythonSpecError> {
-        let (label, rest) = match spec.split_once('=') {
-            Some((l, _)) if l.trim().is_empty() => return Err(PythonSpecError::EmptyLabel(spec.to_owned())),
-            Some((l, r)) => (l.trim().to_owned(), r),
-            None => (DEFAULT_LABEL.to_owned(), spec),
-        };
-        let (file_suffix, function) = match rest.rsplit_once(':') {
-            Some((f, n)) if !f.is_empty() => (Some(f.to_owned()), n),
-            Some((_, n)) => (None, n),
-            None => (None, rest),
-        };
-        if function.is_empty() {
-            return Err(PythonSpecError::Empty(spec.to_owned()));
-        }
-        if let Some((_, short)) = function.rsplit_once('.') {
-            return Err(PythonSpecError::Qualified {
-                spec: spec.to_owned(),
-                name: function.to_owned(),
-                short: short.to_owned(),
-            });
-        }
-        // Identifiers may be non-ASCII; the probe reports them as UTF-8.
-        let first_ok = function.chars().next().is_some_and(|c| c == '_' || c.is_alphabetic());
-        if !first_ok || !function.chars().all(|c| c == '_' || c.is_alphanumeric()) {
-            // `<module>`, `<lambda>`, `<listcomp>` are code names CPython reports too.
-            if !(function.starts_with('<') && function.ends_with('>')) {
-                return Err(PythonSpecError::NotIdentifier(spec.to_owned()));
-            }
-        }
-        for (what, len) in [
-            (function, function.len()),
-            (file_suffix.as_deref().unwrap_or(""), file_suffix.as_ref().map_or(0, String::len)),
-        ] {
-            if len > PY_NAME_CAP {
-                return Err(PythonSpecError::TooLong { spec: spec.to_owned(), what: what.to_owned(), len });
-            }
-        }
-        Ok(Self { label, file_suffix, function: function.to_owned() })
-    }
-
-    /// The `PY_TARGETS` entry; `label_id` is what the kernel writes to
-    /// `OrderedRecord::probe` when this function enters or returns.
-    pub fn target(&self, label_id: u32) -> PyTarget {
-        let mut t = PyTarget { label_id, ..Default::default() };
-        let name = self.function.as_bytes();
-        t.name[..name.len()].copy_from_slice(name);
-        t.name_len = name.len() as u32;
-        if let Some(s) = &self.file_suffix {
-            t.file_suffix[..s.len()].copy_from_slice(s.as_bytes());
-            t.suffix_len = s.len() as u32;
-        }
-        t
-    }
-}
-
-impl fmt::Display for PythonStepSpec {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}=", self.label)?;
-        if let Some(s) = &self.file_suffix {
-            write!(f, "{s}:")?;
-        }
-        f.write_str(&self.function)
-    }
-}
 
 /// CPython's entry and return probes, found in one file.
 #[derive(Clone, Debug)]
@@ -167,21 +70,6 @@ pub struct TracingSwitch {
     pub carrier: UsdtProbe,
 }
 
-/// The CPython version a file was built as, from its `Py_Version` symbol
-/// (`PY_VERSION_HEX`, exported since 3.11). None: older, or not CPython.
-pub fn python_version(file: &object::File<'_>) -> Option<(u8, u8)> {
-    // Exported, so in `.dynsym`; a stripped interpreter has no `.symtab`.
-    let sym = file.dynamic_symbols().chain(file.symbols()).find(|s| s.name() == Ok("Py_Version"))?;
-    let section = file.section_by_index(sym.section_index()?).ok()?;
-    let bytes = section.data_range(sym.address(), 4).ok()??;
-    let hex = if file.is_little_endian() {
-        u32::from_le_bytes(bytes.try_into().ok()?)
-    } else {
-        u32::from_be_bytes(bytes.try_into().ok()?)
-    };
-    Some(((hex >> 24) as u8, (hex >> 16) as u8))
-}
-
 /// Whether this CPython fires `function__entry` only on its tracing path:
 /// 3.11 (the probe moved into the tracing dispatch when calls were inlined
 /// into the eval loop; restored at frame start in 3.15).
@@ -190,11 +78,11 @@ fn entry_needs_tracing(version: Option<(u8, u8)>) -> bool {
 }
 
 fn tracing_switch(notes: &[UsdtProbe]) -> Option<TracingSwitch> {
-    let line = super::find(notes, PROVIDER, LINE).next()?;
+    let line = usdt::find(notes, PROVIDER, LINE).next()?;
     let line_semaphore_file_offset = line.semaphore_file_offset?;
     let carrier = CARRIERS
         .iter()
-        .filter_map(|name| super::find(notes, PROVIDER, name).next())
+        .filter_map(|name| usdt::find(notes, PROVIDER, name).next())
         .find(|p| p.semaphore_file_offset.is_some_and(|s| s != line_semaphore_file_offset))
         .unwrap_or(line);
     Some(TracingSwitch { line_semaphore_file_offset, carrier: carrier.clone() })
@@ -224,21 +112,6 @@ pub enum PythonProbeError {
     TooManySites { path: PathBuf, count: usize, max: u32 },
 }
 
-/// Where CPython's probes may be: the executable, then every mapped
-/// `libpython*` (a `--enable-shared` build keeps the interpreter there) or
-/// `python*` (the program when the executable is the dynamic loader run by
-/// hand, `ld-linux-x86-64.so.2 --library-path DIR python3.13`).
-pub fn candidates(exe: &Path, mapped: &[MappedFile]) -> Vec<PathBuf> {
-    let mut out = vec![exe.to_owned()];
-    for m in mapped {
-        let name = m.path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        if (name.starts_with("libpython") || name.starts_with("python")) && !out.contains(&m.path) {
-            out.push(m.path.clone());
-        }
-    }
-    out
-}
-
 /// The first of `candidates` (target-visible paths) with CPython's probes;
 /// `open` maps a path to the file's bytes (None: unreadable, skipped).
 pub fn resolve<B: AsRef<[u8]>>(
@@ -249,16 +122,16 @@ pub fn resolve<B: AsRef<[u8]>>(
         let Some(bytes) = open(path) else { continue };
         // Not ELF (a script?) or unreadable: not where the probes are.
         let Ok(file) = object::File::parse(bytes.as_ref()) else { continue };
-        let notes = match super::notes(&file) {
+        let notes = match usdt::notes(&file) {
             Ok(n) => n,
             Err(UsdtError::Parse(_) | UsdtError::NotElf) => continue,
             Err(source) => return Err(PythonProbeError::Notes { path: path.clone(), source }),
         };
-        let entry: Vec<UsdtProbe> = super::find(&notes, PROVIDER, ENTRY).cloned().collect();
+        let entry: Vec<UsdtProbe> = usdt::find(&notes, PROVIDER, ENTRY).cloned().collect();
         if entry.is_empty() {
             continue;
         }
-        let ret: Vec<UsdtProbe> = super::find(&notes, PROVIDER, RETURN).cloned().collect();
+        let ret: Vec<UsdtProbe> = usdt::find(&notes, PROVIDER, RETURN).cloned().collect();
         if ret.is_empty() {
             return Err(PythonProbeError::NoReturn { path: path.clone() });
         }
@@ -312,36 +185,8 @@ pub fn find_in_process(pid: u32) -> Result<PythonProbes, PythonProbeError> {
     let proc = procfs::process::Process::new(pid as i32);
     let exe = proc.as_ref().ok().and_then(|p| p.exe().ok()).unwrap_or_else(|| PathBuf::from("the target's executable"));
     let mapped = proc.as_ref().ok().and_then(|p| p.maps().ok()).map(|m| crate::probes::maps::mapped_files(&m));
-    let list = candidates(&exe, mapped.as_deref().unwrap_or_default());
+    let list = super::interpreter::candidates(&exe, mapped.as_deref().unwrap_or_default());
     resolve(&list, |p| crate::probes::open_in_target(pid, p))
-}
-
-/// A Python step function to attach, and the id its records carry.
-#[derive(Clone, Debug)]
-pub struct PythonTarget {
-    pub spec: PythonStepSpec,
-    /// Written to `OrderedRecord::probe`; the caller maps it back to `spec.label`.
-    pub label_id: u32,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum PythonAttachError {
-    #[error("{count} --step-python functions; the kernel-side filter holds at most {max}")]
-    TooManyTargets { count: usize, max: u32 },
-    #[error("--step-python {0} is given twice")]
-    Duplicate(String),
-    #[error("eBPF object has no {0}; rebuild with `cargo xtask build`")]
-    Missing(&'static str),
-    #[error("map {name}: {source}")]
-    Map { name: &'static str, source: MapError },
-    #[error("eBPF program {name}: {source}")]
-    Program { name: &'static str, source: ProgramError },
-    #[error("{probe}: {source}")]
-    Attach { probe: String, source: AttachError },
-    /// A site whose arguments the programs cannot read: only possible when
-    /// `probes` did not come from [`resolve`], which checks the same.
-    #[error(transparent)]
-    Probe(#[from] PythonProbeError),
 }
 
 /// The Python step probes attached to one process. Dropping it detaches
@@ -383,7 +228,11 @@ impl PythonSteps {
                 Array::try_from(map).map_err(|source| PythonAttachError::Map { name: map_names::USDT_ARGS, source })?;
             for (slot, p) in probes.entry.iter().chain(&probes.ret).enumerate() {
                 array
-                    .set(slot as u32, check_args(&probes.path, p)?, 0)
+                    .set(
+                        slot as u32,
+                        check_args(&probes.path, p).map_err(|e| PythonAttachError::Probe(e.to_string()))?,
+                        0,
+                    )
                     .map_err(|source| PythonAttachError::Map { name: map_names::USDT_ARGS, source })?;
             }
         }
@@ -428,45 +277,6 @@ impl PythonSteps {
     }
 }
 
-/// Fills `PY_TARGETS` of `ebpf`, shared by the USDT probes and the frame hook.
-///
-/// Targets that name a file go first in the kernel's list, which stops at
-/// the first match: `helper.py:train_step` wins over a bare `train_step`.
-pub(crate) fn fill_targets(ebpf: &mut Ebpf, targets: &[PythonTarget]) -> Result<(), PythonAttachError> {
-    if targets.len() > PY_MAX_TARGETS as usize {
-        return Err(PythonAttachError::TooManyTargets { count: targets.len(), max: PY_MAX_TARGETS });
-    }
-    let mut ordered: Vec<&PythonTarget> = targets.iter().collect();
-    ordered.sort_by_key(|t| t.spec.file_suffix.is_none());
-    for (i, t) in ordered.iter().enumerate() {
-        let same = |o: &&PythonTarget| o.spec.function == t.spec.function && o.spec.file_suffix == t.spec.file_suffix;
-        if ordered[..i].iter().any(same) {
-            return Err(PythonAttachError::Duplicate(t.spec.to_string()));
-        }
-    }
-    let map = ebpf.map_mut(map_names::PY_TARGETS).ok_or(PythonAttachError::Missing(map_names::PY_TARGETS))?;
-    let mut array: Array<_, PyTarget> =
-        Array::try_from(map).map_err(|source| PythonAttachError::Map { name: map_names::PY_TARGETS, source })?;
-    for i in 0..PY_MAX_TARGETS {
-        let value = ordered.get(i as usize).map_or_else(PyTarget::default, |t| t.spec.target(t.label_id));
-        array.set(i, value, 0).map_err(|source| PythonAttachError::Map { name: map_names::PY_TARGETS, source })?;
-    }
-    Ok(())
-}
-
-/// The uprobe program `name` of `ebpf`, loaded (once) into the kernel.
-pub(crate) fn loaded_uprobe<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut UProbe, PythonAttachError> {
-    let prog: &mut UProbe = ebpf
-        .program_mut(name)
-        .ok_or(PythonAttachError::Missing(name))?
-        .try_into()
-        .map_err(|source| PythonAttachError::Program { name, source })?;
-    if prog.fd().is_err() {
-        prog.load().map_err(|source| PythonAttachError::Program { name, source })?;
-    }
-    Ok(prog)
-}
-
 /// The descriptor of `ebpf`'s loaded uprobe program `name`.
 fn program_fd<'e>(ebpf: &'e Ebpf, name: &'static str) -> Result<BorrowedFd<'e>, PythonAttachError> {
     let prog: &UProbe = ebpf
@@ -477,84 +287,11 @@ fn program_fd<'e>(ebpf: &'e Ebpf, name: &'static str) -> Result<BorrowedFd<'e>, 
     Ok(prog.fd().map_err(|source| PythonAttachError::Program { name, source })?.as_fd())
 }
 
-impl crate::probes::Probes {
-    /// [`PythonSteps::attach`] with the loaded object and target of these
-    /// probes. The returned handle must be dropped before [`Self::detach`]:
-    /// step probes go first.
-    pub fn attach_python(
-        &mut self,
-        probes: &PythonProbes,
-        targets: &[PythonTarget],
-    ) -> Result<PythonSteps, PythonAttachError> {
-        PythonSteps::attach(&mut self.ebpf, self.pid, self.scope, probes, targets)
-    }
-}
-
+#[cfg(test)]
+mod root_tests;
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn spec(label: &str, suffix: Option<&str>, function: &str) -> PythonStepSpec {
-        PythonStepSpec { label: label.into(), file_suffix: suffix.map(Into::into), function: function.into() }
-    }
-
-    #[test]
-    fn parses_label_file_suffix_and_name() {
-        assert_eq!(PythonStepSpec::parse("train_step"), Ok(spec("train", None, "train_step")));
-        assert_eq!(PythonStepSpec::parse("val=validate"), Ok(spec("val", None, "validate")));
-        assert_eq!(PythonStepSpec::parse("train.py:train_step"), Ok(spec("train", Some("train.py"), "train_step")));
-        assert_eq!(
-            PythonStepSpec::parse("inner=lib/helper.py:train_step"),
-            Ok(spec("inner", Some("lib/helper.py"), "train_step"))
-        );
-        assert_eq!(PythonStepSpec::parse(":f"), Ok(spec("train", None, "f")));
-        assert_eq!(PythonStepSpec::parse("<lambda>"), Ok(spec("train", None, "<lambda>")));
-        assert_eq!(PythonStepSpec::parse("étape"), Ok(spec("train", None, "étape")));
-    }
-
-    #[test]
-    fn rejects_what_the_probe_cannot_match_with_a_way_out() {
-        assert_eq!(PythonStepSpec::parse(""), Err(PythonSpecError::Empty("".into())));
-        assert_eq!(PythonStepSpec::parse("x.py:"), Err(PythonSpecError::Empty("x.py:".into())));
-        assert_eq!(PythonStepSpec::parse("=f"), Err(PythonSpecError::EmptyLabel("=f".into())));
-        let e = PythonStepSpec::parse("Trainer.train_step").expect_err("qualified");
-        assert!(e.to_string().contains("pass 'train_step'"), "{e}");
-        assert!(matches!(PythonStepSpec::parse("train-step"), Err(PythonSpecError::NotIdentifier(_))));
-        let long = "f".repeat(PY_NAME_CAP + 1);
-        assert!(matches!(PythonStepSpec::parse(&long), Err(PythonSpecError::TooLong { len: 65, .. })));
-        assert!(PythonStepSpec::parse(&"f".repeat(PY_NAME_CAP)).is_ok());
-    }
-
-    #[test]
-    fn targets_are_zero_padded_for_the_word_compare() {
-        let t = spec("val", Some("eval.py"), "validate").target(7);
-        assert_eq!(&t.name[..8], b"validate");
-        assert!(t.name[8..].iter().all(|&b| b == 0));
-        assert_eq!((t.name_len, t.suffix_len, t.label_id), (8, 7, 7));
-        assert_eq!(&t.file_suffix[..7], b"eval.py");
-        assert!(t.file_suffix[7..].iter().all(|&b| b == 0));
-    }
-
-    #[test]
-    fn candidates_are_the_executable_then_libpython() {
-        let f = |p: &str| MappedFile { dev: (8, 1), inode: 1, path: p.into() };
-        let mapped = [f("/usr/bin/python3.11"), f("/usr/lib/libpython3.11.so.1.0"), f("/usr/lib/libc.so.6")];
-        assert_eq!(
-            candidates(Path::new("/usr/bin/python3.11"), &mapped),
-            vec![PathBuf::from("/usr/bin/python3.11"), PathBuf::from("/usr/lib/libpython3.11.so.1.0")]
-        );
-    }
-
-    #[test]
-    fn candidates_name_the_program_a_loader_run_by_hand_maps() {
-        let f = |p: &str| MappedFile { dev: (8, 1), inode: 1, path: p.into() };
-        let ld = "/opt/trixie/lib/ld-linux-x86-64.so.2";
-        let mapped = [f("/opt/trixie/usr/bin/python3.13"), f("/opt/trixie/lib/libc.so.6"), f(ld)];
-        assert_eq!(
-            candidates(Path::new(ld), &mapped),
-            vec![PathBuf::from(ld), PathBuf::from("/opt/trixie/usr/bin/python3.13")]
-        );
-    }
 
     #[test]
     fn an_interpreter_without_probes_says_what_to_do() {

@@ -14,7 +14,7 @@
 //! calls then cost what a PEP 523 hook costs, nothing breaks.
 //!
 //! Where the target maps a PLT entry of `_PyEval_EvalFrameDefault`
-//! ([`super::frame_alias`]: PyTorch's), that entry's address is written
+//! ([`super::alias`]: PyTorch's), that entry's address is written
 //! instead, so that `torch.compile` cannot reset the field to NULL.
 use std::{
     fs::File,
@@ -27,7 +27,8 @@ use std::{
     time::Duration,
 };
 
-use super::{cpython::CPythonBuild, frame_alias::Alias};
+use super::alias::Alias;
+use crate::probes::{self, python::interpreter::CPythonBuild};
 
 /// How often the field is checked: `torch.compile` (dynamo) puts back the
 /// value it found when it set its own, which may be NULL.
@@ -92,7 +93,7 @@ impl Locator {
     pub fn new(pid: u32, path: &Path, data: &[u8], build: &CPythonBuild) -> Result<Self, HookError> {
         let not_mapped = || HookError::NotMapped { path: path.to_owned(), pid };
         let file = object::File::parse(data).map_err(|_| not_mapped())?;
-        let lowest = super::elf::load_segments(&file).iter().map(|s| s.address).min().ok_or_else(not_mapped)?;
+        let lowest = probes::elf::load_segments(&file).iter().map(|s| s.address).min().ok_or_else(not_mapped)?;
         Ok(Self {
             pid,
             path: path.to_owned(),
@@ -114,11 +115,11 @@ impl Locator {
         let pid = self.pid;
         let not_mapped = || HookError::NotMapped { path: self.path.clone(), pid };
         let maps = procfs::process::Process::new(pid as i32).and_then(|p| p.maps()).map_err(|_| not_mapped())?;
-        let bias = super::maps::load_bias(&maps, &self.path, self.lowest_page).ok_or_else(not_mapped)?;
+        let bias = probes::maps::load_bias(&maps, &self.path, self.lowest_page).ok_or_else(not_mapped)?;
         // While the loader maps the library (`run` mode, just after exec), `_PyRuntime`'s address
         // first holds other bytes of the file: seen as a head of 0xffffffff.
         let head = bias + self.runtime_head;
-        if !super::maps::is_writable(&maps, head) {
+        if !probes::maps::is_writable(&maps, head) {
             return Err(HookError::NotLoaded { pid });
         }
         let mem = open_mem(pid, true)?;
@@ -135,7 +136,7 @@ impl Locator {
 }
 
 fn read_u64(mem: &File, pid: u32, address: u64) -> Result<u64, HookError> {
-    super::read_u64_at(mem, address).map_err(|source| HookError::Memory { pid, address, source })
+    probes::read_u64_at(mem, address).map_err(|source| HookError::Memory { pid, address, source })
 }
 
 fn open_mem(pid: u32, write: bool) -> Result<File, HookError> {
@@ -291,7 +292,7 @@ fn collect(tid: i32, which: i32) {
 /// Whether `tid` is gone or a zombie (`/proc/PID/task/TID/stat` state Z or X).
 fn thread_exited(pid: u32, tid: i32) -> bool {
     let stat = procfs::process::Process::new(pid as i32).and_then(|p| p.task_from_tid(tid)).and_then(|t| t.stat());
-    stat.map_or(true, |st| super::has_exited(&st))
+    stat.map_or(true, |st| probes::has_exited(&st))
 }
 
 fn parent_of(pid: u32) -> Option<u32> {
@@ -351,13 +352,13 @@ impl Watched {
         Ok(state)
     }
 
-    /// Looks for an alias (see [`super::frame_alias`]) and, once found, puts it
+    /// Looks for an alias (see [`super::alias`]) and, once found, puts it
     /// in place of `_PyEval_EvalFrameDefault` if the field holds that.
     fn look_for_alias(&self, site: &HookSite) {
         if self.alias.get().is_some() {
             return;
         }
-        let Some(alias) = super::frame_alias::find(site.pid, site.value) else { return };
+        let Some(alias) = super::alias::find(site.pid, site.value) else { return };
         let address = self.alias.get_or_init(|| alias).address;
         if swap_if(site, &[site.value], address).is_ok_and(|old| old == site.value) {
             self.wrote.store(true, Ordering::Relaxed);
@@ -386,7 +387,7 @@ impl Watched {
                         );
                         self.site.get_or_init(|| site).clone()
                     }
-                    Err(_) if !super::is_alive(locator.pid) => return,
+                    Err(_) if !probes::is_alive(locator.pid) => return,
                     Err(e) => {
                         let fast = started.elapsed() < FAST_LOCATE;
                         if !fast && !failed {
@@ -415,7 +416,7 @@ impl Watched {
                 }
                 Ok(_) => {}
                 // Gone: nothing more to watch (its restore finds nothing to do).
-                Err(e) if e.target_gone() || !super::is_alive(site.pid) => return,
+                Err(e) if e.target_gone() || !probes::is_alive(site.pid) => return,
                 // Said once: retried at every check.
                 Err(e) if !failed => {
                     failed = true;
@@ -529,7 +530,7 @@ impl FrameHookWrite {
         match swap_if(site, &ours, 0) {
             Ok(old) => Ok(ours.contains(&old)),
             // The target is gone, or is another program now: nothing left to restore.
-            Err(e) if e.target_gone() || !super::is_alive(site.pid) => Ok(false),
+            Err(e) if e.target_gone() || !probes::is_alive(site.pid) => Ok(false),
             Err(e) => Err(e),
         }
     }

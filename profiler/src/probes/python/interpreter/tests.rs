@@ -102,3 +102,41 @@ fn debian_builds_describe_themselves() {
         crate::skip_test("Debian's python3.13/3.14 not unpacked (cargo xtask fixtures)");
     }
 }
+
+#[test]
+fn candidates_are_the_executable_then_libpython() {
+    let f = |p: &str| MappedFile { dev: (8, 1), inode: 1, path: p.into() };
+    let mapped = [f("/usr/bin/python3.11"), f("/usr/lib/libpython3.11.so.1.0"), f("/usr/lib/libc.so.6")];
+    assert_eq!(
+        candidates(Path::new("/usr/bin/python3.11"), &mapped),
+        vec![PathBuf::from("/usr/bin/python3.11"), PathBuf::from("/usr/lib/libpython3.11.so.1.0")]
+    );
+}
+
+#[test]
+fn candidates_name_the_program_a_loader_run_by_hand_maps() {
+    let f = |p: &str| MappedFile { dev: (8, 1), inode: 1, path: p.into() };
+    let ld = "/opt/trixie/lib/ld-linux-x86-64.so.2";
+    let mapped = [f("/opt/trixie/usr/bin/python3.13"), f("/opt/trixie/lib/libc.so.6"), f(ld)];
+    assert_eq!(
+        candidates(Path::new(ld), &mapped),
+        vec![PathBuf::from(ld), PathBuf::from("/opt/trixie/usr/bin/python3.13")]
+    );
+}
+
+/// pyenv builds `--enable-shared`: the executable names its libpython
+/// (DT_NEEDED) and where it is (RUNPATH); a file without one names none.
+#[test]
+fn needed_libpython_follows_runpath() {
+    let exe = Path::new("/root/.pyenv/versions/3.12.1/bin/python3.12");
+    if !exe.exists() {
+        crate::skip_test("no pyenv 3.12.1");
+        return;
+    }
+    assert_eq!(
+        needed_libpython(exe, None),
+        vec![PathBuf::from("/root/.pyenv/versions/3.12.1/lib/libpython3.12.so.1.0")]
+    );
+    let me = std::env::current_exe().expect("exe");
+    assert!(needed_libpython(&me, Some("/nonexistent")).is_empty());
+}

@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use iced_x86::{Code, Decoder, DecoderOptions};
 use object::{Object, ObjectSection, ObjectSymbol, ObjectSymbolTable, RelocationFlags, RelocationTarget, elf};
 
-use super::cpython::EVAL_FRAME_DEFAULT;
+use crate::probes::{self, python::interpreter::EVAL_FRAME_DEFAULT};
 
 /// A PLT entry for `_PyEval_EvalFrameDefault` in the target.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -72,12 +72,12 @@ pub fn find(pid: u32, default: u64) -> Option<Alias> {
 
 /// The alias in one mapped library, if it has a checked one.
 fn alias_in(pid: u32, path: &Path, maps: &procfs::process::MemoryMaps, default: u64) -> Option<Alias> {
-    let data = super::open_in_target(pid, path)?;
+    let data = probes::open_in_target(pid, path)?;
     let file = object::File::parse(&*data).ok()?;
     let (stub, got) = plt_entry(&file, EVAL_FRAME_DEFAULT)?;
-    let lowest = super::elf::load_segments(&file).iter().map(|s| s.address).min()?;
-    let bias = super::maps::load_bias(maps, path, lowest)?;
-    let slot = super::read_target_u64(pid, bias.wrapping_add(got)).ok()?;
+    let lowest = probes::elf::load_segments(&file).iter().map(|s| s.address).min()?;
+    let bias = probes::maps::load_bias(maps, path, lowest)?;
+    let slot = probes::read_target_u64(pid, bias.wrapping_add(got)).ok()?;
     let mapped = |a: u64| {
         maps.iter().any(|m| {
             matches!(&m.pathname, procfs::process::MMapPath::Path(p) if p == path)
@@ -87,7 +87,7 @@ fn alias_in(pid: u32, path: &Path, maps: &procfs::process::MemoryMaps, default: 
     if slot != default && !mapped(slot) {
         return None;
     }
-    let file_offset = super::elf::load_segments(&file).iter().find_map(|s| s.file_offset(stub))?;
+    let file_offset = probes::elf::load_segments(&file).iter().find_map(|s| s.file_offset(stub))?;
     Some(Alias { address: bias.wrapping_add(stub), path: path.to_owned(), file_offset })
 }
 

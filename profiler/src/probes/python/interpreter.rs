@@ -1,5 +1,8 @@
-//! What the PEP 523 frame hook needs to know about one CPython build, read
-//! from its ELF file alone (no I/O here): the version, where
+//! Interpreter detection for `--step-python`: which files of a target may
+//! hold its CPython (the executable, the `libpython*` it maps or needs), the
+//! version a file was built as, and what the PEP 523 frame hook needs to know
+//! about one CPython build, read from its ELF file alone (no I/O there): the
+//! version, where
 //! `_PyEval_EvalFrameDefault` is and where to probe it, how to reach
 //! `PyInterpreterState.eval_frame` from `_PyRuntime`, and where a frame's
 //! code object keeps its name ([`FrameLayout`]).
@@ -11,13 +14,16 @@
 //! `eval_frame` offset moves between patch releases (0x2130 in 3.14.0, 0x2148
 //! in 3.14.10), so it is decoded from `_PyInterpreterState_GetEvalFrameFunc`
 //! (`mov rax, [rdi+disp]`) on every version.
-use std::fmt;
+use std::{
+    fmt,
+    path::{Path, PathBuf},
+};
 
 use iced_x86::{Code, Decoder, DecoderOptions, Register};
 use object::{Object, ObjectSection, ObjectSymbol};
 use profiler_common::FrameLayout;
 
-use super::usdt::python::python_version;
+use crate::probes::maps::MappedFile;
 
 pub const EVAL_FRAME_DEFAULT: &str = "_PyEval_EvalFrameDefault";
 const GET_EVAL_FRAME_FUNC: &str = "_PyInterpreterState_GetEvalFrameFunc";
@@ -156,7 +162,7 @@ fn bytes_at<'d>(file: &object::File<'d>, address: u64, len: u64) -> Option<&'d [
 }
 
 fn file_offset(file: &object::File<'_>, address: u64) -> Option<u64> {
-    super::elf::load_segments(file).iter().find_map(|s| s.file_offset(address))
+    crate::probes::elf::load_segments(file).iter().find_map(|s| s.file_offset(address))
 }
 
 /// `offsetof(PyInterpreterState, eval_frame)` from the machine code of
@@ -243,6 +249,86 @@ fn table(version: (u8, u8)) -> Option<(u64, FrameLayout)> {
         (3, 12) => Some((0x28, layout(0, 0x30, 0x78, 0x70, 40))),
         _ => None,
     }
+}
+
+/// The CPython version a file was built as, from its `Py_Version` symbol
+/// (`PY_VERSION_HEX`, exported since 3.11). None: older, or not CPython.
+pub fn python_version(file: &object::File<'_>) -> Option<(u8, u8)> {
+    // Exported, so in `.dynsym`; a stripped interpreter has no `.symtab`.
+    let sym = file.dynamic_symbols().chain(file.symbols()).find(|s| s.name() == Ok("Py_Version"))?;
+    let section = file.section_by_index(sym.section_index()?).ok()?;
+    let bytes = section.data_range(sym.address(), 4).ok()??;
+    let hex = if file.is_little_endian() {
+        u32::from_le_bytes(bytes.try_into().ok()?)
+    } else {
+        u32::from_be_bytes(bytes.try_into().ok()?)
+    };
+    Some(((hex >> 24) as u8, (hex >> 16) as u8))
+}
+
+/// Where CPython's probes may be: the executable, then every mapped
+/// `libpython*` (a `--enable-shared` build keeps the interpreter there) or
+/// `python*` (the program when the executable is the dynamic loader run by
+/// hand, `ld-linux-x86-64.so.2 --library-path DIR python3.13`).
+pub fn candidates(exe: &Path, mapped: &[MappedFile]) -> Vec<PathBuf> {
+    let mut out = vec![exe.to_owned()];
+    for m in mapped {
+        let name = m.path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        if (name.starts_with("libpython") || name.starts_with("python")) && !out.contains(&m.path) {
+            out.push(m.path.clone());
+        }
+    }
+    out
+}
+
+/// The `libpython*` an executable needs (DT_NEEDED), found through its
+/// RUNPATH/RPATH (`$ORIGIN` expanded), `ld_library_path` and the usual
+/// directories: in `run` mode the command has not loaded it yet, and a
+/// `--enable-shared` build (pyenv's) keeps the interpreter there.
+pub fn needed_libpython(exe: &Path, ld_library_path: Option<&str>) -> Vec<PathBuf> {
+    let Ok(data) = crate::probes::map_file(exe) else { return Vec::new() };
+    let Some((needed, search)) = dynamic_strings(&data) else { return Vec::new() };
+    let origin = exe.parent().map(|d| d.display().to_string()).unwrap_or_default();
+    let dirs: Vec<String> = search
+        .iter()
+        .flat_map(|s| s.split(':'))
+        .map(|d| d.replace("$ORIGIN", &origin).replace("${ORIGIN}", &origin))
+        .chain(ld_library_path.into_iter().flat_map(|p| p.split(':')).map(str::to_owned))
+        .chain(
+            ["/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/usr/local/lib", "/lib", "/usr/lib"]
+                .map(String::from),
+        )
+        .filter(|d| !d.is_empty())
+        .collect();
+    needed
+        .iter()
+        .filter(|n| n.starts_with("libpython"))
+        .filter_map(|n| dirs.iter().map(|d| Path::new(d).join(n)).find(|p| p.exists()))
+        .collect()
+}
+
+/// `(DT_NEEDED names, DT_RUNPATH and DT_RPATH values)` of an ELF file.
+fn dynamic_strings(data: &[u8]) -> Option<(Vec<String>, Vec<String>)> {
+    use object::{
+        elf,
+        read::elf::{Dyn, ElfFile64, FileHeader, SectionHeader},
+    };
+    let file = ElfFile64::<object::Endianness>::parse(data).ok()?;
+    let endian = file.endian();
+    let sections = file.elf_header().sections(endian, data).ok()?;
+    let (_, header) = sections.iter().enumerate().find(|(_, s)| s.sh_type(endian) == elf::SHT_DYNAMIC)?;
+    let (entries, link) = header.dynamic(endian, data).ok()??;
+    let strings = sections.strings(endian, data, link).ok()?;
+    let (mut needed, mut search) = (Vec::new(), Vec::new());
+    for d in entries {
+        let text = || d.string(endian, strings).ok().map(|b| String::from_utf8_lossy(b).into_owned());
+        match d.d_tag(endian) {
+            elf::DT_NEEDED => needed.extend(text()),
+            elf::DT_RUNPATH | elf::DT_RPATH => search.extend(text()),
+            _ => {}
+        }
+    }
+    Some((needed, search))
 }
 
 #[cfg(test)]
