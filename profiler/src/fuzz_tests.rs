@@ -1348,10 +1348,10 @@ fn built_usdt_elf_with(notes: Vec<u8>, base: Option<u64>, machine: u16) -> Vec<u
     build_elf64(&ElfSpec { symtab: &symtab, ..ElfSpec::new(machine, &built_phdrs(), sections) })
 }
 
-/// Writes `tests/corpus/` from this machine's python3.11, libc and libstdc++ (Debian 12). Run by hand:
-/// `cargo test --release -p profiler regenerate_corpus -- --ignored`.
+/// Writes `tests/corpus/` from this machine's python3.11, libc and libstdc++ (Debian 12). Run only when asked:
+/// `cargo xtask fuzz-corpus`.
 #[test]
-#[ignore = "writes tests/corpus/ from system files; run by hand"]
+#[ignore = "writes tests/corpus/ from system files; run by `cargo xtask fuzz-corpus`"]
 fn regenerate_corpus() {
     use object::{ObjectSymbol, read::elf::ProgramHeader};
     let dir = corpus_dir();
