@@ -121,7 +121,7 @@ struct Attached {
 /// Attaches for `WINDOW_S` (the profiler stops itself) and waits for it to be gone.
 fn attached(pid: u32, db: PathBuf) -> Result<Attached> {
     let began = monotonic_ns();
-    let agent = harness::attach_agent(pid, &["--no-gpu", "-q", "--duration", &WINDOW_S.to_string()], &db)?;
+    let agent = harness::attach_agent(pid, &["--no-gpu", "--duration", &WINDOW_S.to_string()], &db)?;
     let start = monotonic_ns();
     harness::wait_rusage(&agent)?;
     let end = monotonic_ns().min(start + WINDOW_S as i64 * 1_000_000_000);
