@@ -1120,82 +1120,154 @@ const BUILT_TEXT_SIZE: u64 = 0x1000;
 const BUILT_DATA_ADDR: u64 = 0x60_3000;
 const BUILT_DATA_OFF: u64 = 0x2000;
 
+/// A section of a hand-built file: name, `sh_type`, `sh_flags`, `sh_addr` and its bytes (none for `SHT_NOBITS`).
 struct SectionSpec {
     name: &'static str,
     kind: u32,
     flags: u64,
     addr: u64,
     bytes: Vec<u8>,
-    link: u32,
-    info: u32,
-    entsize: u64,
 }
 
 fn section(name: &'static str, kind: u32, flags: u64, addr: u64, bytes: Vec<u8>) -> SectionSpec {
-    SectionSpec { name, kind, flags, addr, bytes, link: 0, info: 0, entsize: 0 }
+    SectionSpec { name, kind, flags, addr, bytes }
 }
 
 /// A program header: (p_type, p_flags, p_offset, p_vaddr, p_filesz, p_memsz); a `PT_INTERP` gets the offset and size
 /// of the `.interp` section filled in.
 type Phdr = (u32, u32, u64, u64, u64, u64);
 
-/// An ELF64 LE file: header, program headers, the sections' bytes, `.shstrtab`, section headers. Sections are
-/// indexed from 1 in the order given.
-fn build_elf64(machine: u16, phdrs: &[Phdr], mut sections: Vec<SectionSpec>) -> Vec<u8> {
-    let mut shstrtab = vec![0u8];
-    let mut names = Vec::new();
-    for s in sections.iter().map(|s| s.name).chain([".shstrtab"]) {
-        names.push(shstrtab.len() as u32);
-        shstrtab.extend(s.as_bytes());
-        shstrtab.push(0);
+/// A symbol: (name, st_info, st_shndx, st_value); 16 bytes long.
+type SymbolSpec<'a> = (&'a str, u8, u16, u64);
+
+/// What a hand-built ELF64 LE file (`ET_DYN`) holds. Sections are indexed from 1 in the order given; `.symtab` and
+/// `.strtab` follow them when `symtab` has symbols, then `.dynsym` and `.dynstr` when `dynsym` has, then `.shstrtab`.
+struct ElfSpec<'a> {
+    machine: u16,
+    phdrs: &'a [Phdr],
+    sections: Vec<SectionSpec>,
+    symtab: &'a [SymbolSpec<'a>],
+    dynsym: &'a [SymbolSpec<'a>],
+}
+
+impl<'a> ElfSpec<'a> {
+    fn new(machine: u16, phdrs: &'a [Phdr], sections: Vec<SectionSpec>) -> Self {
+        ElfSpec { machine, phdrs, sections, symtab: &[], dynsym: &[] }
     }
-    sections.push(section(".shstrtab", 3, 0, 0, shstrtab));
-    let mut f = vec![0u8; 64 + 56 * phdrs.len()];
-    let mut placed = Vec::new();
-    for s in &sections {
-        f.resize(f.len().next_multiple_of(8), 0);
-        placed.push(f.len() as u64);
-        f.extend(&s.bytes);
+}
+
+/// The file `spec` describes, laid out by `object::write::elf::Writer`: header, program headers, the sections' bytes,
+/// the symbol and string tables, section headers.
+fn build_elf64(spec: &ElfSpec) -> Vec<u8> {
+    use object::write::elf::{FileHeader, ProgramHeader, SectionHeader, Sym, Writer};
+    let mut out = Vec::new();
+    let mut w = Writer::new(object::Endianness::Little, true, &mut out);
+    w.reserve_file_header();
+    w.reserve_program_headers(spec.phdrs.len() as u32);
+    let names: Vec<_> = spec.sections.iter().map(|s| w.add_section_name(s.name.as_bytes())).collect();
+    for _ in &spec.sections {
+        w.reserve_section_index();
     }
-    f.resize(f.len().next_multiple_of(8), 0);
-    let shoff = f.len() as u64;
-    f.extend([0u8; 64]);
-    for ((s, name), off) in sections.iter().zip(&names).zip(&placed) {
-        f.extend(name.to_le_bytes());
-        f.extend(s.kind.to_le_bytes());
-        for v in [s.flags, s.addr, *off, s.bytes.len() as u64] {
-            f.extend(v.to_le_bytes());
+    let sym_names: Vec<_> = spec.symtab.iter().map(|s| w.add_string(s.0.as_bytes())).collect();
+    if !spec.symtab.is_empty() {
+        w.reserve_null_symbol_index();
+        for _ in spec.symtab {
+            w.reserve_symbol_index(None);
         }
-        f.extend(s.link.to_le_bytes());
-        f.extend(s.info.to_le_bytes());
-        f.extend(1u64.to_le_bytes());
-        f.extend(s.entsize.to_le_bytes());
+        w.reserve_symtab_section_index();
+        w.reserve_strtab_section_index();
     }
-    let mut h = vec![0x7f, b'E', b'L', b'F', 2, 1, 1, 0];
-    h.resize(16, 0);
-    h.extend(3u16.to_le_bytes()); // ET_DYN
-    h.extend(machine.to_le_bytes());
-    h.extend(1u32.to_le_bytes());
-    for v in [0u64, 64, shoff] {
-        h.extend(v.to_le_bytes());
-    }
-    h.extend(0u32.to_le_bytes());
-    for v in [64u16, 56, phdrs.len() as u16, 64, sections.len() as u16 + 1, sections.len() as u16] {
-        h.extend(v.to_le_bytes());
-    }
-    let interp = sections.iter().position(|s| s.name == ".interp");
-    for &(kind, flags, mut off, addr, mut filesz, memsz) in phdrs {
-        if let (3, Some(i)) = (kind, interp) {
-            (off, filesz) = (placed[i], sections[i].bytes.len() as u64);
+    let dyn_names: Vec<_> = spec.dynsym.iter().map(|s| w.add_dynamic_string(s.0.as_bytes())).collect();
+    if !spec.dynsym.is_empty() {
+        w.reserve_null_dynamic_symbol_index();
+        for _ in spec.dynsym {
+            w.reserve_dynamic_symbol_index();
         }
-        h.extend(kind.to_le_bytes());
-        h.extend(flags.to_le_bytes());
-        for v in [off, addr, addr, filesz, memsz, 0x1000] {
-            h.extend(v.to_le_bytes());
-        }
+        w.reserve_dynsym_section_index();
+        w.reserve_dynstr_section_index();
     }
-    f[..h.len()].copy_from_slice(&h);
-    f
+    w.reserve_shstrtab_section_index();
+    let placed: Vec<usize> = spec.sections.iter().map(|s| w.reserve(s.bytes.len(), 8)).collect();
+    w.reserve_symtab();
+    w.reserve_strtab();
+    w.reserve_dynsym();
+    w.reserve_dynstr();
+    w.reserve_shstrtab();
+    w.reserve_section_headers();
+
+    let header = FileHeader {
+        os_abi: 0,
+        abi_version: 0,
+        e_type: object::elf::ET_DYN,
+        e_machine: spec.machine,
+        e_entry: 0,
+        e_flags: 0,
+    };
+    w.write_file_header(&header).expect("file header");
+    w.write_align_program_headers();
+    let interp = spec.sections.iter().position(|s| s.name == ".interp");
+    for &(p_type, p_flags, mut p_offset, p_vaddr, mut p_filesz, p_memsz) in spec.phdrs {
+        if let (object::elf::PT_INTERP, Some(i)) = (p_type, interp) {
+            (p_offset, p_filesz) = (placed[i] as u64, spec.sections[i].bytes.len() as u64);
+        }
+        let paddr = p_vaddr;
+        w.write_program_header(&ProgramHeader {
+            p_type,
+            p_flags,
+            p_offset,
+            p_vaddr,
+            p_paddr: paddr,
+            p_filesz,
+            p_memsz,
+            p_align: 0x1000,
+        });
+    }
+    for s in &spec.sections {
+        w.write_align(8);
+        w.write(&s.bytes);
+    }
+    let sym = |name, &(_, st_info, st_shndx, st_value): &SymbolSpec| Sym {
+        name: Some(name),
+        section: None,
+        st_info,
+        st_other: 0,
+        st_shndx,
+        st_value,
+        st_size: 16,
+    };
+    w.write_null_symbol();
+    for (s, &name) in spec.symtab.iter().zip(&sym_names) {
+        w.write_symbol(&sym(name, s));
+    }
+    w.write_strtab();
+    w.write_null_dynamic_symbol();
+    for (s, &name) in spec.dynsym.iter().zip(&dyn_names) {
+        w.write_dynamic_symbol(&sym(name, s));
+    }
+    w.write_dynstr();
+    w.write_shstrtab();
+    w.write_null_section_header();
+    for ((s, &name), &offset) in spec.sections.iter().zip(&names).zip(&placed) {
+        w.write_section_header(&SectionHeader {
+            name: Some(name),
+            sh_type: s.kind,
+            sh_flags: s.flags,
+            sh_addr: s.addr,
+            sh_offset: offset as u64,
+            sh_size: s.bytes.len() as u64,
+            sh_link: 0,
+            sh_info: 0,
+            sh_addralign: 1,
+            sh_entsize: 0,
+        });
+    }
+    // Every symbol but the null one is global.
+    w.write_symtab_section_header(1);
+    w.write_strtab_section_header();
+    w.write_dynsym_section_header(0, 1);
+    w.write_dynstr_section_header(0);
+    w.write_shstrtab_section_header();
+    out
 }
 
 fn built_phdrs() -> Vec<Phdr> {
@@ -1206,29 +1278,12 @@ fn built_phdrs() -> Vec<Phdr> {
     ]
 }
 
-/// `.symtab` + `.strtab` (or `.dynsym` + `.dynstr`) bytes: (name, st_info, st_shndx, value).
-fn symbol_table(symbols: &[(&str, u8, u16, u64)]) -> (Vec<u8>, Vec<u8>) {
-    let mut strtab = vec![0u8];
-    let mut symtab = vec![0u8; 24];
-    for &(name, info, shndx, value) in symbols {
-        symtab.extend((strtab.len() as u32).to_le_bytes());
-        strtab.extend(name.as_bytes());
-        strtab.push(0);
-        symtab.push(info);
-        symtab.push(0);
-        symtab.extend(shndx.to_le_bytes());
-        symtab.extend(value.to_le_bytes());
-        symtab.extend(16u64.to_le_bytes());
-    }
-    (symtab, strtab)
-}
-
 /// Symbol tables with the names the reader treats specially (versions, mangling, undefined, address 0), in a file
 /// with `PT_INTERP`.
 fn built_symbols_elf() -> Vec<u8> {
     const FUNC: u8 = 0x12;
     let t = BUILT_TEXT_ADDR;
-    let (symtab, strtab) = symbol_table(&[
+    let symtab = [
         ("train_step", FUNC, 2, t + 0x10),
         ("memcpy@GLIBC_2.2.5", FUNC, 2, t + 0x20),
         ("memcpy@@GLIBC_2.14", FUNC, 2, t + 0x30),
@@ -1240,21 +1295,14 @@ fn built_symbols_elf() -> Vec<u8> {
         ("a_variable", 0x11, 3, BUILT_DATA_ADDR + 8),
         ("past_the_segments", FUNC, 2, t + 0x10_0000),
         ("in_the_data_tail", FUNC, 3, BUILT_DATA_ADDR + 0x700),
-    ]);
-    let (dynsym, dynstr) = symbol_table(&[("train_step", FUNC, 2, t + 0x10), ("cuLaunchKernel", FUNC, 2, t + 0x80)]);
-    build_elf64(
-        62,
-        &built_phdrs(),
-        vec![
-            section(".interp", 1, 2, 0, b"/lib64/ld-linux-x86-64.so.2\0".to_vec()),
-            section(".text", 8, 6, t, Vec::new()),
-            section(".data", 8, 3, BUILT_DATA_ADDR, Vec::new()),
-            SectionSpec { link: 5, info: 1, entsize: 24, ..section(".symtab", 2, 0, 0, symtab) },
-            section(".strtab", 3, 0, 0, strtab),
-            SectionSpec { link: 7, info: 1, entsize: 24, ..section(".dynsym", 11, 2, 0, dynsym) },
-            section(".dynstr", 3, 2, 0, dynstr),
-        ],
-    )
+    ];
+    let dynsym = [("train_step", FUNC, 2, t + 0x10), ("cuLaunchKernel", FUNC, 2, t + 0x80)];
+    let sections = vec![
+        section(".interp", 1, 2, 0, b"/lib64/ld-linux-x86-64.so.2\0".to_vec()),
+        section(".text", 8, 6, t, Vec::new()),
+        section(".data", 8, 3, BUILT_DATA_ADDR, Vec::new()),
+    ];
+    build_elf64(&ElfSpec { symtab: &symtab, dynsym: &dynsym, ..ElfSpec::new(62, &built_phdrs(), sections) })
 }
 
 /// A `stapsdt` note as `sys/sdt.h` writes it.
@@ -1294,22 +1342,17 @@ fn built_usdt_elf() -> Vec<u8> {
 
 /// A file around the given `.note.stapsdt` bytes, with `.stapsdt.base` at `base` and symbols for symbolic operands.
 fn built_usdt_elf_with(notes: Vec<u8>, base: Option<u64>, machine: u16) -> Vec<u8> {
-    let (symtab, strtab) =
-        symbol_table(&[("counter", 0x11, 2, BUILT_DATA_ADDR + 0x40), ("global", 0x11, 2, BUILT_DATA_ADDR + 0x80)]);
-    let mut sections = vec![
-        section(".note.stapsdt", 7, 0, 0, notes),
-        section(".data", 8, 3, BUILT_DATA_ADDR, Vec::new()),
-        SectionSpec { link: 4, info: 1, entsize: 24, ..section(".symtab", 2, 0, 0, symtab) },
-        section(".strtab", 3, 0, 0, strtab),
-    ];
+    let symtab = [("counter", 0x11, 2, BUILT_DATA_ADDR + 0x40), ("global", 0x11, 2, BUILT_DATA_ADDR + 0x80)];
+    let mut sections =
+        vec![section(".note.stapsdt", 7, 0, 0, notes), section(".data", 8, 3, BUILT_DATA_ADDR, Vec::new())];
     sections.extend(base.map(|b| section(".stapsdt.base", 1, 2, b, vec![0])));
-    build_elf64(machine, &built_phdrs(), sections)
+    build_elf64(&ElfSpec { symtab: &symtab, ..ElfSpec::new(machine, &built_phdrs(), sections) })
 }
 
-/// Writes `tests/corpus/` from this machine's python3.11, libc and libstdc++ (Debian 12). Run by hand:
-/// `cargo test --release -p profiler regenerate_corpus -- --ignored`.
+/// Writes `tests/corpus/` from this machine's python3.11, libc and libstdc++ (Debian 12). Run only when asked:
+/// `cargo xtask fuzz-corpus`.
 #[test]
-#[ignore = "writes tests/corpus/ from system files; run by hand"]
+#[ignore = "writes tests/corpus/ from system files; run by `cargo xtask fuzz-corpus`"]
 fn regenerate_corpus() {
     use object::{ObjectSymbol, read::elf::ProgramHeader};
     let dir = corpus_dir();
@@ -1342,18 +1385,13 @@ fn regenerate_corpus() {
         .expect("range")
         .expect("in the file")
         .to_vec();
-    let (dynsym, dynstr) = symbol_table(&[("Py_Version", 0x11, 3, version.address())]);
-    let cut = build_elf64(
-        62,
-        &load_phdrs(&python),
-        vec![
-            section(".note.stapsdt", 7, 0, 0, notes),
-            section(".stapsdt.base", 1, 2, base, vec![0]),
-            section(".rodata", 1, 2, version.address(), version_bytes),
-            SectionSpec { link: 5, info: 1, entsize: 24, ..section(".dynsym", 11, 2, 0, dynsym) },
-            section(".dynstr", 3, 2, 0, dynstr),
-        ],
-    );
+    let dynsym = [("Py_Version", 0x11, 3, version.address())];
+    let sections = vec![
+        section(".note.stapsdt", 7, 0, 0, notes),
+        section(".stapsdt.base", 1, 2, base, vec![0]),
+        section(".rodata", 1, 2, version.address(), version_bytes),
+    ];
+    let cut = build_elf64(&ElfSpec { dynsym: &dynsym, ..ElfSpec::new(62, &load_phdrs(&python), sections) });
     std::fs::write(dir.join("python3.11-usdt.elf"), cut).expect("write");
 
     // libc: its program headers and PT_INTERP, and 48 of its exported functions (plus hand-made oddities).
@@ -1368,7 +1406,7 @@ fn regenerate_corpus() {
     exported.sort();
     exported.dedup_by(|a, b| a.0 == b.0);
     let step = (exported.len() / 48).max(1);
-    let mut symbols: Vec<(&str, u8, u16, u64)> =
+    let mut symbols: Vec<SymbolSpec> =
         exported.iter().step_by(step).take(48).map(|(n, a)| (n.as_str(), 0x12, 2, *a)).collect();
     let memcpy = file.dynamic_symbols().find(|s| s.name() == Ok("memcpy")).expect("memcpy").address();
     symbols.extend([
@@ -1376,19 +1414,13 @@ fn regenerate_corpus() {
         ("undefined_function", 0x12, 0, memcpy),
         ("zero_address", 0x12, 2, 0),
     ]);
-    let (dynsym, dynstr) = symbol_table(&symbols);
     let mut phdrs = vec![(3, 4, 0, 0, 0, 0)];
     phdrs.extend(load_phdrs(&libc));
-    let cut = build_elf64(
-        62,
-        &phdrs,
-        vec![
-            section(".interp", 1, 2, 0, b"/lib64/ld-linux-x86-64.so.2\0".to_vec()),
-            section(".text", 8, 6, text.address(), Vec::new()),
-            SectionSpec { link: 4, info: 1, entsize: 24, ..section(".dynsym", 11, 2, 0, dynsym) },
-            section(".dynstr", 3, 2, 0, dynstr),
-        ],
-    );
+    let sections = vec![
+        section(".interp", 1, 2, 0, b"/lib64/ld-linux-x86-64.so.2\0".to_vec()),
+        section(".text", 8, 6, text.address(), Vec::new()),
+    ];
+    let cut = build_elf64(&ElfSpec { dynsym: &symbols, ..ElfSpec::new(62, &phdrs, sections) });
     std::fs::write(dir.join("libc-symbols.elf"), cut).expect("write");
 
     // Entry windows: 96 libc functions and 32 python3.11 ones, spread over each file's exports.
@@ -1465,16 +1497,10 @@ fn regression_c_names_are_not_demangled_as_types() {
 fn regression_segment_offset_past_2_pow_64() {
     const FUNC: u8 = 0x12;
     let t = BUILT_TEXT_ADDR;
-    let (symtab, strtab) = symbol_table(&[("inside", FUNC, 1, t + 0x10), ("wraps", FUNC, 1, t + 0x2000)]);
-    let elf = build_elf64(
-        62,
-        &[(1, 5, u64::MAX - 0x1fff, t, 0x1000, 0x10_0000)],
-        vec![
-            section(".text", 8, 6, t, Vec::new()),
-            SectionSpec { link: 3, info: 1, entsize: 24, ..section(".symtab", 2, 0, 0, symtab) },
-            section(".strtab", 3, 0, 0, strtab),
-        ],
-    );
+    let symtab = [("inside", FUNC, 1, t + 0x10), ("wraps", FUNC, 1, t + 0x2000)];
+    let phdrs = [(1, 5, u64::MAX - 0x1fff, t, 0x1000, 0x10_0000)];
+    let sections = vec![section(".text", 8, 6, t, Vec::new())];
+    let elf = build_elf64(&ElfSpec { symtab: &symtab, ..ElfSpec::new(62, &phdrs, sections) });
     let symbols = elf::function_symbols(&elf).expect("parses");
     let names: Vec<(&str, u64)> = symbols.iter().map(|s| (s.name.as_str(), s.file_offset)).collect();
     assert_eq!(names, vec![("inside", u64::MAX - 0x1fff + 0x10)]);
@@ -1483,6 +1509,6 @@ fn regression_segment_offset_past_2_pow_64() {
     let notes = stapsdt_note(t + 0x2000, 0, 0, "app", "p", "");
     let mut phdrs = built_phdrs();
     phdrs[1] = (1, 5, u64::MAX - 0x1fff, t, 0x1000, 0x10_0000);
-    let elf = build_elf64(62, &phdrs, vec![section(".note.stapsdt", 7, 0, 0, notes)]);
+    let elf = build_elf64(&ElfSpec::new(62, &phdrs, vec![section(".note.stapsdt", 7, 0, 0, notes)]));
     assert!(matches!(usdt::parse_notes(&elf), Err(usdt::UsdtError::ProbeNotMapped { .. })));
 }

@@ -3,16 +3,12 @@
 //! Installs what a fresh machine lacks (rust-src for nightly, Debian's
 //! llvm-22-dev, bpf-linker built against it) and says what it is doing.
 mod bench;
-mod bench_flops;
-mod bench_frame_hook;
-mod bench_jobs;
-mod bench_python;
-mod bench_torch;
 mod debian_debs;
 mod debian_prometheus;
 mod debian_python;
 mod gpu;
 mod root;
+mod suite;
 mod toolchain;
 mod torch_env;
 
@@ -41,11 +37,13 @@ enum Task {
     Build,
     /// Build the C test fixtures; fetch the genuine NVIDIA driver library and Debian's python3.13/3.14.
     Fixtures,
-    /// Run all tests: unit tests, then the root integration tests.
+    /// Run the tests: unit tests, the profiler's root unit tests, then the root integration tests.
     Test {
         /// Passed to the integration-test binary (e.g. a test name filter).
         args: Vec<String>,
     },
+    /// Rewrite profiler/tests/corpus/ (the fuzz tests' seeds) from this machine's python3.11, libc and libstdc++.
+    FuzzCorpus,
     /// rustfmt check, and clippy with warnings denied for the host crates and the eBPF crate.
     Lint,
     /// Print the overhead and throughput tables (`torch`, `frame-hook`, `flops` or `jobs`: only that table).
@@ -126,7 +124,18 @@ fn build() -> Result<()> {
     run(cargo().current_dir(root()).args(["build", "--release", "-p", "profiler"]))
 }
 
+/// Everything the tests and the bench use: the C fixtures, the genuine NVIDIA
+/// driver library, Debian's Pythons and Prometheus.
 fn fixtures() -> Result<()> {
+    c_fixtures()?;
+    let dir = fixtures_dir();
+    toolchain::fetch_genuine_nvidia(&dir.join("nvidia"))?;
+    debian_python::fetch(&dir)?;
+    debian_prometheus::fetch(&dir)
+}
+
+/// The C fixtures (stand-in libraries and trainers), all the demo needs.
+fn c_fixtures() -> Result<()> {
     let dir = fixtures_dir();
     std::fs::create_dir_all(&dir)?;
     let src = root().join("tests/fixtures");
@@ -167,177 +176,6 @@ fn fixtures() -> Result<()> {
     // found only by watching the target's maps.
     std::fs::create_dir_all(dir.join("hidden"))?;
     std::fs::copy(dir.join("libcuda.so.1"), dir.join("hidden/libcuda.so.1"))?;
-    toolchain::fetch_genuine_nvidia(&dir.join("nvidia"))?;
-    debian_python::fetch(&dir)?;
-    debian_prometheus::fetch(&dir)
-}
-
-fn test(args: &[String]) -> Result<()> {
-    build()?;
-    fixtures()?;
-    let mut tally = Tally::default();
-    let result = test_phases(args, &mut tally);
-    tally.print();
-    result
-}
-
-/// What the test runs printed that matters after the last line: the checks
-/// skipped on this host (`integration_tests::skip`) and, for a failed test,
-/// where it panicked and its message, which a long backtrace
-/// (`RUST_BACKTRACE=1`) would otherwise push out of a log's tail.
-#[derive(Default)]
-struct Tally {
-    skipped: Vec<String>,
-    panics: Vec<String>,
-    /// Lines of the panic message being read (it ends at a backtrace or a blank line).
-    in_panic: bool,
-    /// In libtest's `failures:` section (a passing test's output, which
-    /// `--show-output` prints before it, may hold a panic it caught).
-    in_failures: bool,
-}
-
-impl Tally {
-    fn line(&mut self, text: &str) {
-        if let Some(at) = text.find("SKIPPED: ") {
-            self.skipped.push(text[at..].trim_end().to_owned());
-        }
-        if text == "failures:" {
-            self.in_failures = true;
-        } else if text.starts_with("test result: ") {
-            self.in_failures = false;
-        }
-        if self.in_failures && text.starts_with("thread '") && text.contains(" panicked at ") {
-            self.in_panic = true;
-            self.panics.push(text.trim_end().to_owned());
-        } else if self.in_panic {
-            let t = text.trim_end();
-            if t.is_empty() || t.starts_with("stack backtrace:") || t.starts_with("note: ") || self.panics.len() > 200 {
-                self.in_panic = false;
-            } else if let Some(last) = self.panics.last_mut()
-                && last.len() < 4000
-            {
-                last.push('\n');
-                last.push_str(t);
-            }
-        }
-    }
-
-    /// The totals come last, pass or fail.
-    fn print(&self) {
-        if self.skipped.is_empty() {
-            say("skipped: none");
-        } else {
-            say(format!("skipped: {} (not checked on this host):", self.skipped.len()));
-            for line in &self.skipped {
-                say(format!("  {line}"));
-            }
-        }
-        if !self.panics.is_empty() {
-            say(format!("failed: {} panic(s), as they began:", self.panics.len()));
-            for p in &self.panics {
-                say(format!("  {p}"));
-            }
-        }
-    }
-}
-
-fn test_phases(args: &[String], tally: &mut Tally) -> Result<()> {
-    // Release, like the root runs below: the profiler's test binary built here
-    // is the one the `--ignored` run reuses, so nothing is compiled twice.
-    // A failed test's message, not a backtrace of the test harness, is what a
-    // log's tail should end with: backtraces stay off unless asked for here.
-    let backtrace = std::env::var_os("PROFILER_TEST_BACKTRACE").unwrap_or_else(|| "0".into());
-    say("unit tests (host crates, release, no root needed)");
-    run_tests(
-        cargo().current_dir(root()).env("RUST_BACKTRACE", &backtrace).args([
-            "test",
-            "--release",
-            "--workspace",
-            "--exclude",
-            "integration-tests",
-        ]),
-        tally,
-    )?;
-    // Built as the user, run as root: only the runs that load eBPF programs need it.
-    say("root unit tests of the USDT attach path (profiler crate, --ignored: they load eBPF programs)");
-    for exe in root::test_executables("profiler")? {
-        let mut c = root::command(&exe, &[("RUST_BACKTRACE", &backtrace)], "loading eBPF programs")?;
-        c.current_dir(root::package_dir("profiler")).args(["--ignored", "--test-threads=1"]);
-        run_tests(&mut c, tally)?;
-    }
-    say("root integration tests: the real profiler against fixtures with known ground truth");
-    let (bin, fx) = (profiler_bin(), fixtures_dir());
-    // The real PyTorch environments, as `name=python;…` for tests/tests/torch.rs.
-    let pythons = torch_env::ensure_all().iter().map(|(n, p)| format!("{n}={}", p.display())).collect::<Vec<_>>();
-    let pythons = std::ffi::OsString::from(pythons.join(";"));
-    let env = [
-        ("PROFILER_BIN", bin.as_os_str()),
-        ("PROFILER_FIXTURES", fx.as_os_str()),
-        ("PROFILER_TORCH_PYTHONS", pythons.as_os_str()),
-        ("RUST_BACKTRACE", backtrace.as_os_str()),
-    ];
-    // Every binary runs, a failed one or not: one CI run shows every failure.
-    let mut failed = Vec::new();
-    for exe in root::test_executables("integration-tests")? {
-        let mut c = root::command(&exe, &env, "loading eBPF programs")?;
-        c.current_dir(root::package_dir("tests")).args(["--test-threads=1", "--show-output"]).args(args);
-        if let Err(e) = run_tests(&mut c, tally) {
-            say(format!("{e:#}"));
-            failed.push(exe.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned()));
-        }
-    }
-    if !failed.is_empty() {
-        bail!("integration tests failed in {}", failed.join(", "));
-    }
-    Ok(())
-}
-
-/// Runs a `cargo test` command, passing its stdout through as it comes, and
-/// collects what [`Tally`] keeps of it.
-fn run_tests(cmd: &mut Command, tally: &mut Tally) -> Result<()> {
-    let mut child =
-        cmd.stdout(std::process::Stdio::piped()).spawn().with_context(|| format!("cannot start {cmd:?}"))?;
-    // Each binary's output is read from its start: no section state carried over from the last.
-    tally.in_failures = false;
-    tally.in_panic = false;
-    let passed = pass_through(&mut child, tally);
-    if passed.is_err() {
-        // Not left running beside the next binary.
-        let _ = child.kill();
-    }
-    let status = child.wait()?;
-    passed?;
-    if !status.success() {
-        bail!("{cmd:?} failed: {status}");
-    }
-    Ok(())
-}
-
-/// Copies a test binary's stdout through, line by line into `tally`.
-fn pass_through(child: &mut std::process::Child, tally: &mut Tally) -> Result<()> {
-    use std::io::{Read, Write};
-    let mut pipe = child.stdout.take().context("stdout is piped")?;
-    let mut out = std::io::stdout();
-    let (mut buf, mut line) = ([0u8; 8192], Vec::new());
-    loop {
-        let n = match pipe.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e).context("reading the tests' output"),
-        };
-        // Partial lines too ("test x ... " before the test runs).
-        out.write_all(&buf[..n])?;
-        out.flush()?;
-        for &b in &buf[..n] {
-            if b != b'\n' {
-                line.push(b);
-                continue;
-            }
-            tally.line(&String::from_utf8_lossy(&line));
-            line.clear();
-        }
-    }
     Ok(())
 }
 
@@ -352,7 +190,7 @@ fn lint() -> Result<()> {
 
 fn demo() -> Result<()> {
     build()?;
-    fixtures()?;
+    c_fixtures()?;
     let db = root().join("demo.db");
     let _ = std::fs::remove_file(&db);
     let fx = fixtures_dir();
@@ -423,7 +261,12 @@ fn run_task(task: Task) -> Result<()> {
         Task::BuildEbpf => build_ebpf(),
         Task::Build => build(),
         Task::Fixtures => fixtures(),
-        Task::Test { args } => test(&args),
+        Task::Test { args } => {
+            build()?;
+            fixtures()?;
+            suite::test(&args)
+        }
+        Task::FuzzCorpus => suite::fuzz_corpus(),
         Task::Bench { only } => {
             build()?;
             fixtures()?;

@@ -27,7 +27,7 @@ pub fn command(program: impl AsRef<OsStr>, env: &[(&str, &OsStr)], why: &str) ->
         c.envs(env.iter().copied());
         return Ok(c);
     }
-    if which("sudo").is_none() {
+    if which::which("sudo").is_err() {
         bail!(
             "{why} needs root, and there is no sudo here: run this as root, with rustup's cargo on root's PATH \
              (e.g. `su -c 'PATH=\"$PATH\" cargo xtask …'`)"
@@ -61,11 +61,6 @@ pub fn write_file(path: &str, contents: &str) -> Result<()> {
         bail!("could not write {path} as root");
     }
     Ok(())
-}
-
-/// The first `name` on PATH.
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join(name)).find(|p| p.is_file())
 }
 
 /// The test executables `cargo test --no-run` builds for `package` (release),

@@ -1,5 +1,5 @@
-//! `cargo xtask bench`: what tracing costs the target, and how much the agent
-//! sustains. Prints a table; asserts nothing.
+//! `cargo xtask bench`, launch part: what tracing a CUDA launch costs the
+//! target, and how much the agent sustains. Prints tables; asserts nothing.
 //!
 //! The synthetic trainer times its own launch loops (CLOCK_MONOTONIC around
 //! each step's launches), so "ns per launch" is the host-side cost of one
@@ -9,16 +9,15 @@
 //! the launch count, events/s and the agent's CPU % cover all 8 loops, as the
 //! profiler traces all of them.
 use std::{
-    io::{BufRead, BufReader},
-    os::unix::process::ExitStatusExt,
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    process::{Child, Command},
+    time::Instant,
 };
 
 use anyhow::{Context, Result, bail};
 
-use crate::{fixtures_dir, profiler_bin, say};
+use super::harness::{attach_agent, bare_probe, wait_rusage};
+use crate::{fixtures_dir, say};
 
 const STEPS: u32 = 200;
 const LAUNCHES: u32 = 1000;
@@ -138,59 +137,6 @@ fn read_truth(path: &Path) -> Result<Truth> {
     Ok(t)
 }
 
-/// Waits for `child` and returns (CPU seconds, peak RSS in KiB).
-pub(crate) fn wait_rusage(child: &Child) -> Result<(f64, f64)> {
-    let pid = child.id() as libc::pid_t;
-    let mut status = 0;
-    // SAFETY: zeroed rusage is a valid out-value.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: waiting on our own child with valid out-pointers.
-    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
-    if r != pid {
-        bail!("wait4: {}", std::io::Error::last_os_error());
-    }
-    let exit = std::process::ExitStatus::from_raw(status);
-    if !exit.success() {
-        bail!("agent exited with {exit}");
-    }
-    let cpu = ru.ru_utime.tv_sec as f64
-        + ru.ru_utime.tv_usec as f64 / 1e6
-        + ru.ru_stime.tv_sec as f64
-        + ru.ru_stime.tv_usec as f64 / 1e6;
-    Ok((cpu, ru.ru_maxrss as f64))
-}
-
-/// `profiler attach PID ARGS… -o DB`, returned once it says it is tracing.
-pub(crate) fn attach_agent(pid: u32, args: &[&str], db: &Path) -> Result<Child> {
-    let mut c = Command::new(crate::profiler_bin())
-        .arg("attach")
-        .arg(pid.to_string())
-        .args(args)
-        .arg("-o")
-        .arg(db)
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("start the profiler")?;
-    wait_for_line(c.stderr.take().context("stderr")?, "tracing PID")?;
-    Ok(c)
-}
-
-/// Reads lines of `stream` until one contains `needle`; the rest is drained
-/// in the background so the agent never blocks on a full pipe.
-pub(crate) fn wait_for_line(stream: impl std::io::Read + Send + 'static, needle: &'static str) -> Result<()> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut seen = false;
-        for line in BufReader::new(stream).lines().map_while(Result::ok) {
-            if !seen && line.contains(needle) {
-                seen = true;
-                let _ = tx.send(());
-            }
-        }
-    });
-    rx.recv_timeout(Duration::from_secs(60)).with_context(|| format!("never printed '{needle}'"))
-}
-
 fn measure(probe: Probe, workload: Workload, work: &Path) -> Result<Measured> {
     let truth = work.join("truth.txt");
     let go = work.join("go");
@@ -199,7 +145,7 @@ fn measure(probe: Probe, workload: Workload, work: &Path) -> Result<Measured> {
         let _ = std::fs::remove_file(p);
     }
     let (mut target, lib_dir) = start_target(workload, &truth, &go)?;
-    let agent = start_agent(probe, workload, &target.id().to_string(), &lib_dir, &db)?;
+    let agent = start_agent(probe, workload, target.id(), &lib_dir, &db)?;
     std::fs::write(&go, b"")?;
     let status = target.wait()?;
     if !status.success() {
@@ -256,34 +202,22 @@ fn start_target(workload: Workload, truth: &Path, go: &Path) -> Result<(Child, P
 }
 
 /// Starts what `probe` says on the target `pid`, and waits until it is attached.
-fn start_agent(probe: Probe, workload: Workload, pid: &str, lib_dir: &Path, db: &Path) -> Result<Option<Child>> {
+fn start_agent(probe: Probe, workload: Workload, pid: u32, lib_dir: &Path, db: &Path) -> Result<Option<Child>> {
     match probe {
         Probe::None => Ok(None),
-        Probe::Bare { placed } => {
-            let mut c = Command::new(profiler_bin());
-            c.args(["bare-probe", pid]).arg(lib_dir.join("libcuda.so.1")).arg("cuLaunchKernel");
-            if placed {
-                c.arg("--placed");
-            }
-            let mut c = c.stdout(Stdio::piped()).spawn()?;
-            wait_for_line(c.stdout.take().context("stdout")?, "attached")?;
-            Ok(Some(c))
-        }
+        Probe::Bare { placed } => Ok(Some(bare_probe(pid, &lib_dir.join("libcuda.so.1"), "cuLaunchKernel", placed)?)),
         Probe::Profiler { count_only, at_entry } => {
-            let mut c = Command::new(profiler_bin());
-            c.args(["attach", pid, "--no-gpu", "-o"]).arg(db).stderr(Stdio::piped());
+            let mut args = vec!["--no-gpu"];
             if matches!(workload, Workload::Trainer { .. }) {
-                c.args(["--step-symbol", "train_step"]);
+                args.extend(["--step-symbol", "train_step"]);
             }
             if count_only {
-                c.args(["--launches", "count"]);
+                args.extend(["--launches", "count"]);
             }
             if at_entry {
-                c.arg("--probe-at-entry");
+                args.push("--probe-at-entry");
             }
-            let mut c = c.spawn()?;
-            wait_for_line(c.stderr.take().context("stderr")?, "tracing PID")?;
-            Ok(Some(c))
+            Ok(Some(attach_agent(pid, &args, db)?))
         }
     }
 }
@@ -320,44 +254,21 @@ fn median(mut runs: Vec<Measured>) -> Measured {
     Measured { quiet_ns_per_launch: quiet, ..runs[runs.len() / 2].clone() }
 }
 
-/// The tables; `only`: `torch`, `frame-hook`, `flops` or `jobs`, that one alone.
-pub fn main(only: Option<&str>) -> Result<()> {
-    if !crate::root::is_root() {
-        bail!(
-            "the benchmark loads eBPF programs throughout and needs root: run it as root, e.g. `sudo env \"PATH=$PATH\" cargo xtask bench` (sudo's secure_path hides rustup's cargo)"
-        );
-    }
-    let work: PathBuf = crate::root().join("target/bench");
-    std::fs::create_dir_all(&work)?;
-    match only {
-        Some("torch") => return crate::bench_torch::torch_table(&work),
-        Some("frame-hook") => return crate::bench_frame_hook::frame_hook_table(&work),
-        Some("flops") => return crate::bench_flops::flops_table(&work),
-        Some("jobs") => return crate::bench_jobs::jobs_table(&work),
-        Some(other) => bail!("no bench part '{other}' (parts: torch, frame-hook, flops, jobs)"),
-        None => {}
-    }
+/// Prints the launch-cost tables and what their columns mean.
+pub fn launch_tables(work: &Path) -> Result<()> {
     println!();
     println!("Host cost per launch, median of {REPEATS} runs; kernel {}", kernel());
     for (title, scenarios) in launch_sections() {
         let mut results = Vec::new();
         for (name, probe, workload) in scenarios {
             say(format!("bench: {title}: {name}"));
-            let runs = (0..REPEATS).map(|_| measure(probe, workload, &work)).collect::<Result<Vec<_>>>()?;
+            let runs = (0..REPEATS).map(|_| measure(probe, workload, work)).collect::<Result<Vec<_>>>()?;
             results.push((name, probe, median(runs)));
         }
         print_launch_section(title, &results);
     }
     print_launch_notes();
-    detach_table(&work)?;
-    sampler_table(&work)?;
-    maps_table(&work)?;
-    crate::bench_python::python_table(&work)?;
-    crate::bench_torch::torch_table(&work)?;
-    crate::bench_frame_hook::frame_hook_table(&work)?;
-    crate::bench_flops::flops_table(&work)?;
-    crate::bench_jobs::jobs_table(&work)?;
-    fuzz_long()
+    Ok(())
 }
 
 /// The launch-cost tables: a title each, and their rows.
@@ -463,210 +374,6 @@ fn print_launch_notes() {
     println!("events/s: launch records plus step entry/return records over the target's busy span");
     println!("(genuine library: the calls to all 8 entry points over the sum of their loops' times);");
     println!("agent CPU %: the agent's CPU time over that span plus its drain-and-flush time after the target exits.");
-}
-
-/// Cases per property in the bench's long fuzzing run (the test suite runs 256).
-const FUZZ_CASES: &str = "100000";
-
-/// The parsers' property tests (`profiler/src/fuzz_tests.rs`) with many more
-/// cases than the test suite gives them, and how long that took.
-fn fuzz_long() -> Result<()> {
-    say(format!("bench: fuzzing the parsers, {FUZZ_CASES} cases per property"));
-    let t0 = std::time::Instant::now();
-    crate::run(
-        crate::cargo()
-            .current_dir(crate::root())
-            .args(["test", "--release", "-p", "profiler", "fuzz_", "--", "--test-threads=2"])
-            .env("PROFILER_FUZZ_CASES", FUZZ_CASES),
-    )?;
-    println!();
-    println!(
-        "Parser fuzzing: {FUZZ_CASES} cases per property, no panic, every invariant held, in {:.0} s",
-        t0.elapsed().as_secs_f64()
-    );
-    Ok(())
-}
-
-/// CPU time of the agent's thread named `name`, from its schedstat (ns).
-fn thread_cpu_ns(pid: u32, name: &str) -> Option<u64> {
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()?.flatten() {
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if comm.trim() == name {
-            let stat = std::fs::read_to_string(task.path().join("schedstat")).ok()?;
-            return stat.split_whitespace().next()?.parse().ok();
-        }
-    }
-    None
-}
-
-/// The GPU sampler thread's CPU time per tick (from its schedstat, part way
-/// through a window), and the whole agent's CPU %, on an idle target with the
-/// stand-in NVML exposing `gpus` GPUs sampled every `interval_ms`.
-fn sampler_cost(work: &Path, gpus: u32, interval_ms: u32) -> Result<(f64, f64)> {
-    const WINDOW_S: f64 = 3.0;
-    let db = work.join("sampler.db");
-    let _ = std::fs::remove_file(&db);
-    let mut idle = Command::new("sleep").arg("60").spawn()?;
-    let mut c = Command::new(profiler_bin());
-    c.args(["attach", &idle.id().to_string(), "-q", "--duration", &WINDOW_S.to_string(), "-o"]).arg(&db);
-    c.arg("--nvml-lib").arg(fixtures_dir().join("libnvidia-ml.so.1"));
-    c.args(["--gpu-interval", &interval_ms.to_string()]).env("STANDIN_NVML_GPUS", gpus.to_string());
-    let t0 = Instant::now();
-    let agent = c.spawn()?;
-    // The sampler's steady state: from 1 s in (NVML opened, probes attached).
-    let ns_per_s = thread_cpu_rate(agent.id(), "sampler-gpu", Duration::from_secs(1), Duration::from_millis(1500))?;
-    let (cpu, _) = wait_rusage(&agent)?;
-    let wall = t0.elapsed().as_secs_f64();
-    let _ = idle.kill();
-    let _ = idle.wait();
-    Ok((ns_per_s / 1e3 * f64::from(interval_ms) / 1e3, 100.0 * cpu / wall))
-}
-
-/// CPU ns per second of `pid`'s thread `name`, over `window` from `after` on.
-fn thread_cpu_rate(pid: u32, name: &str, after: Duration, window: Duration) -> Result<f64> {
-    std::thread::sleep(after);
-    let cpu = || thread_cpu_ns(pid, name).with_context(|| format!("no {name} thread in the agent"));
-    let (a, t) = (cpu()?, Instant::now());
-    std::thread::sleep(window);
-    let b = cpu()?;
-    Ok((b - a) as f64 / t.elapsed().as_secs_f64())
-}
-
-/// The agent's main (drain) thread's CPU time per second, on an idle target
-/// that maps `mappings` separate file pages (a PyTorch process maps thousands
-/// of regions): what looking for newly loaded CUDA libraries costs.
-fn maps_cost(work: &Path, mappings: u32) -> Result<f64> {
-    let file = work.join("mapped.bin");
-    let script = format!(
-        "import mmap,sys,time\n\
-         f=open(sys.argv[1],'w+b'); f.truncate(8192*{mappings}); f.flush()\n\
-         keep=[mmap.mmap(f.fileno(),4096,offset=8192*i,prot=mmap.PROT_READ) for i in range({mappings})]\n\
-         print('ready',flush=True); time.sleep(60)\n"
-    );
-    let mut target = Command::new("python3").args(["-c", &script]).arg(&file).stdout(Stdio::piped()).spawn()?;
-    wait_for_line(target.stdout.take().context("stdout")?, "ready")?;
-    let db = work.join("maps.db");
-    let _ = std::fs::remove_file(&db);
-    let agent = Command::new(profiler_bin())
-        .args(["attach", &target.id().to_string(), "--no-gpu", "-q", "--duration", "6", "-o"])
-        .arg(&db)
-        .spawn()?;
-    let per_s = thread_cpu_rate(agent.id(), "profiler", Duration::from_secs(2), Duration::from_secs(3))? / 1e6;
-    wait_rusage(&agent)?;
-    let _ = target.kill();
-    let _ = target.wait();
-    let _ = std::fs::remove_file(&file);
-    Ok(per_s)
-}
-
-fn maps_table(work: &Path) -> Result<()> {
-    say("bench: agent drain thread on idle targets with few and many mappings");
-    println!();
-    println!("Agent drain thread (also the library watcher) on an idle target, CPU ms per s");
-    println!("| {:<24} | {:>9} |", "target mappings", "ms / s");
-    println!("|{:-<26}|{:->11}|", "", "");
-    for n in [100u32, 4000] {
-        println!("| {:<24} | {:>9.1} |", n, maps_cost(work, n)?);
-    }
-    println!("(the maps are read when the dynamic loader's hook reports a dlopen, and every 2 s as a safety net)");
-    Ok(())
-}
-
-/// One `attach --duration 2` of a trainer launching through the stand-in
-/// driver and runtime, with every launch, sync and naming probe and six step
-/// functions (51 uprobes): (uprobes, ms the profiler's detach took by its own clock, ms
-/// from the end of the 2 s to the profiler's exit, database written).
-fn detach_cost(work: &Path) -> Result<(u32, f64, f64)> {
-    const DURATION: Duration = Duration::from_secs(2);
-    let fx = fixtures_dir();
-    let go = work.join("detach-go");
-    let db = work.join("detach.db");
-    for p in [&go, &db] {
-        let _ = std::fs::remove_file(p);
-    }
-    let mut target = Command::new(fx.join("trainer"))
-        .args(["--forever", "--threads", "2", "--launches", "16", "--api", "all", "--sync-us", "1"])
-        .args(["--gap-us", "300", "--after-dlopen-ms", "300", "--wait-file"])
-        .arg(&go)
-        .env("LD_LIBRARY_PATH", &fx)
-        .spawn()
-        .context("start trainer")?;
-    let mut agent = Command::new(profiler_bin())
-        .args(["attach", &target.id().to_string(), "--no-gpu", "--duration", "2", "-o"])
-        .arg(&db)
-        .args(["--step-symbol", "train_step", "--step-symbol", "s1=_Z12saxpy_kernelifPKfPf"])
-        .args(["--step-symbol", "s2=_Z12scale_kernelPfi", "--step-symbol", "m=main"])
-        .args(["--step-symbol", "o=open_lib", "--step-symbol", "u=usage"])
-        .env("RUST_LOG", "info")
-        .stderr(Stdio::piped())
-        .spawn()?;
-    let (tx, rx) = std::sync::mpsc::channel();
-    let stderr = agent.stderr.take().context("stderr")?;
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = tx.send((Instant::now(), line));
-        }
-    });
-    let mut tracing_at = None;
-    let mut detach = None;
-    while let Ok((at, line)) = rx.recv_timeout(Duration::from_secs(60)) {
-        if line.contains("tracing PID") {
-            tracing_at = Some(at);
-            std::fs::write(&go, b"")?;
-        }
-        // "[INFO ] detached 47 uprobes in 83.2 ms"
-        if let Some(rest) = line.split("detached ").nth(1) {
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            if let [n, "uprobes", "in", ms, ..] = f.as_slice() {
-                detach = Some((n.parse::<u32>()?, ms.parse::<f64>()?));
-            }
-        }
-        if line.contains("session") && line.contains("ended") {
-            break;
-        }
-    }
-    let status = agent.wait()?;
-    let exited = Instant::now();
-    let _ = target.kill();
-    let _ = target.wait();
-    if !status.success() {
-        bail!("profiler failed: {status}");
-    }
-    let tracing_at = tracing_at.context("the profiler never said it was tracing")?;
-    let (probes, detach_ms) = detach.context("no detach line (RUST_LOG=info)")?;
-    let stop_to_exit = exited.saturating_duration_since(tracing_at + DURATION).as_secs_f64() * 1e3;
-    Ok((probes, detach_ms, stop_to_exit))
-}
-
-fn detach_table(work: &Path) -> Result<()> {
-    say("bench: detaching 51 probes (stand-in driver and runtime, six step functions)");
-    let mut runs = (0..3).map(|_| detach_cost(work)).collect::<Result<Vec<_>>>()?;
-    runs.sort_by(|a, b| a.1.total_cmp(&b.1));
-    let (probes, detach_ms, stop_ms) = runs[runs.len() / 2];
-    println!();
-    println!("Detach, median of 3 runs of `attach --duration 2`");
-    println!("| {:<8} | {:>10} | {:>18} |", "uprobes", "detach ms", "stop → exit ms");
-    println!("|{:-<10}|{:->12}|{:->20}|", "", "", "");
-    println!("| {probes:<8} | {detach_ms:>10.0} | {stop_ms:>18.0} |");
-    println!("(detach: closing every uprobe, by the profiler's clock; stop → exit: from the end of --duration to");
-    println!("the profiler's exit, the database complete: detach, the last drain and the last transaction)");
-    Ok(())
-}
-
-fn sampler_table(work: &Path) -> Result<()> {
-    say("bench: GPU sampler cost (stand-in NVML, idle target, 3 s windows)");
-    println!();
-    println!("GPU sampler (stand-in NVML, idle target): sampler-thread CPU per tick, and the whole agent's CPU %");
-    println!("| {:<6} | {:>8} | {:>12} | {:>12} |", "GPUs", "rate", "µs per tick", "agent CPU %");
-    println!("|{:-<8}|{:->10}|{:->14}|{:->14}|", "", "", "", "");
-    for gpus in [1u32, 8] {
-        for (hz, ms) in [(10u32, 100u32), (100, 10)] {
-            let (per_tick, agent) = sampler_cost(work, gpus, ms)?;
-            println!("| {:<6} | {:>5} Hz | {:>12.1} | {:>12.2} |", gpus, hz, per_tick, agent);
-        }
-    }
-    println!("(µs per tick: the sampler thread's own CPU time; writing its rows happens on the store thread.)");
-    Ok(())
 }
 
 fn kernel() -> String {

@@ -15,6 +15,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
+use super::harness;
 use crate::{fixtures_dir, say};
 
 const RANKS: u32 = 8;
@@ -59,7 +60,7 @@ fn run_once(work: &Path) -> Result<JobRun> {
     wait_for_ranks(launcher.id())?;
     let started = Instant::now();
     let symbol = format!("{}:train_step", trainer.display());
-    let agent = crate::bench::attach_agent(launcher.id(), &["--children", "--no-gpu", "--step-symbol", &symbol], &db)?;
+    let agent = harness::attach_agent(launcher.id(), &["--children", "--no-gpu", "--step-symbol", &symbol], &db)?;
     let attach_s = started.elapsed().as_secs_f64();
     let traced = Instant::now();
     std::fs::write(&go, b"")?;
@@ -67,7 +68,7 @@ fn run_once(work: &Path) -> Result<JobRun> {
     if !status.success() {
         bail!("launcher: {status}");
     }
-    let (agent_cpu_s, _) = crate::bench::wait_rusage(&agent)?;
+    let (agent_cpu_s, _) = harness::wait_rusage(&agent)?;
     let traced_s = traced.elapsed().as_secs_f64();
     let conn = rusqlite::Connection::open(&db)?;
     let (launches, lost, sessions) = conn.query_row(

@@ -8,14 +8,12 @@
 //! count on the stack), and `cublasLtMatmul` as PyTorch's `gemm_and_bias`
 //! drives it (a descriptor and four layouts created, set and destroyed around
 //! each call: 14 probe hits, two of them return probes).
-use std::{
-    path::Path,
-    process::{Command, Stdio},
-};
+use std::{path::Path, process::Command};
 
 use anyhow::{Context, Result, bail};
 
-use crate::{fixtures_dir, profiler_bin, say};
+use super::harness;
+use crate::{fixtures_dir, say};
 
 const CALLS: u64 = 50_000;
 const REPEATS: usize = 3;
@@ -50,22 +48,13 @@ fn run_once(op: &str, symbol: &str, mode: Mode, work: &Path) -> Result<f64> {
         .env("LD_LIBRARY_PATH", fixtures_dir())
         .spawn()
         .context("start the GEMM trainer")?;
-    let pid = trainer.id().to_string();
     let bare = if mode == Mode::Bare {
-        let mut c = Command::new(profiler_bin())
-            .args(["bare-probe", &pid])
-            .arg(fixtures_dir().join("libcublas.so.13"))
-            .args([symbol, "--placed"])
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("start the bare probe")?;
-        crate::bench::wait_for_line(c.stdout.take().context("stdout")?, "attached")?;
-        Some(c)
+        Some(harness::bare_probe(trainer.id(), &fixtures_dir().join("libcublas.so.13"), symbol, true)?)
     } else {
         None
     };
     let agent = if mode == Mode::Profiler {
-        Some(crate::bench::attach_agent(trainer.id(), &["--no-gpu", "--step-symbol", "train_step"], &db)?)
+        Some(harness::attach_agent(trainer.id(), &["--no-gpu", "--step-symbol", "train_step"], &db)?)
     } else {
         None
     };
@@ -76,7 +65,7 @@ fn run_once(op: &str, symbol: &str, mode: Mode, work: &Path) -> Result<f64> {
     }
     if let Some(a) = agent {
         // A profiler that failed would make the traced row a lie.
-        crate::bench::wait_rusage(&a)?;
+        harness::wait_rusage(&a)?;
     }
     if let Some(mut b) = bare {
         // It waits for a signal; its probe goes with it.
@@ -96,7 +85,7 @@ pub fn flops_table(work: &Path) -> Result<()> {
     for (op, label, hits, bare_symbol) in OPS {
         say(format!("bench: GEMM calls: {label} ({REPEATS} runs of {CALLS}: untraced, bare uprobe, profiler)"));
         let runs = |mode| -> Result<f64> {
-            Ok(crate::bench_python::median(
+            Ok(harness::median(
                 (0..REPEATS).map(|_| run_once(op, bare_symbol.unwrap_or(label), mode, work)).collect::<Result<_>>()?,
             ))
         };

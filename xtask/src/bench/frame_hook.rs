@@ -13,6 +13,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
+use super::harness;
 use crate::say;
 
 const CALLS: u64 = 300_000;
@@ -105,14 +106,14 @@ fn run_once(python: &Python, mode: &str, work: &Path) -> Result<f64> {
         bail!("{}: {}", python.name, out.status);
     }
     if let Some(a) = agent {
-        crate::bench::wait_rusage(&a)?;
+        harness::wait_rusage(&a)?;
     }
     Ok(String::from_utf8_lossy(&out.stdout).trim().parse::<f64>()?)
 }
 
 /// Starts the profiler on `pid` with `args` (no GPU) and waits until it traces.
 fn attach(pid: u32, db: &Path, args: &[&str]) -> Result<std::process::Child> {
-    crate::bench::attach_agent(pid, &[&["--no-gpu"], args].concat(), db)
+    harness::attach_agent(pid, &[&["--no-gpu"], args].concat(), db)
 }
 
 /// Step boundary error, p50 and p99 in ns: the Python trainer's own stamps
@@ -137,7 +138,7 @@ fn boundary_errors(python: &Python, work: &Path) -> Result<(i64, i64)> {
     let agent = attach(target.id(), &db, &["--step-python", "train_step"])?;
     std::fs::write(&go, b"")?;
     let out = target.wait_with_output()?;
-    crate::bench::wait_rusage(&agent)?;
+    harness::wait_rusage(&agent)?;
     if !out.status.success() {
         bail!("{}: the trainer: {}", python.name, out.status);
     }
@@ -183,9 +184,7 @@ pub fn frame_hook_table(work: &Path) -> Result<()> {
     for python in &pythons {
         let mut cells = Vec::new();
         for mode in ["plain", "hook", "traced"] {
-            cells.push(crate::bench_python::median(
-                (0..REPEATS).map(|_| run_once(python, mode, work)).collect::<Result<_>>()?,
-            ));
+            cells.push(harness::median((0..REPEATS).map(|_| run_once(python, mode, work)).collect::<Result<_>>()?));
         }
         let (p50, p99) = boundary_errors(python, work)?;
         println!(

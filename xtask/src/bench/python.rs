@@ -10,6 +10,7 @@ use std::{path::Path, process::Command};
 
 use anyhow::{Context, Result, bail};
 
+use super::harness;
 use crate::{fixtures_dir, root, say};
 
 /// Debian's interpreter, built with --with-dtrace.
@@ -35,7 +36,7 @@ fn run_once(traced: bool, work: &Path) -> Result<f64> {
         .spawn()
         .context("start the Python trainer")?;
     let agent = if traced {
-        Some(crate::bench::attach_agent(trainer.id(), &["--no-gpu", "--step-python", "train_step"], &db)?)
+        Some(harness::attach_agent(trainer.id(), &["--no-gpu", "--step-python", "train_step"], &db)?)
     } else {
         None
     };
@@ -46,18 +47,12 @@ fn run_once(traced: bool, work: &Path) -> Result<f64> {
     }
     if let Some(a) = agent {
         // A profiler that failed would make the traced row a lie.
-        crate::bench::wait_rusage(&a)?;
+        harness::wait_rusage(&a)?;
     }
     let text = std::fs::read_to_string(&truth).with_context(|| format!("read {}", truth.display()))?;
     let line = text.lines().find_map(|l| l.strip_prefix("calls ")).context("no 'calls' line in the truth")?;
     let (n, ns) = line.split_once(' ').context("malformed 'calls' line")?;
     Ok(ns.trim().parse::<f64>()? / n.parse::<f64>()?)
-}
-
-/// The middle value (the upper one of an even count).
-pub(crate) fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// Prints untraced vs `--step-python` ns per Python call.
@@ -67,8 +62,8 @@ pub fn python_table(work: &Path) -> Result<()> {
         return Ok(());
     }
     say(format!("bench: Python calls ({REPEATS} runs of {CALLS} calls, untraced and with --step-python)"));
-    let untraced = median((0..REPEATS).map(|_| run_once(false, work)).collect::<Result<_>>()?);
-    let traced = median((0..REPEATS).map(|_| run_once(true, work)).collect::<Result<_>>()?);
+    let untraced = harness::median((0..REPEATS).map(|_| run_once(false, work)).collect::<Result<_>>()?);
+    let traced = harness::median((0..REPEATS).map(|_| run_once(true, work)).collect::<Result<_>>()?);
     println!();
     println!("Cost per Python call ({CALLS} calls of a trivial function, median of {REPEATS}), {PYTHON}");
     println!("| {:<36} | {:>9} | {:>12} |", "scenario", "ns / call", "calls / s");
