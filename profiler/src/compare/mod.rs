@@ -134,27 +134,55 @@ pub static METRICS: &[Metric] = &[
         .map(|gap| gap + s.duration_ms)),
     metric!("data_wait_p50", "data wait p50", Ms, P50, "data_wait_ns", |s| s.data_wait_ms),
     metric!("optimizer_p50", "optimizer p50", Ms, P50, "optimizer_ns", |s| s.optimizer_ms),
-    metric!("sync_wait_pct", "sync wait share", Points, "sync_wait_ns", |s| s.sync_wait_ms.map(|w| 100.0 * w), per |s| {
-        s.sync_wait_ms.map(|_| s.duration_ms)
-    }),
+    metric!(
+        "sync_wait_pct",
+        "sync wait share",
+        Points,
+        "sync_wait_ns",
+        |s| s.sync_wait_ms.map(|w| 100.0 * w),
+        per | s | { s.sync_wait_ms.map(|_| s.duration_ms) }
+    ),
     metric!("launches_per_step", "launches/step", Count, MEAN, "launches", |s| s.launches, exact),
     metric!("flops_per_step", "GEMM FLOP/step", Flops, MEAN, "flops", |s| s.flops, exact),
     metric!("mfu_pct", "MFU", Points, MEAN, "step_gpu.mfu_pct", |s| s.mfu_pct),
-    metric!("collective_bytes_per_step", "NCCL bytes/step", Bytes, MEAN, "collective_bytes", |s| s.collective_bytes, exact),
+    metric!(
+        "collective_bytes_per_step",
+        "NCCL bytes/step",
+        Bytes,
+        MEAN,
+        "collective_bytes",
+        |s| s.collective_bytes,
+        exact
+    ),
     metric!("collective_ms_per_step", "NCCL time/step", Ms, MEAN, "collective_ns", |s| s.collective_ms),
     metric!("energy_per_step", "energy/step", Joule, MEAN, "step_gpu.energy_j", |s| s.energy_j),
     metric!("gpu_energy_per_step", "GPU energy/step", Joule, MEAN, "step_gpu.energy_j", |s| s.gpu_energy_j),
-    metric!("gpu_power", "GPU power", Watt, "step_gpu.energy_j", |s| s.gpu_energy_j, per |s| {
-        s.gpu_energy_j.map(|_| s.duration_ms / 1e3)
-    }),
+    metric!(
+        "gpu_power",
+        "GPU power",
+        Watt,
+        "step_gpu.energy_j",
+        |s| s.gpu_energy_j,
+        per | s | { s.gpu_energy_j.map(|_| s.duration_ms / 1e3) }
+    ),
     metric!("cpu_energy_per_step", "CPU energy/step", Joule, MEAN, "step_energy.cpu_energy_j", |s| s.cpu_energy_j),
-    metric!("cpu_power", "CPU power", Watt, "step_energy.cpu_energy_j", |s| s.cpu_energy_j, per |s| {
-        s.cpu_energy_j.map(|_| s.duration_ms / 1e3)
-    }),
+    metric!(
+        "cpu_power",
+        "CPU power",
+        Watt,
+        "step_energy.cpu_energy_j",
+        |s| s.cpu_energy_j,
+        per | s | { s.cpu_energy_j.map(|_| s.duration_ms / 1e3) }
+    ),
     metric!("dram_energy_per_step", "DRAM energy/step", Joule, MEAN, "step_energy.dram_energy_j", |s| s.dram_energy_j),
-    metric!("dram_power", "DRAM power", Watt, "step_energy.dram_energy_j", |s| s.dram_energy_j, per |s| {
-        s.dram_energy_j.map(|_| s.duration_ms / 1e3)
-    }),
+    metric!(
+        "dram_power",
+        "DRAM power",
+        Watt,
+        "step_energy.dram_energy_j",
+        |s| s.dram_energy_j,
+        per | s | { s.dram_energy_j.map(|_| s.duration_ms / 1e3) }
+    ),
     metric!("cpu_p50", "on CPU p50", Ms, P50, "cpu_ns", |s| s.cpu_ms),
     metric!("runnable_p50", "runnable p50", Ms, P50, "runnable_ns", |s| s.runnable_ms),
     metric!("sleep_p50", "sleeping p50", Ms, P50, "sleep_ns", |s| s.sleep_ms),
@@ -293,7 +321,10 @@ pub fn compare_metric(m: &'static Metric, a: &SideSteps, b: &SideSteps, noise_pc
     };
     let c = if m.exact {
         let mut scratch = Vec::new();
-        let (va, vb) = (stats::statistic(&sa, m.statistic, None, &mut scratch), stats::statistic(&sb, m.statistic, None, &mut scratch));
+        let (va, vb) = (
+            stats::statistic(&sa, m.statistic, None, &mut scratch),
+            stats::statistic(&sb, m.statistic, None, &mut scratch),
+        );
         stats::Change { a: va, b: vb, diff: vb - va, diff_low: vb - va, diff_high: vb - va }
     } else {
         stats::compare(&sa, &sb, m.statistic)
@@ -348,8 +379,9 @@ fn verdict_mix(a: &SideSteps, b: &SideSteps) -> Option<Vec<VerdictShare>> {
     let mut bounds: Vec<String> = a.steps.iter().chain(&b.steps).filter_map(|s| s.bound.clone()).collect();
     bounds.sort();
     bounds.dedup();
-    (!bounds.is_empty())
-        .then(|| bounds.into_iter().map(|v| VerdictShare { a_pct: share(a, &v), b_pct: share(b, &v), bound: v }).collect())
+    (!bounds.is_empty()).then(|| {
+        bounds.into_iter().map(|v| VerdictShare { a_pct: share(a, &v), b_pct: share(b, &v), bound: v }).collect()
+    })
 }
 
 /// Kernels whose launches per step differ by more than half a launch.
@@ -400,7 +432,12 @@ mod tests {
         SideSteps {
             steps: durations
                 .iter()
-                .map(|&d| StepValues { duration_ms: d, launches: Some(launches), gpu_energy_j: Some(d), ..Default::default() })
+                .map(|&d| StepValues {
+                    duration_ms: d,
+                    launches: Some(launches),
+                    gpu_energy_j: Some(d),
+                    ..Default::default()
+                })
                 .collect(),
             columns: columns.iter().map(|c| c.to_string()).collect(),
             kernels: None,

@@ -67,8 +67,9 @@ pub(super) fn task_offsets() -> Result<(u32, u32), ProbeError> {
     Ok((offset("pid")?, offset("tgid")?))
 }
 
+/// Tests that load the eBPF programs: run as root by `cargo xtask test`.
 #[cfg(test)]
-mod tests {
+mod root_tests {
     use std::{
         io::Write,
         process::{Command, Stdio},
@@ -134,7 +135,10 @@ mod tests {
         child.0.wait().expect("wait");
         assert!(ranges_gone(&mut probes, pid), "the ranges are still there after the exit");
     }
+}
 
+#[cfg(test)]
+mod tests {
     /// This kernel's BTF (every kernel this profiler supports has it: see
     /// `doctor`) gives `pid` and `tgid`, adjacent `pid_t`s in `task_struct`.
     #[test]

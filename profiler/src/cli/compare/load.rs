@@ -7,8 +7,8 @@ use anyhow::{Context, bail};
 use serde::Serialize;
 
 use crate::{
-    profile::ProfileDb,
     compare::{SideSteps, StepValues},
+    profile::ProfileDb,
 };
 
 /// `FILE`, `FILE:SESSION`, `FILE:job` (the file's newest job) or `FILE:job=NAME`.
@@ -92,7 +92,8 @@ impl Side {
                 (first, Filter::Job(job.clone()), Some(job))
             }
         };
-        let command: String = db.conn.query_row("SELECT command FROM sessions WHERE id = ?1", [session], |r| r.get(0))?;
+        let command: String =
+            db.conn.query_row("SELECT command FROM sessions WHERE id = ?1", [session], |r| r.get(0))?;
         let metadata = metadata(&db, session).with_context(|| format!("reading {}", spec.path.display()))?;
         let database = spec.path.display().to_string();
         Ok(Self { db, info: SideInfo { database, session, job, command, metadata }, filter })

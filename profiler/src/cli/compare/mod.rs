@@ -179,7 +179,12 @@ fn gate_outcomes(conditions: &[Condition], labels: &[LabelComparison]) -> anyhow
         for l in labels {
             let Some(m) = l.metrics.iter().find(|m| m.metric == c.metric.name) else { continue };
             let Some(diff) = m.change else {
-                bail!("--fail-if '{c}': {} is {} for label '{}'; gate on a metric both runs have", m.metric, m.verdict, l.label);
+                bail!(
+                    "--fail-if '{c}': {} is {} for label '{}'; gate on a metric both runs have",
+                    m.metric,
+                    m.verdict,
+                    l.label
+                );
             };
             out.push(GateOutcome {
                 condition: c.text.clone(),

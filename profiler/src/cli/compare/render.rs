@@ -19,7 +19,13 @@ pub fn figure(v: f64, unit: &str) -> String {
         x if x >= 1e4 && unit != "ms" => (v / 1e3, "k"),
         _ => (v, ""),
     };
-    let digits = if v.abs() >= 100.0 { 0 } else if v.abs() >= 10.0 { 1 } else { 2 };
+    let digits = if v.abs() >= 100.0 {
+        0
+    } else if v.abs() >= 10.0 {
+        1
+    } else {
+        2
+    };
     let sep = if unit.is_empty() && prefix.is_empty() { "" } else { " " };
     format!("{v:.digits$}{sep}{prefix}{unit}")
 }
@@ -29,7 +35,7 @@ fn delta(m: &MetricChange, diff: f64, pct: Option<f64>) -> String {
     match (m.unit, pct) {
         ("%", _) => format!("{diff:+.1}pp"),
         (_, Some(p)) => format!("{p:+.1}%"),
-        (unit, None) => format!("{}", figure(diff, unit)),
+        (unit, None) => figure(diff, unit),
     }
 }
 
@@ -49,7 +55,11 @@ fn interval(m: &MetricChange) -> String {
 pub fn change_text(m: &MetricChange) -> String {
     let Some(diff) = m.change else { return m.verdict.clone() };
     let ci = interval(m);
-    let ci = if ci.is_empty() || ci == "exact" { format!("({})", if ci.is_empty() { "no interval" } else { "exact" }) } else { format!("(95 % CI {ci})") };
+    let ci = if ci.is_empty() || ci == "exact" {
+        format!("({})", if ci.is_empty() { "no interval" } else { "exact" })
+    } else {
+        format!("(95 % CI {ci})")
+    };
     format!("{} {ci}, {}", delta(m, diff, m.change_pct), m.verdict)
 }
 
@@ -194,7 +204,17 @@ mod tests {
     #[test]
     fn rows_fit_in_eighty_columns() {
         let mut o = String::new();
-        row(&mut o, ["a very long metric name here", "123456789012", "1", "+100.0%", "+1000.0…+2000.0%", "no significant change"]);
+        row(
+            &mut o,
+            [
+                "a very long metric name here",
+                "123456789012",
+                "1",
+                "+100.0%",
+                "+1000.0…+2000.0%",
+                "no significant change",
+            ],
+        );
         assert!(o.lines().all(|l| l.width() <= WIDTH), "{o}");
     }
 }
