@@ -99,8 +99,19 @@ macro_rules! metric {
     ($name:literal, $title:literal, $unit:ident, $stat:expr, $column:literal, $value:expr, exact) => {
         metric!($name, $title, $unit, $stat, $column, $value, None, true, false)
     };
-    ($name:literal, $title:literal, $unit:ident, $column:literal, $value:expr, per $den:expr) => {
-        metric!($name, $title, $unit, Statistic::RatioOfSums, $column, $value, Some($den), false, false)
+    // Average power: Σ energy / Σ step time (s) over the steps with energy.
+    ($name:literal, $title:literal, power of $field:ident, $column:literal) => {
+        metric!(
+            $name,
+            $title,
+            Watt,
+            Statistic::RatioOfSums,
+            $column,
+            |s| s.$field,
+            Some(|s| s.$field.map(|_| s.duration_ms / 1e3)),
+            false,
+            false
+        )
     };
     ($name:literal, $title:literal, $unit:ident, $stat:expr, $column:literal, $value:expr, $den:expr, $exact:expr, $time:expr) => {
         Metric {
@@ -138,9 +149,12 @@ pub static METRICS: &[Metric] = &[
         "sync_wait_pct",
         "sync wait share",
         Points,
+        Statistic::RatioOfSums,
         "sync_wait_ns",
         |s| s.sync_wait_ms.map(|w| 100.0 * w),
-        per | s | { s.sync_wait_ms.map(|_| s.duration_ms) }
+        Some(|s| s.sync_wait_ms.map(|_| s.duration_ms)),
+        false,
+        false
     ),
     metric!("launches_per_step", "launches/step", Count, MEAN, "launches", |s| s.launches, exact),
     metric!("flops_per_step", "GEMM FLOP/step", Flops, MEAN, "flops", |s| s.flops, exact),
@@ -157,32 +171,11 @@ pub static METRICS: &[Metric] = &[
     metric!("collective_ms_per_step", "NCCL time/step", Ms, MEAN, "collective_ns", |s| s.collective_ms),
     metric!("energy_per_step", "energy/step", Joule, MEAN, "step_gpu.energy_j", |s| s.energy_j),
     metric!("gpu_energy_per_step", "GPU energy/step", Joule, MEAN, "step_gpu.energy_j", |s| s.gpu_energy_j),
-    metric!(
-        "gpu_power",
-        "GPU power",
-        Watt,
-        "step_gpu.energy_j",
-        |s| s.gpu_energy_j,
-        per | s | { s.gpu_energy_j.map(|_| s.duration_ms / 1e3) }
-    ),
+    metric!("gpu_power", "GPU power", power of gpu_energy_j, "step_gpu.energy_j"),
     metric!("cpu_energy_per_step", "CPU energy/step", Joule, MEAN, "step_energy.cpu_energy_j", |s| s.cpu_energy_j),
-    metric!(
-        "cpu_power",
-        "CPU power",
-        Watt,
-        "step_energy.cpu_energy_j",
-        |s| s.cpu_energy_j,
-        per | s | { s.cpu_energy_j.map(|_| s.duration_ms / 1e3) }
-    ),
+    metric!("cpu_power", "CPU power", power of cpu_energy_j, "step_energy.cpu_energy_j"),
     metric!("dram_energy_per_step", "DRAM energy/step", Joule, MEAN, "step_energy.dram_energy_j", |s| s.dram_energy_j),
-    metric!(
-        "dram_power",
-        "DRAM power",
-        Watt,
-        "step_energy.dram_energy_j",
-        |s| s.dram_energy_j,
-        per | s | { s.dram_energy_j.map(|_| s.duration_ms / 1e3) }
-    ),
+    metric!("dram_power", "DRAM power", power of dram_energy_j, "step_energy.dram_energy_j"),
     metric!("cpu_p50", "on CPU p50", Ms, P50, "cpu_ns", |s| s.cpu_ms),
     metric!("runnable_p50", "runnable p50", Ms, P50, "runnable_ns", |s| s.runnable_ms),
     metric!("sleep_p50", "sleeping p50", Ms, P50, "sleep_ns", |s| s.sleep_ms),

@@ -486,26 +486,8 @@ fn elf_notes<'data, Elf: FileHeader<Endian = Endianness>>(
                 Some(now) if raw.base != 0 => now.wrapping_sub(raw.base),
                 _ => 0,
             };
-            let address = raw.pc.wrapping_add(delta);
-            let semaphore = (raw.semaphore != 0).then(|| raw.semaphore.wrapping_add(delta));
-            let label = format!("{}:{}", raw.provider, raw.name);
-            // The probe is code; the semaphore is data, which the kernel
-            // finds through the file's writable mapping in each process.
-            let file_offset = segments
-                .iter()
-                .filter(|s| s.executable())
-                .find_map(|s| s.file_offset(address))
-                .ok_or_else(|| UsdtError::ProbeNotMapped { probe: label.clone(), address })?;
-            let semaphore_file_offset = match semaphore {
-                Some(a) => Some(
-                    segments
-                        .iter()
-                        .filter(|s| !s.executable())
-                        .find_map(|s| s.file_offset(a))
-                        .ok_or(UsdtError::SemaphoreNotMapped { probe: label, address: a })?,
-                ),
-                None => None,
-            };
+            let placed = place(&segments, &raw, delta)?;
+            let address = placed.address;
             let args = if machine == object::elf::EM_X86_64 {
                 parse_arguments(&raw.args).and_then(|a| resolve_symbols(a, address, &mut lookup))
             } else {
@@ -516,15 +498,49 @@ fn elf_notes<'data, Elf: FileHeader<Endian = Endianness>>(
                 name: raw.name,
                 address,
                 note_base: raw.base,
-                semaphore,
-                file_offset,
-                semaphore_file_offset,
+                semaphore: placed.semaphore,
+                file_offset: placed.file_offset,
+                semaphore_file_offset: placed.semaphore_file_offset,
                 arguments: raw.args,
                 args,
             });
         }
     }
     Ok(out)
+}
+
+/// Where a note's probe and semaphore are, in memory and in the file.
+struct Placed {
+    address: u64,
+    semaphore: Option<u64>,
+    file_offset: u64,
+    semaphore_file_offset: Option<u64>,
+}
+
+/// The probe's and semaphore's addresses moved by `delta` (prelinking), and
+/// their offsets in the file.
+fn place(segments: &[super::elf::LoadSegment], raw: &RawNote, delta: u64) -> Result<Placed, UsdtError> {
+    let address = raw.pc.wrapping_add(delta);
+    let semaphore = (raw.semaphore != 0).then(|| raw.semaphore.wrapping_add(delta));
+    let label = format!("{}:{}", raw.provider, raw.name);
+    // The probe is code; the semaphore is data, which the kernel
+    // finds through the file's writable mapping in each process.
+    let file_offset = segments
+        .iter()
+        .filter(|s| s.executable())
+        .find_map(|s| s.file_offset(address))
+        .ok_or_else(|| UsdtError::ProbeNotMapped { probe: label.clone(), address })?;
+    let semaphore_file_offset = match semaphore {
+        Some(a) => Some(
+            segments
+                .iter()
+                .filter(|s| !s.executable())
+                .find_map(|s| s.file_offset(a))
+                .ok_or(UsdtError::SemaphoreNotMapped { probe: label, address: a })?,
+        ),
+        None => None,
+    };
+    Ok(Placed { address, semaphore, file_offset, semaphore_file_offset })
 }
 
 struct RawNote {

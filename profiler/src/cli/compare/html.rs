@@ -1,7 +1,7 @@
 //! `compare --html FILE`: one offline page: the table, then per label both
 //! runs' step-time and energy distributions overlaid and their per-step
 //! series side by side, drawn by plotters as inline SVG.
-use plotters::prelude::*;
+use plotters::{coord::types::RangedCoordf64, prelude::*};
 
 use super::{Comparison, render};
 use crate::compare::PlotSeries;
@@ -34,47 +34,15 @@ fn span(a: &[f64], b: &[f64]) -> (f64, f64) {
     if lo == hi { (lo - 0.5, hi + 0.5) } else { (lo, hi + (hi - lo) * 1e-9) }
 }
 
-/// Both sides' distributions of one figure, as outlined step histograms.
-fn distributions(title: &str, unit: &str, a: &[f64], b: &[f64]) -> Result<String, String> {
-    let range = span(a, b);
-    let (ha, hb) = (histogram(a, range), histogram(b, range));
-    let share = |h: &[u32], n: usize| h.iter().map(|&c| 100.0 * c as f64 / n.max(1) as f64).collect::<Vec<_>>();
-    let (pa, pb) = (share(&ha, a.len()), share(&hb, b.len()));
-    let top = pa.iter().chain(&pb).copied().fold(1.0, f64::max) * 1.1;
-    let mut svg = String::new();
-    {
-        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| e.to_string())?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 18))
-            .margin(10)
-            .x_label_area_size(40)
-            .y_label_area_size(50)
-            .build_cartesian_2d(range.0..range.1, 0.0..top)
-            .map_err(|e| e.to_string())?;
-        chart.configure_mesh().x_desc(unit).y_desc("% of steps").draw().map_err(|e| e.to_string())?;
-        let width = (range.1 - range.0) / BINS as f64;
-        for (p, colour, name) in [(&pa, A, "A"), (&pb, B, "B")] {
-            let points = p.iter().enumerate().flat_map(|(i, &y)| {
-                let x = range.0 + i as f64 * width;
-                [(x, y), (x + width, y)]
-            });
-            chart
-                .draw_series(LineSeries::new(points, colour.stroke_width(2)))
-                .map_err(|e| e.to_string())?
-                .label(name)
-                .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], colour.stroke_width(2)));
-        }
-        chart.configure_series_labels().border_style(BLACK).draw().map_err(|e| e.to_string())?;
-        root.present().map_err(|e| e.to_string())?;
-    }
-    Ok(svg)
-}
+type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
 
-/// Both sides' per-step series of one figure, over step number.
-fn series(title: &str, unit: &str, a: &[f64], b: &[f64]) -> Result<String, String> {
-    let (lo, hi) = span(a, b);
-    let steps = a.len().max(b.len()).max(2) as f64;
+/// One chart as SVG: its frame and axes, the series `draw` adds, a legend.
+fn chart(
+    title: &str,
+    (x, y): (std::ops::Range<f64>, std::ops::Range<f64>),
+    (x_desc, y_desc): (&str, &str),
+    draw: impl FnOnce(&mut Chart<'_, '_>) -> Result<(), String>,
+) -> Result<String, String> {
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
@@ -84,23 +52,63 @@ fn series(title: &str, unit: &str, a: &[f64], b: &[f64]) -> Result<String, Strin
             .margin(10)
             .x_label_area_size(40)
             .y_label_area_size(60)
-            .build_cartesian_2d(0.0..steps, lo.min(0.0)..hi * 1.05)
+            .build_cartesian_2d(x, y)
             .map_err(|e| e.to_string())?;
-        chart.configure_mesh().x_desc("measured step").y_desc(unit).draw().map_err(|e| e.to_string())?;
-        for (v, colour, name) in [(a, A, "A"), (b, B, "B")] {
-            // At most ~2 000 points a side: a page stays small for long runs.
-            let stride = (v.len() / 2000).max(1);
-            let points = v.iter().enumerate().step_by(stride).map(|(i, &y)| (i as f64, y));
-            chart
-                .draw_series(LineSeries::new(points, colour.stroke_width(1)))
-                .map_err(|e| e.to_string())?
-                .label(name)
-                .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], colour.stroke_width(2)));
-        }
+        chart.configure_mesh().x_desc(x_desc).y_desc(y_desc).draw().map_err(|e| e.to_string())?;
+        draw(&mut chart)?;
         chart.configure_series_labels().border_style(BLACK).draw().map_err(|e| e.to_string())?;
         root.present().map_err(|e| e.to_string())?;
     }
     Ok(svg)
+}
+
+/// Adds a side's line, named in the legend.
+fn line(
+    chart: &mut Chart<'_, '_>,
+    points: impl IntoIterator<Item = (f64, f64)>,
+    colour: RGBColor,
+    name: &str,
+) -> Result<(), String> {
+    chart
+        .draw_series(LineSeries::new(points, colour.stroke_width(2)))
+        .map_err(|e| e.to_string())?
+        .label(name)
+        .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], colour.stroke_width(2)));
+    Ok(())
+}
+
+/// Both sides' distributions of one figure, as outlined step histograms.
+fn distributions(title: &str, unit: &str, a: &[f64], b: &[f64]) -> Result<String, String> {
+    let range = span(a, b);
+    let share =
+        |v: &[f64]| histogram(v, range).iter().map(|&c| 100.0 * c as f64 / v.len().max(1) as f64).collect::<Vec<_>>();
+    let (pa, pb) = (share(a), share(b));
+    let top = pa.iter().chain(&pb).copied().fold(1.0, f64::max) * 1.1;
+    let width = (range.1 - range.0) / BINS as f64;
+    chart(title, (range.0..range.1, 0.0..top), (unit, "% of steps"), |c| {
+        for (p, colour, name) in [(&pa, A, "A"), (&pb, B, "B")] {
+            let steps = p.iter().enumerate().flat_map(|(i, &y)| {
+                let x = range.0 + i as f64 * width;
+                [(x, y), (x + width, y)]
+            });
+            line(c, steps, colour, name)?;
+        }
+        Ok(())
+    })
+}
+
+/// Both sides' per-step series of one figure, over step number.
+fn series(title: &str, unit: &str, a: &[f64], b: &[f64]) -> Result<String, String> {
+    let (lo, hi) = span(a, b);
+    let steps = a.len().max(b.len()).max(2) as f64;
+    chart(title, (0.0..steps, lo.min(0.0)..hi * 1.05), ("measured step", unit), |c| {
+        for (v, colour, name) in [(a, A, "A"), (b, B, "B")] {
+            // At most ~2 000 points a side: a page stays small for long runs.
+            let stride = (v.len() / 2000).max(1);
+            line(c, v.iter().enumerate().step_by(stride).map(|(i, &y)| (i as f64, y)), colour, name)?;
+        }
+        Ok(())
+    })
 }
 
 fn plots(o: &mut String, label: &str, p: &[PlotSeries; 2]) {
