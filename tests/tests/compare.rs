@@ -12,16 +12,18 @@ use serde_json::Value;
 
 const STEPS: &str = "80";
 
-/// Profiles the native trainer: `launches` per step, a `sleep_us` step.
+/// Profiles the native trainer: `launches` per step, a `sleep_us` step; its
+/// own truth goes to `NAME.txt` beside the profile.
 fn trainer_profile(dir: &Path, name: &str, launches: u32, sleep_us: u32, extra: &[&str]) -> PathBuf {
     let db = dir.join(format!("{name}.db"));
+    let truth = dir.join(format!("{name}.txt"));
     let out = Command::new(profiler_bin())
         .args(["run", "-o", db.to_str().expect("utf-8")])
         .args(extra)
         .arg("--")
         .arg(fixtures().join("trainer"))
         .args(["--steps", STEPS, "--launches", &launches.to_string(), "--step-sleep-us", &sleep_us.to_string()])
-        .args(["--gap-us", "300"])
+        .args(["--gap-us", "300", "--truth", truth.to_str().expect("utf-8")])
         .env("LD_LIBRARY_PATH", fixtures())
         .output()
         .expect("run profiler");
@@ -39,6 +41,12 @@ fn compare(args: &[&str]) -> (Option<i32>, String, String) {
     let out = Command::new(profiler_bin()).arg("compare").args(args).output().expect("run profiler compare");
     let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
     (out.status.code(), text(&out.stdout), text(&out.stderr))
+}
+
+/// The median step time the trainer measured itself, ms.
+fn truth_p50_ms(truth: &Path) -> f64 {
+    let durations: Vec<u64> = Truth::read(truth).steps.iter().map(|s| s.end_ns - s.start_ns).collect();
+    percentile(&durations, 50.0).expect("the trainer's steps") as f64 / 1e6
 }
 
 fn json(a: &Path, b: &Path, extra: &[&str]) -> Value {
@@ -67,12 +75,18 @@ fn known_differences_of_the_native_trainer_read_as_they_were_made() {
     let launches = metric(&c, "train", "launches_per_step");
     assert_eq!((num(launches, "a"), num(launches, "b"), num(launches, "change")), (40.0, 50.0, 10.0));
     assert_eq!(launches["verdict"], "higher");
-    // Each step sleeps 1 ms longer: the change's interval holds it (the
-    // sleeps overshoot by tens of µs either way).
+    // Each step sleeps 1 ms longer and launches 10 more: the change's interval
+    // holds the change of the trainers' own median step time (their stamps lie
+    // within the probes' boundary error of the profile's).
     let p50 = metric(&c, "train", "step_p50");
     assert_eq!(p50["verdict"], "slower", "{p50}");
     let (lo, hi) = (num(p50, "ci_low"), num(p50, "ci_high"));
-    assert!(lo - 0.1 <= 1.0 && 1.0 <= hi + 0.1 && hi - lo < 0.5, "1 ms outside [{lo}, {hi}]");
+    let truth = truth_p50_ms(&dir.join("b.txt")) - truth_p50_ms(&dir.join("a.txt"));
+    // The probes fire within tens of µs of the trainer's stamps (the bench's
+    // boundary error); a median moves by less.
+    let slack = 0.1;
+    assert!(lo - slack <= truth && truth <= hi + slack, "the trainers' change {truth} ms outside [{lo}, {hi}]");
+    assert!(truth > 0.9 && hi - lo < 0.5, "1 ms more sleep: {truth} ms, interval [{lo}, {hi}]");
     // The table fits 80 columns and names what changed.
     let (code, table, err) = compare(&[a.to_str().expect("utf-8"), b.to_str().expect("utf-8")]);
     assert_eq!(code, Some(0), "{err}");
