@@ -30,11 +30,17 @@ pub fn figure(v: f64, unit: &str) -> String {
     format!("{v:.digits$}{sep}{prefix}{unit}")
 }
 
+/// A percentage in at most 8 columns: one decimal below 100.
+fn pct(p: f64) -> String {
+    if p.abs() >= 100.0 { format!("{p:+.0}") } else { format!("{p:+.1}") }
+}
+
 /// A change: relative to A in %, or in percentage points for shares.
-fn delta(m: &MetricChange, diff: f64, pct: Option<f64>) -> String {
-    match (m.unit, pct) {
+fn delta(m: &MetricChange, diff: f64, relative: Option<f64>) -> String {
+    match (m.unit, relative) {
+        _ if diff == 0.0 => "0".into(),
         ("%", _) => format!("{diff:+.1}pp"),
-        (_, Some(p)) => format!("{p:+.1}%"),
+        (_, Some(p)) => format!("{}%", pct(p)),
         (unit, None) => figure(diff, unit),
     }
 }
@@ -43,7 +49,7 @@ fn interval(m: &MetricChange) -> String {
     match (m.ci_low, m.ci_high) {
         (Some(lo), Some(hi)) if m.unit == "%" => format!("{lo:+.1}…{hi:+.1}pp"),
         (Some(_), Some(_)) => match (m.ci_low_pct, m.ci_high_pct) {
-            (Some(lo), Some(hi)) => format!("{lo:+.1}…{hi:+.1}%"),
+            (Some(lo), Some(hi)) => format!("{}…{}%", pct(lo), pct(hi)),
             _ => String::new(),
         },
         _ if m.change.is_some() => "exact".into(),
@@ -100,12 +106,12 @@ fn fit(s: &str, width: usize) -> String {
 
 fn verdict_cell(m: &MetricChange) -> &str {
     match m.verdict.as_str() {
-        "no significant change" => "not significant",
+        "no significant change" => "no change",
         v => v,
     }
 }
 
-fn label_block(o: &mut String, l: &LabelComparison) {
+fn label_block(o: &mut String, l: &LabelComparison, noise_pct: f64) {
     let _ = writeln!(o, "\n{}: {} steps in A, {} in B", l.label, l.steps_a, l.steps_b);
     row(o, ["metric", "A", "B", "change", "95 % interval", "verdict"]);
     for m in l.metrics.iter().filter(|m| m.verdict != "not in either") {
@@ -113,6 +119,11 @@ fn label_block(o: &mut String, l: &LabelComparison) {
         let change = m.change.map_or(String::new(), |d| delta(m, d, m.change_pct));
         row(o, [m.title, &a, &b, &change, &interval(m), verdict_cell(m)]);
     }
+    let _ = writeln!(
+        o,
+        "no change: the 95 % interval does not lie wholly beyond ±{noise} % of A (--noise)",
+        noise = noise_pct
+    );
     if !l.energy_domains.is_empty() {
         let _ = writeln!(o, "energy/step sums {} (the domains both runs have)", l.energy_domains.join(" + "));
     }
@@ -167,7 +178,7 @@ pub fn table(c: &Comparison) -> String {
         let _ = writeln!(o, "first {} steps of each label left out (--skip)", c.skip);
     }
     for l in &c.labels {
-        label_block(&mut o, l);
+        label_block(&mut o, l, c.noise_pct);
     }
     for (side, labels) in [("A", &c.only_in_a), ("B", &c.only_in_b)] {
         if !labels.is_empty() {
