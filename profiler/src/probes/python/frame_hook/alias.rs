@@ -128,9 +128,18 @@ mod tests {
     /// address through the GOT only and has no such entry.
     #[test]
     fn finds_the_plt_entry_of_eval_frame_default() {
-        let torch = "/var/cache/profiler/venvs/python3.12-torch2.15.0/lib/python3.12/site-packages/torch/lib/libtorch_python.so";
-        let Ok(data) = std::fs::read(torch) else {
-            crate::skip_test(format!("{torch} not installed"));
+        // The environment `cargo xtask test` made (PROFILER_TORCH_PYTHONS:
+        // `name=venv/bin/python;…`), else root's cache, as for a plain `cargo test`.
+        let venv = std::env::var("PROFILER_TORCH_PYTHONS")
+            .ok()
+            .and_then(|all| {
+                let python = all.split(';').find_map(|p| p.strip_prefix("python3.12="))?.to_owned();
+                Some(std::path::Path::new(&python).parent()?.parent()?.to_path_buf())
+            })
+            .unwrap_or_else(|| "/var/cache/profiler/venvs/python3.12-torch2.15.0".into());
+        let torch = venv.join("lib/python3.12/site-packages/torch/lib/libtorch_python.so");
+        let Ok(data) = std::fs::read(&torch) else {
+            crate::skip_test(format!("{} not installed", torch.display()));
             return;
         };
         let file = object::File::parse(&*data).expect("ELF");
