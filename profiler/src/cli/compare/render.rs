@@ -133,7 +133,7 @@ fn label_block(o: &mut String, l: &LabelComparison, noise_pct: f64) {
     }
     match &l.kernels {
         None => {
-            let _ = writeln!(o, "kernels: not compared (a side kept no launch rows: --launches count)");
+            let _ = writeln!(o, "kernels: not compared (a side is a job, or kept no launch rows: --launches count)");
         }
         Some(k) if k.is_empty() => {
             let _ = writeln!(o, "kernels: the same launches per step in both");
