@@ -75,6 +75,14 @@ fn known_differences_of_the_native_trainer_read_as_they_were_made() {
     let launches = metric(&c, "train", "launches_per_step");
     assert_eq!((num(launches, "a"), num(launches, "b"), num(launches, "change")), (40.0, 50.0, 10.0));
     assert_eq!(launches["verdict"], "higher");
+    // The kernels' launches per step, named as `report` names them, add up to
+    // the 10 more launches per step (a kernel whose count moved by less than
+    // half a launch is not listed).
+    let label = &c["labels"][0];
+    let kernels = label["kernels"].as_array().expect("kernels compared (launch rows in both)");
+    let more: f64 = kernels.iter().map(|k| num(k, "b_per_step") - num(k, "a_per_step")).sum();
+    assert!((more - 10.0).abs() < 0.5 * kernels.len().max(1) as f64, "{more} more launches per step: {kernels:?}");
+    assert!(kernels.iter().all(|k| !k["kernel"].as_str().expect("a name").is_empty()));
     // Each step sleeps 1 ms longer and launches 10 more: the change's interval
     // holds the change of the trainers' own median step time (their stamps lie
     // within the probes' boundary error of the profile's).

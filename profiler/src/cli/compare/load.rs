@@ -3,12 +3,17 @@
 //! explains a difference.
 use std::path::PathBuf;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use serde::Serialize;
 
 use crate::{
     compare::{SideSteps, StepValues},
-    profile::ProfileDb,
+    profile::{
+        ProfileDb,
+        jobs::{job_sessions, resolve_job},
+        kernels::{kernel_display, kernel_names},
+        sessions,
+    },
 };
 
 /// `FILE`, `FILE:SESSION`, `FILE:job` (the file's newest job) or `FILE:job=NAME`.
@@ -63,6 +68,8 @@ pub struct Side {
     pub info: SideInfo,
     /// WHERE clause on `steps s` that selects its steps, and its parameter.
     filter: Filter,
+    /// `--launches` of its session: per-launch rows only under `all`.
+    launch_mode: String,
 }
 
 enum Filter {
@@ -83,20 +90,17 @@ impl Side {
                 (s, Filter::Session(s), None)
             }
             Pick::Job(name) => {
-                let job = job_named(&db, name.as_deref())?;
-                let first: i64 = db.conn.query_row(
-                    "SELECT id FROM sessions WHERE job = ?1 ORDER BY rank IS NULL, rank, id LIMIT 1",
-                    [&job],
-                    |r| r.get(0),
-                )?;
+                let job = resolve_job(&db, name.as_deref().unwrap_or(""))?;
+                let first = job_sessions(&db, &job)?.first().map(|(id, _, _)| *id);
+                let first = first.with_context(|| format!("{} has no session of job {job}", spec.path.display()))?;
                 (first, Filter::Job(job.clone()), Some(job))
             }
         };
-        let command: String =
-            db.conn.query_row("SELECT command FROM sessions WHERE id = ?1", [session], |r| r.get(0))?;
-        let metadata = metadata(&db, session).with_context(|| format!("reading {}", spec.path.display()))?;
+        let session_info = sessions::info(&db, session)?;
+        let metadata = metadata(&db, &session_info).with_context(|| format!("reading {}", spec.path.display()))?;
         let database = spec.path.display().to_string();
-        Ok(Self { db, info: SideInfo { database, session, job, command, metadata }, filter })
+        let info = SideInfo { database, session, job, command: session_info.command, metadata };
+        Ok(Self { db, info, filter, launch_mode: session_info.launch_mode })
     }
 
     /// The labels this side has steps of.
@@ -175,56 +179,42 @@ impl Side {
     /// Launches per measured step of each kernel; None without launch rows.
     fn kernels(&self, label: &str, skip: u64, measured: usize) -> anyhow::Result<Option<Vec<(String, f64)>>> {
         let Filter::Session(session) = self.filter else { return Ok(None) };
-        let mode: String =
-            self.db.conn.query_row("SELECT launch_mode FROM sessions WHERE id = ?1", [session], |r| r.get(0))?;
-        if mode != "all" || measured == 0 {
+        if self.launch_mode != "all" || measured == 0 {
             return Ok(None);
         }
-        let mut q = self.db.conn.prepare(
-            "SELECT coalesce(k.demangled_name, k.name, printf('0x%x', l.function)), count(*)
-             FROM launches l LEFT JOIN kernels k USING (session_id, function)
+        // Each launch named as `report` names it: its handle's name at the launch's time.
+        let (names, joins) = kernel_names(&self.db, session, "l.function", "l.ts_ns")?;
+        let sql = format!(
+            "SELECT {names}, l.function, count(*) FROM launches l {joins}
              WHERE l.session_id = ?1 AND l.label = ?2 AND l.step >= ?3
-             GROUP BY 1",
-        )?;
-        let rows = q.query_map(rusqlite::params![session, label, skip as i64], |r| {
-            Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as f64 / measured as f64))
-        })?;
-        Ok(Some(rows.collect::<rusqlite::Result<_>>()?))
-    }
-}
-
-/// The job named, or the newest; an error naming the jobs there are.
-fn job_named(db: &ProfileDb, name: Option<&str>) -> anyhow::Result<String> {
-    let jobs: Vec<String> = db
-        .conn
-        .prepare("SELECT job FROM sessions WHERE job IS NOT NULL GROUP BY job ORDER BY max(id) DESC")?
-        .query_map([], |r| r.get(0))?
-        .collect::<rusqlite::Result<_>>()?;
-    match name {
-        None => jobs.first().cloned().with_context(|| format!("{} has no job", db.path.display())),
-        Some(n) if jobs.iter().any(|j| j == n) => Ok(n.to_owned()),
-        Some(n) => bail!("{} has no job '{n}'; its jobs are {}", db.path.display(), jobs.join(", ")),
+             GROUP BY 1, 2, l.function"
+        );
+        let mut per_name: std::collections::BTreeMap<String, f64> = std::collections::BTreeMap::new();
+        let mut q = self.db.conn.prepare(&sql)?;
+        let mut rows = q.query(rusqlite::params![session, label, skip as i64])?;
+        while let Some(r) = rows.next()? {
+            let (name, demangled): (Option<String>, Option<String>) = (r.get(0)?, r.get(1)?);
+            let kernel = kernel_display(name.as_deref(), demangled.as_deref(), None, r.get(2)?);
+            *per_name.entry(kernel).or_default() += r.get::<_, i64>(3)? as f64 / measured as f64;
+        }
+        Ok(Some(per_name.into_iter().collect()))
     }
 }
 
 /// Facts about a session's machine and software that can explain a difference.
-fn metadata(db: &ProfileDb, session: i64) -> anyhow::Result<Vec<(String, String)>> {
-    let mut out: Vec<(String, String)> = Vec::new();
-    let row = db.conn.query_row(
-        "SELECT hostname, kernel_release, profiler_version, exe, launch_mode, world_size FROM sessions WHERE id = ?1",
-        [session],
-        |r| {
-            Ok([
-                ("hostname", r.get::<_, Option<String>>(0)?),
-                ("kernel", r.get(1)?),
-                ("profiler", r.get(2)?),
-                ("executable", r.get(3)?),
-                ("launches kept", r.get(4)?),
-                ("world size", r.get::<_, Option<i64>>(5)?.map(|n| n.to_string())),
-            ])
-        },
-    )?;
-    out.extend(row.into_iter().filter_map(|(k, v)| Some((k.to_owned(), v?))));
+fn metadata(db: &ProfileDb, s: &sessions::SessionInfo) -> anyhow::Result<Vec<(String, String)>> {
+    let session = s.id;
+    let world_size: Option<i64> =
+        db.conn.query_row("SELECT world_size FROM sessions WHERE id = ?1", [session], |r| r.get(0))?;
+    let facts = [
+        ("hostname", s.hostname.clone()),
+        ("kernel", s.kernel_release.clone()),
+        ("profiler", Some(s.profiler_version.clone())),
+        ("executable", s.exe.clone()),
+        ("launches kept", Some(s.launch_mode.clone())),
+        ("world size", world_size.map(|n| n.to_string())),
+    ];
+    let mut out: Vec<(String, String)> = facts.into_iter().filter_map(|(k, v)| Some((k.to_owned(), v?))).collect();
     let mut q = db.conn.prepare(
         "SELECT gpu, name, driver_version, power_limit_w, max_sm_clock_mhz, memory_total_mib
          FROM gpus WHERE session_id = ?1 ORDER BY gpu",
