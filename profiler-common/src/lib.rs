@@ -11,6 +11,8 @@
 #[cfg(feature = "user")]
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
+pub mod copies;
+
 /// What a ring-buffer record is. Stored as `u32` in [`RecordHeader::kind`].
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +44,8 @@ pub enum RecordKind {
     Collective = 11,
     /// A [`BlasRecord`]: a cuBLAS/cuBLASLt call (a GEMM, or a cuBLASLt descriptor's life).
     Blas = 12,
+    /// A [`copies::CopyRecord`]: a host↔device copy or memset returned.
+    Copy = 13,
     /// A [`ProcessRecord`]: a traced process forked a process (`pid`, its
     /// `parent`), now traced too (`--children`).
     ProcessFork = 20,
@@ -66,6 +70,7 @@ impl RecordKind {
             10 => Some(Self::RegionExit),
             11 => Some(Self::Collective),
             12 => Some(Self::Blas),
+            13 => Some(Self::Copy),
             20 => Some(Self::ProcessFork),
             21 => Some(Self::ProcessExec),
             22 => Some(Self::ProcessExit),
@@ -370,6 +375,43 @@ pub struct OrderedRecord {
     /// the thread is.
     pub depth: u32,
     pub _pad: u32,
+    /// Where the thread's time had gone when the probe fired.
+    pub sched: SchedTimes,
+}
+
+/// Where a thread's time has gone since the scheduler programs first saw it
+/// (`sched_switch` / `sched_wakeup`), read when a probe fires on the thread:
+/// the thread is then on a CPU, and its run in progress is counted. All 0
+/// without scheduler tracing (`--no-sched`). A step's figures are the
+/// differences between its end's and its start's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(FromBytes, IntoBytes, KnownLayout, Immutable))]
+pub struct SchedTimes {
+    /// On a CPU.
+    pub cpu_ns: u64,
+    /// Runnable but not running: woken, or preempted, until it ran again.
+    pub runnable_ns: u64,
+    /// Off the CPU in an interruptible wait (a sleep, a futex, a poll).
+    pub sleep_ns: u64,
+    /// Off the CPU in an uninterruptible wait (disk I/O, page faults, some locks).
+    pub blocked_ns: u64,
+    /// CPU time of the thread's whole process: its threads' finished runs, and
+    /// this thread's run in progress (others' runs in progress are not in it).
+    pub process_cpu_ns: u64,
+}
+
+/// Per-process scheduler totals (`map_names::PROCESS_SCHED`, by tgid): the
+/// agent reads them for the session's context switches.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProcessSched {
+    /// Finished runs of the process's threads, ns.
+    pub cpu_ns: u64,
+    /// Times one of its threads left a CPU.
+    pub switches: u64,
+    /// Of those, times it was preempted (left runnable).
+    pub preemptions: u64,
 }
 
 /// Bytes of a kernel name kept (longer names are cut; C++ kernel names
@@ -406,7 +448,8 @@ pub struct KernelNameRecord {
 // The decoder reads these sizes; keep them in step with the eBPF side.
 const _: () = assert!(core::mem::size_of::<RecordHeader>() == 24);
 const _: () = assert!(core::mem::size_of::<LaunchRecord>() == 72);
-const _: () = assert!(core::mem::size_of::<OrderedRecord>() == 48);
+const _: () = assert!(core::mem::size_of::<OrderedRecord>() == 88);
+const _: () = assert!(core::mem::size_of::<SchedTimes>() == 40);
 const _: () = assert!(core::mem::size_of::<ProcessRecord>() == 32);
 const _: () = assert!(core::mem::size_of::<KernelNameRecord>() == 48 + KERNEL_NAME_CAP);
 
@@ -553,6 +596,8 @@ pub mod globals {
     pub const EMIT_LAUNCHES: &str = "EMIT_LAUNCHES";
     /// `u32`: the length of the `THREAD_SLOTS` map less one (a power of two less one).
     pub const THREAD_SLOT_MASK: &str = "THREAD_SLOT_MASK";
+    /// `u32`: 1 when the scheduler programs are attached (snapshots are then taken).
+    pub const SCHED_ENABLED: &str = "SCHED_ENABLED";
 }
 
 /// Bytes of the launch ring (`maps::EVENTS`), unless the agent sets another size.
@@ -578,6 +623,8 @@ pub mod maps {
     pub const LOST: &str = "LOST";
     /// `PerCpuArray<u64>[1]`: reservations in `ORDERED_EVENTS` that failed.
     pub const LOST_ORDERED: &str = "LOST_ORDERED";
+    /// `HashMap<u32, ProcessSched>`: scheduler totals per traced tgid; the agent removes an exited one's.
+    pub const PROCESS_SCHED: &str = "PROCESS_SCHED";
     /// `PerCpuArray<u64>[1]`: map updates that failed (a map full): each one
     /// costs a thread its launch counter or a mark (see the README's *Loss*).
     pub const MAP_FAILURES: &str = "MAP_FAILURES";
@@ -642,6 +689,13 @@ pub mod programs {
     pub const THREAD_EXIT: &str = "thread_exit";
     /// The tracepoint it is attached to.
     pub const THREAD_EXIT_TRACEPOINT: &str = "sched_process_exit";
+    /// Raw tracepoint `sched_switch`: a CPU goes from one task to another
+    /// (where a traced thread's time goes; skipped with `--no-sched`).
+    pub const SCHED_SWITCH: &str = "sched_switch";
+    pub const SCHED_SWITCH_TRACEPOINT: &str = "sched_switch";
+    /// Raw tracepoints `sched_wakeup` and `sched_wakeup_new`: a task becomes runnable.
+    pub const SCHED_WAKEUP: &str = "sched_wakeup";
+    pub const SCHED_WAKEUP_TRACEPOINTS: [&str; 2] = ["sched_wakeup", "sched_wakeup_new"];
     /// Raw tracepoint `sched_process_fork`: a traced process's new child process.
     pub const PROCESS_FORK: &str = "process_fork";
     pub const PROCESS_FORK_TRACEPOINT: &str = "sched_process_fork";
@@ -668,6 +722,8 @@ mod user {
     unsafe impl aya::Pod for super::FrameLayout {}
     // SAFETY: as above (two u32).
     unsafe impl aya::Pod for super::FrameStep {}
+    // SAFETY: as above (three u64; PROCESS_SCHED values).
+    unsafe impl aya::Pod for super::ProcessSched {}
 }
 
 /// Bytes of a `record_function` name kept in a [`RegionRecord`]. PyTorch's own
@@ -695,11 +751,13 @@ pub struct RegionRecord {
     /// [`REGION_NAME_CAP`]: `name` holds its first `REGION_NAME_CAP` bytes.
     pub name_len: u32,
     pub _pad: u32,
+    /// As [`OrderedRecord::sched`].
+    pub sched: SchedTimes,
     /// The name's first `min(name_len, REGION_NAME_CAP)` bytes; zero after.
     pub name: [u8; REGION_NAME_CAP],
 }
 
-const _: () = assert!(core::mem::size_of::<RegionRecord>() == 56 + REGION_NAME_CAP);
+const _: () = assert!(core::mem::size_of::<RegionRecord>() == 96 + REGION_NAME_CAP);
 const _: () = assert!(REGION_NAME_CAP.is_power_of_two());
 
 /// Names of the region programs .

@@ -25,11 +25,16 @@
 //! cookie. Launch programs keep their stack under 64 bytes (see `stack_words`).
 #![no_std]
 #![no_main]
+// `atomic_xadd` for the scheduler programs' per-process totals (see `sched::atomic_add`).
+#![feature(core_intrinsics)]
+#![expect(internal_features, reason = "core::intrinsics::atomic_xadd: the BPF target has no AtomicU64::fetch_add")]
 
 mod blas;
 mod frame_hook;
 mod nccl;
+mod copies;
 mod python;
+mod sched;
 mod torch;
 
 use aya_ebpf::{
@@ -45,7 +50,8 @@ use aya_ebpf::{
 };
 use profiler_common::{
     ApiLayer, CODE_RANGES, CodeRanges, EVENTS_BYTES, KernelNameRecord, LaunchApi, LaunchRecord, LaunchStage,
-    ORDERED_EVENTS_BYTES, OrderedRecord, ProcessRecord, RecordHeader, RecordKind, STAGE_LEN, STAGES, name_call,
+    ORDERED_EVENTS_BYTES, OrderedRecord, ProcessRecord, RecordHeader, RecordKind, STAGE_LEN, STAGES, SchedTimes,
+    name_call,
 };
 
 /// bpf_probe_read_user and bpf_get_attach_cookie are GPL-only helpers.
@@ -115,7 +121,7 @@ struct RuntimeFrame {
 /// and where its step records stand. All zero but `tid` when claimed.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct ThreadSlot {
+pub(crate) struct ThreadSlot {
     tid: u32,
     /// Ordered records written (`OrderedRecord::seq` of the last one).
     seq: u32,
@@ -128,6 +134,8 @@ struct ThreadSlot {
     /// runtime reaches the driver's exported sync calls, whose probes must
     /// not count that call twice.
     in_runtime_sync: u32,
+    /// Where its time goes (`sched`).
+    sched: sched::ThreadSched,
 }
 
 /// Per-thread state, indexed by `tid & THREAD_SLOT_MASK`: an array lookup,
@@ -201,7 +209,7 @@ fn in_runtime_text(address: u64) -> bool {
     in_code_ranges(&RUNTIME_TEXT, address)
 }
 
-const BPF_NOEXIST: u64 = 1;
+pub(crate) const BPF_NOEXIST: u64 = 1;
 
 /// `[0]` is 1 once the agent has probed a runtime library: only then can a
 /// driver launch or sync be the runtime's, made on behalf of a runtime call.
@@ -237,7 +245,7 @@ static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(4096, 0);
 /// Whether the agent has stopped the session. An array lookup the verifier
 /// inlines (no helper call).
 #[inline(always)]
-fn stopped() -> bool {
+pub(crate) fn stopped() -> bool {
     STOPPED.get(0).is_some_and(|s| *s != 0)
 }
 
@@ -260,6 +268,14 @@ fn target_tid() -> Option<u32> {
         return None;
     }
     Some(tid)
+}
+
+/// Whether thread `tid` of process `tgid` (not necessarily the calling
+/// thread) is traced: it holds its slot, or its process is in `TRACED`.
+#[inline(always)]
+pub(crate) fn traced(tid: u32, tgid: u32) -> bool {
+    // SAFETY: a lookup whose value is not kept.
+    THREAD_SLOTS.get(slot_index(tid)).is_some_and(|s| s.tid == tid) || unsafe { TRACED.get(tgid) }.is_some()
 }
 
 /// A record header for the calling thread (`tid`), stamped now.
@@ -309,7 +325,7 @@ pub(crate) fn cookie(ctx: &impl EbpfContext) -> u64 {
 
 /// Counts a failed map update.
 #[inline(always)]
-fn map_failed() {
+pub(crate) fn map_failed() {
     bump(&MAP_FAILURES);
 }
 
@@ -355,7 +371,7 @@ fn slot_index(tid: u32) -> u32 {
 /// two while it lives (its counter would jump): only a thread with no entry
 /// claims a slot. None: no state (without `create`), or no room (counted).
 #[inline(always)]
-fn thread_state(tid: u32, create: bool) -> Option<*mut ThreadSlot> {
+pub(crate) fn thread_state(tid: u32, create: bool) -> Option<*mut ThreadSlot> {
     let index = slot_index(tid);
     let slot = THREAD_SLOTS.get_ptr_mut(index)?;
     // SAFETY: a valid array element.
@@ -887,16 +903,16 @@ pub fn name_exit(ctx: RetProbeContext) -> u32 {
 /// return), with its sequence number and step depth.
 #[inline(always)]
 fn emit_ordered(tid: u32, kind: RecordKind, probe: u32) {
-    let (seq, depth, thread_launches) = ordered_state(tid, kind);
-    write_ordered_record(tid, kind, probe, seq, depth, thread_launches);
+    let (seq, depth, thread_launches, sched) = ordered_state(tid, kind);
+    write_ordered_record(tid, kind, probe, (seq, depth, thread_launches), sched);
 }
 
 /// Before an ordered record of the thread (`kind`): flushes its staged
 /// launches, and returns its next sequence number, its step depth after the
-/// record, and its launch count. Split out of `emit_ordered` for `torch`'s
-/// region records, which carry the same sequence.
+/// record, its launch count and where its time has gone. Split out of
+/// `emit_ordered` for `torch`'s region records, which carry the same sequence.
 #[inline(always)]
-pub(crate) fn ordered_state(tid: u32, kind: RecordKind) -> (u32, u32, u64) {
+pub(crate) fn ordered_state(tid: u32, kind: RecordKind) -> (u32, u32, u64, SchedTimes) {
     // The thread's staged launches go first: the agent, reading the launch
     // ring before the ordered ring, then has every launch that precedes an ordered
     // record by the time it reads that record (see `profiler::events::OrderedQueue`).
@@ -914,9 +930,10 @@ pub(crate) fn ordered_state(tid: u32, kind: RecordKind) -> (u32, u32, u64) {
             } else if kind == RecordKind::StepExit {
                 state.step_depth = state.step_depth.saturating_sub(1);
             }
-            (state.seq, state.step_depth, state.launches)
+            let sched = sched::snapshot(state, (bpf_get_current_pid_tgid() >> 32) as u32);
+            (state.seq, state.step_depth, state.launches, sched)
         }
-        None => (0, 0, 0),
+        None => (0, 0, 0, SchedTimes::default()),
     }
 }
 
@@ -927,10 +944,16 @@ fn next_seq(seq: u32) -> u32 {
 }
 
 #[inline(always)]
-fn write_ordered_record(tid: u32, kind: RecordKind, probe: u32, seq: u32, depth: u32, thread_launches: u64) {
+fn write_ordered_record(
+    tid: u32,
+    kind: RecordKind,
+    probe: u32,
+    (seq, depth, thread_launches): (u32, u32, u64),
+    sched: SchedTimes,
+) {
     match ORDERED_EVENTS.reserve::<OrderedRecord>(0) {
         Some(mut entry) => {
-            entry.write(OrderedRecord { header: header(kind, tid), probe, seq, thread_launches, depth, _pad: 0 });
+            entry.write(OrderedRecord { header: header(kind, tid), probe, seq, thread_launches, depth, _pad: 0, sched });
             entry.submit(submit_flags());
         }
         None => bump(&LOST_ORDERED),
@@ -974,6 +997,7 @@ pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
     torch::forget_thread(tid);
     nccl::forget_thread(tid);
     blas::forget_thread(tid);
+    copies::forget_thread(tid);
     let index = slot_index(tid);
     let Some(slot) = THREAD_SLOTS.get_ptr_mut(index) else { return 0 };
     // SAFETY: a valid array element.
@@ -987,6 +1011,8 @@ pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
     };
     // SAFETY: a valid map value; its thread is exiting, so nothing else writes it.
     let (seq, depth, launches) = unsafe { (next_seq((*state).seq), (*state).step_depth, (*state).launches) };
+    // Not on the record: a thread's last figures are of no step.
+    let sched = SchedTimes::default();
     if in_slot {
         // SAFETY: as above.
         unsafe { core::ptr::write_bytes(slot, 0, 1) };
@@ -994,7 +1020,7 @@ pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
     } else if THREAD_FALLBACK.remove(tid).is_err() {
         map_failed();
     }
-    write_ordered_record(tid, RecordKind::ThreadExit, 0, seq, depth, launches);
+    write_ordered_record(tid, RecordKind::ThreadExit, 0, (seq, depth, launches), sched);
     0
 }
 

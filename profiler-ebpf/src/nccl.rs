@@ -106,7 +106,7 @@ pub fn nccl_exit(ctx: RetProbeContext) -> u32 {
     rec.result = ctx.ret::<u64>() as u32;
     // SAFETY: a helper without preconditions.
     rec.header.ts_ns = unsafe { bpf_ktime_get_ns() };
-    (rec.seq, rec.depth, rec.thread_launches) = ordered_state(tid, RecordKind::Collective);
+    (rec.seq, rec.depth, rec.thread_launches, _) = ordered_state(tid, RecordKind::Collective);
     match ORDERED_EVENTS.reserve::<CollectiveRecord>(0) {
         Some(mut entry) => {
             entry.write(rec);

@@ -25,7 +25,7 @@ use aya_ebpf::{
     maps::{HashMap, PerCpuArray},
     programs::{ProbeContext, RetProbeContext},
 };
-use profiler_common::{REGION_NAME_CAP, RecordKind, RegionRecord, torch_programs};
+use profiler_common::{REGION_NAME_CAP, RecordKind, RegionRecord, SchedTimes, torch_programs};
 
 use crate::{LOST_ORDERED, ORDERED_EVENTS, bump, cookie, header, map_failed, ordered_state, submit_flags, target_tid};
 
@@ -116,6 +116,7 @@ pub fn torch_region_exit(ctx: ProbeContext) -> u32 {
         thread_launches: 0,
         name_len: 0,
         _pad: 0,
+        sched: SchedTimes { cpu_ns: 0, runnable_ns: 0, sleep_ns: 0, blocked_ns: 0, process_cpu_ns: 0 },
         name: [0; REGION_NAME_CAP],
     });
     0
@@ -129,7 +130,7 @@ fn submit(mut rec: RegionRecord) {
     } else {
         RecordKind::RegionExit
     };
-    (rec.seq, rec.depth, rec.thread_launches) = ordered_state(rec.header.tid, kind);
+    (rec.seq, rec.depth, rec.thread_launches, rec.sched) = ordered_state(rec.header.tid, kind);
     match ORDERED_EVENTS.reserve::<RegionRecord>(0) {
         Some(mut entry) => {
             entry.write(rec);

@@ -6,8 +6,25 @@ use zerocopy::FromBytes;
 
 use profiler_common::{
     BLAS_STACK_ARGS, BlasCall, BlasRecord, CollectiveOp, CollectiveRecord, KernelNameRecord, LaunchApi, LaunchRecord,
-    OrderedRecord, ProcessRecord, REGION_NAME_CAP, RecordHeader, RecordKind, RegionRecord,
+    OrderedRecord, ProcessRecord, REGION_NAME_CAP, RecordHeader, RecordKind, RegionRecord, SchedTimes,
+    copies::CopyRecord,
 };
+
+/// What the kernel had counted for a thread when a probe fired on it: its
+/// launches, and where its time had gone (zero without scheduler tracing).
+/// A step's figures are the differences between its end's and its start's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ThreadCounters {
+    pub launches: u64,
+    pub sched: SchedTimes,
+}
+
+impl ThreadCounters {
+    /// Only a launch count (records that carry no scheduler snapshot).
+    pub fn launches(launches: u64) -> Self {
+        Self { launches, sched: SchedTimes::default() }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchEvent {
@@ -31,8 +48,8 @@ pub struct OrderedEvent {
     /// The thread's process: which session the record belongs to.
     pub tgid: u32,
     pub probe: u32,
-    /// The thread's launch count when the probe fired.
-    pub thread_launches: u64,
+    /// The thread's counters when the probe fired.
+    pub counters: ThreadCounters,
     /// The thread's ordered records so far (0: none kept; see `OrderedRecord::seq`).
     pub seq: u32,
     /// Step functions the thread is inside after this record.
@@ -42,8 +59,8 @@ pub struct OrderedEvent {
 impl OrderedEvent {
     /// The sequence-check fields of an ordered record that is no step or
     /// sync probe's (a region, an NCCL call): `probe` is `u32::MAX`.
-    pub fn of_record(ts_ns: u64, (tid, tgid): (u32, u32), thread_launches: u64, seq: u32, depth: u32) -> Self {
-        Self { ts_ns, tid, tgid, probe: u32::MAX, thread_launches, seq, depth }
+    pub fn of_record(ts_ns: u64, (tid, tgid): (u32, u32), counters: ThreadCounters, seq: u32, depth: u32) -> Self {
+        Self { ts_ns, tid, tgid, probe: u32::MAX, counters, seq, depth }
     }
 }
 
@@ -73,6 +90,51 @@ pub enum Event {
     Collective(CollectiveEvent),
     /// A cuBLAS/cuBLASLt call (boxed: launches, far more frequent, keep the enum small).
     Blas(Box<BlasEvent>),
+    /// A host↔device copy or memset returned.
+    Copy(CopyEvent),
+}
+
+/// One copy or memset call (see [`CopyRecord`]), its direction classified.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyEvent {
+    /// The return's time.
+    pub ts_ns: u64,
+    pub start_ns: u64,
+    pub tid: u32,
+    pub tgid: u32,
+    pub seq: u32,
+    pub depth: u32,
+    /// The probed entry point.
+    pub entry: &'static profiler_common::copies::CopyEntry,
+    pub bytes: u64,
+    pub direction: profiler_common::copies::CopyDirection,
+    /// The call's return value (0: success).
+    pub result: u32,
+}
+
+impl CopyEvent {
+    /// The fields the step tracker's sequence check reads.
+    pub fn as_ordered_event(&self) -> OrderedEvent {
+        OrderedEvent::of_record(self.ts_ns, (self.tid, self.tgid), ThreadCounters::default(), self.seq, self.depth)
+    }
+}
+
+/// Decodes a copy record; one naming no known entry point is malformed.
+fn copy(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> {
+    let r: CopyRecord = exact(bytes, header.kind)?;
+    let entry = profiler_common::copies::COPY_ENTRIES.get(r.entry as usize).ok_or(DecodeError::Kind(header.kind))?;
+    Ok(Event::Copy(CopyEvent {
+        ts_ns: header.ts_ns,
+        start_ns: r.start_ns,
+        tid: header.tid,
+        tgid: header.tgid,
+        seq: r.seq,
+        depth: r.depth,
+        entry,
+        bytes: r.bytes,
+        direction: entry.direction(r.kind),
+        result: r.result,
+    }))
 }
 
 /// A cuBLAS/cuBLASLt call with its raw arguments (see [`BlasRecord`]),
@@ -139,7 +201,8 @@ pub struct CollectiveEvent {
 impl CollectiveEvent {
     /// The fields the step tracker's sequence check reads.
     pub fn as_ordered_event(&self) -> OrderedEvent {
-        OrderedEvent::of_record(self.ts_ns, (self.tid, self.tgid), self.thread_launches, self.seq, self.depth)
+        let counters = ThreadCounters::launches(self.thread_launches);
+        OrderedEvent::of_record(self.ts_ns, (self.tid, self.tgid), counters, self.seq, self.depth)
     }
 }
 
@@ -192,7 +255,7 @@ pub struct RegionEvent {
     pub tgid: u32,
     /// The region's `PythonRecordFunction*`: pairs an end with its begin.
     pub key: u64,
-    pub thread_launches: u64,
+    pub counters: ThreadCounters,
     /// As [`OrderedEvent::seq`] / [`OrderedEvent::depth`].
     pub seq: u32,
     pub depth: u32,
@@ -205,7 +268,7 @@ pub struct RegionEvent {
 impl RegionEvent {
     /// The fields the step tracker's sequence check reads.
     pub fn as_ordered_event(&self) -> OrderedEvent {
-        OrderedEvent::of_record(self.ts_ns, (self.tid, self.tgid), self.thread_launches, self.seq, self.depth)
+        OrderedEvent::of_record(self.ts_ns, (self.tid, self.tgid), self.counters, self.seq, self.depth)
     }
 }
 
@@ -218,7 +281,7 @@ fn region(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> {
         tid: header.tid,
         tgid: header.tgid,
         key: r.key,
-        thread_launches: r.thread_launches,
+        counters: ThreadCounters { launches: r.thread_launches, sched: r.sched },
         seq: r.seq,
         depth: r.depth,
         name: String::from_utf8_lossy(&r.name[..kept]).into_owned(),
@@ -254,6 +317,7 @@ impl Event {
             Self::RegionEnter(r) | Self::RegionExit(r) => r.ts_ns,
             Self::Blas(b) => b.ts_ns,
             Self::Collective(c) => c.ts_ns,
+            Self::Copy(c) => c.ts_ns,
             Self::Process(p) => p.ts_ns,
         }
     }
@@ -270,6 +334,7 @@ impl Event {
             Self::RegionEnter(r) | Self::RegionExit(r) => r.tgid,
             Self::Blas(b) => b.tgid,
             Self::Collective(c) => c.tgid,
+            Self::Copy(c) => c.tgid,
             Self::Process(p) => p.pid,
         }
     }
@@ -343,7 +408,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
                 tid: header.tid,
                 tgid: header.tgid,
                 probe: r.probe,
-                thread_launches: r.thread_launches,
+                counters: ThreadCounters { launches: r.thread_launches, sched: r.sched },
                 seq: r.seq,
                 depth: r.depth,
             };
@@ -374,6 +439,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         Some(RecordKind::RegionEnter | RecordKind::RegionExit) => region(bytes, header),
         Some(RecordKind::Blas) => blas(bytes, header),
         Some(RecordKind::Collective) => collective(bytes, header),
+        Some(RecordKind::Copy) => copy(bytes, header),
         Some(kind @ (RecordKind::ProcessFork | RecordKind::ProcessExec | RecordKind::ProcessExit)) => {
             let r: ProcessRecord = exact(bytes, header.kind)?;
             let change = match kind {
@@ -421,6 +487,7 @@ impl OrderedQueue {
             | Event::ThreadExit(e) => e.tid,
             Event::RegionEnter(r) | Event::RegionExit(r) => r.tid,
             Event::Collective(c) => c.tid,
+            Event::Copy(c) => c.tid,
             _ => return out.push(event),
         };
         if self.held.is_empty() {
@@ -521,6 +588,7 @@ mod tests {
             thread_launches: 0,
             depth: 1,
             _pad: 0,
+            sched: SchedTimes::default(),
         };
         assert_eq!(decode(&bytes_of(&ordered)).expect("decodes").tgid(), 10);
     }
@@ -571,6 +639,7 @@ mod tests {
             thread_launches: 1000,
             depth: 3,
             _pad: 0,
+            sched: SchedTimes { cpu_ns: 1, runnable_ns: 2, sleep_ns: 3, blocked_ns: 4, process_cpu_ns: 5 },
         };
         let mut buf = vec![0u8];
         buf.extend(bytes_of(&r));
@@ -582,7 +651,10 @@ mod tests {
                 tid: 9,
                 tgid: 0,
                 probe: 2,
-                thread_launches: 1000,
+                counters: ThreadCounters {
+                    launches: 1000,
+                    sched: SchedTimes { cpu_ns: 1, runnable_ns: 2, sleep_ns: 3, blocked_ns: 4, process_cpu_ns: 5 }
+                },
                 seq: 7,
                 depth: 3
             })
@@ -601,11 +673,12 @@ mod tests {
             thread_launches: 12,
             name_len: 5,
             _pad: 0,
+            sched: SchedTimes::default(),
             name: [0; REGION_NAME_CAP],
         };
         r.name[..5].copy_from_slice(b"fwd#1");
         let Ok(Event::RegionEnter(e)) = decode(&bytes_of(&r)) else { panic!("a region enter") };
-        assert_eq!((e.name.as_str(), e.truncated, e.key, e.seq, e.thread_launches), ("fwd#1", false, 0xabc, 3, 12));
+        assert_eq!((e.name.as_str(), e.truncated, e.key, e.seq, e.counters.launches), ("fwd#1", false, 0xabc, 3, 12));
         r.name = [b'x'; REGION_NAME_CAP];
         r.name_len = 300;
         r.header.kind = RecordKind::RegionExit as u32;
@@ -665,6 +738,7 @@ mod tests {
             thread_launches: 0,
             depth: 1,
             _pad: 0,
+            sched: SchedTimes::default(),
         });
         assert_eq!(records(&step).count(), 1);
         assert_eq!(records(&run[..64]).count(), 1);
@@ -676,7 +750,15 @@ mod tests {
     #[test]
     fn step_events_go_before_the_launches_that_follow_them() {
         let step = |kind: fn(OrderedEvent) -> Event, tid, ts| {
-            kind(OrderedEvent { ts_ns: ts, tid, tgid: 0, probe: 0, thread_launches: 0, seq: 0, depth: 0 })
+            kind(OrderedEvent {
+                ts_ns: ts,
+                tid,
+                tgid: 0,
+                probe: 0,
+                counters: ThreadCounters::default(),
+                seq: 0,
+                depth: 0,
+            })
         };
         let launch = |tid, ts| LaunchEvent {
             ts_ns: ts,

@@ -970,7 +970,7 @@ fn check_record(d: &[u8]) -> Result<(), TestCaseError> {
             prop_assert!(want, "kind {kind} decoded as {event:?}");
             prop_assert_eq!(s.tid, tid);
             prop_assert_eq!(s.probe, u32_field(d, offset_of!(OrderedRecord, probe)));
-            prop_assert_eq!(s.thread_launches, u64_field(d, offset_of!(OrderedRecord, thread_launches)));
+            prop_assert_eq!(s.counters.launches, u64_field(d, offset_of!(OrderedRecord, thread_launches)));
             prop_assert_eq!(s.seq, u32_field(d, offset_of!(OrderedRecord, seq)));
             prop_assert_eq!(s.depth, u32_field(d, offset_of!(OrderedRecord, depth)));
         }

@@ -21,6 +21,7 @@ mod steps;
 mod stop_signals;
 mod store;
 mod thread_panic;
+mod verdict;
 
 use std::process::ExitCode;
 

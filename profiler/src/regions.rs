@@ -28,7 +28,10 @@
 //! it ends began unseen.
 use std::collections::HashMap;
 
-use crate::{events::RegionEvent, steps::StepPhases as Phases};
+use crate::{
+    events::{RegionEvent, ThreadCounters},
+    steps::StepPhases as Phases,
+};
 
 /// The optimizer's step (`torch.optim.Optimizer`'s `profile_hook_step`).
 pub const OPTIMIZER_STEP: &str = "Optimizer.step#";
@@ -100,8 +103,19 @@ pub struct RegionSteps {
 /// A step boundary for the step tracker (as a step function's entry or return).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Boundary {
-    Enter { probe: u32, ts_ns: u64, thread_launches: u64 },
-    Exit { probe: u32, ts_ns: u64, thread_launches: u64, phases: Option<Phases>, start: StepStart },
+    /// `at`: the thread's counters when the step began.
+    Enter {
+        probe: u32,
+        ts_ns: u64,
+        at: ThreadCounters,
+    },
+    Exit {
+        probe: u32,
+        ts_ns: u64,
+        at: ThreadCounters,
+        phases: Option<Phases>,
+        start: StepStart,
+    },
 }
 
 /// Where the step an [`Boundary::Exit`] ends really began.
@@ -190,7 +204,7 @@ impl<T: Clone> RegionTracker<T> {
         let t = self.threads.entry(e.tid).or_default();
         for (probe, prefix) in &self.steps.prefixes {
             if e.name.starts_with(prefix.as_str()) {
-                out.push(Boundary::Enter { probe: *probe, ts_ns: e.ts_ns, thread_launches: e.thread_launches });
+                out.push(Boundary::Enter { probe: *probe, ts_ns: e.ts_ns, at: e.counters });
             }
         }
         if let Some(probe) = self.steps.optimizer {
@@ -204,7 +218,7 @@ impl<T: Clone> RegionTracker<T> {
             {
                 // No DataLoader seen (yet): nothing marks this step's start earlier.
                 t.opened = Some(Opened::FirstRegion);
-                out.push(Boundary::Enter { probe, ts_ns: e.ts_ns, thread_launches: e.thread_launches });
+                out.push(Boundary::Enter { probe, ts_ns: e.ts_ns, at: e.counters });
             }
             if e.name.starts_with(OPTIMIZER_STEP) {
                 t.optimizer_depth += 1;
@@ -228,21 +242,15 @@ impl<T: Clone> RegionTracker<T> {
         };
         let (_, mut region) = t.open.remove(i);
         region.end_ns = Some(e.ts_ns);
-        let launches = e.thread_launches;
+        let at = e.counters;
         for (probe, prefix) in self.steps.prefixes.iter().rev() {
             if region.name.starts_with(prefix.as_str()) {
                 let start = StepStart::Entered;
-                out.push(Boundary::Exit {
-                    probe: *probe,
-                    ts_ns: e.ts_ns,
-                    thread_launches: launches,
-                    phases: None,
-                    start,
-                });
+                out.push(Boundary::Exit { probe: *probe, ts_ns: e.ts_ns, at, phases: None, start });
             }
         }
         if let Some(probe) = self.steps.optimizer {
-            optimizer_end(t, probe, &region, e.ts_ns, launches, out);
+            optimizer_end(t, probe, &region, e.ts_ns, at, out);
         }
         Some(region)
     }
@@ -267,7 +275,7 @@ fn optimizer_end<T>(
     probe: u32,
     region: &Region<T>,
     ts_ns: u64,
-    launches: u64,
+    at: ThreadCounters,
     out: &mut Vec<Boundary>,
 ) {
     let took = ts_ns.saturating_sub(region.start_ns);
@@ -279,7 +287,7 @@ fn optimizer_end<T>(
                 None => {
                     // The first batch after the previous optimizer step is ready.
                     t.opened = Some(Opened::Batch);
-                    out.push(Boundary::Enter { probe, ts_ns, thread_launches: launches });
+                    out.push(Boundary::Enter { probe, ts_ns, at });
                 }
                 Some(Opened::Batch) => {}
                 Some(_) => {
@@ -305,14 +313,14 @@ fn optimizer_end<T>(
             (None, Opened::FirstRegion) => StepStart::Guessed,
             (None, _) => StepStart::Entered,
         };
-        out.push(Boundary::Exit { probe, ts_ns, thread_launches: launches, phases, start });
+        out.push(Boundary::Exit { probe, ts_ns, at, phases, start });
     }
     t.data_wait_ns = 0;
     t.optimizer_ns = 0;
     if !t.dataloader_seen {
         // No DataLoader (seen yet): the next step starts where this one ended.
         t.opened = Some(Opened::OptimizerEnd);
-        out.push(Boundary::Enter { probe, ts_ns, thread_launches: launches });
+        out.push(Boundary::Enter { probe, ts_ns, at });
     }
 }
 
@@ -326,7 +334,7 @@ mod tests {
             tid,
             tgid: 0,
             key,
-            thread_launches: ts_ns,
+            counters: ThreadCounters::launches(ts_ns),
             seq: 0,
             depth: 0,
             name: name.into(),

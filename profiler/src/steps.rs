@@ -12,6 +12,10 @@
 //! the step it ended, not every later step of the thread.
 use std::collections::HashMap;
 
+use profiler_common::copies::CopyDirection;
+
+use crate::events::{CopyEvent, ThreadCounters};
+
 /// How a step-ring record changes its thread's step depth.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DepthChange {
@@ -47,6 +51,10 @@ pub struct CompletedStep {
     pub launches: u64,
     /// Time the thread spent in synchronisation calls during the step.
     pub sync_wait_ns: u64,
+    /// Where the thread's time went (None without scheduler tracing).
+    pub sched: Option<StepSched>,
+    /// Copies and memsets the thread made during the step.
+    pub copies: CopyTotals,
     /// Records of the thread were lost during the step or since its last one
     /// (stored as `steps.incomplete`: its `sync_wait_ns` may be low and its
     /// `inter_step_ns` may span steps never seen; its `launches`, counted in
@@ -67,13 +75,67 @@ pub struct OpenStep {
     pub incomplete: bool,
 }
 
+/// A step's thread's time by scheduler state, and the CPU time of its
+/// process's other threads meanwhile (`steps.cpu_ns`, …, `steps.other_cpu_ns`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepSched {
+    pub cpu_ns: u64,
+    pub runnable_ns: u64,
+    pub sleep_ns: u64,
+    pub blocked_ns: u64,
+    /// The process's CPU time less the thread's: its other threads' finished
+    /// runs (runs still in progress at the step's end are not in it).
+    pub other_cpu_ns: u64,
+}
+
+impl StepSched {
+    /// The step's figures from the snapshots at its start and end.
+    pub fn between(start: &ThreadCounters, end: &ThreadCounters) -> Self {
+        let (a, b) = (&start.sched, &end.sched);
+        let cpu_ns = b.cpu_ns.saturating_sub(a.cpu_ns);
+        Self {
+            cpu_ns,
+            runnable_ns: b.runnable_ns.saturating_sub(a.runnable_ns),
+            sleep_ns: b.sleep_ns.saturating_sub(a.sleep_ns),
+            blocked_ns: b.blocked_ns.saturating_sub(a.blocked_ns),
+            other_cpu_ns: b.process_cpu_ns.saturating_sub(a.process_cpu_ns).saturating_sub(cpu_ns),
+        }
+    }
+}
+
+/// A step's copies and memsets (`steps.h2d_bytes`, …, `steps.copy_ns`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CopyTotals {
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
+    pub d2d_bytes: u64,
+    /// Calls of every kind, memsets and copies of unknown direction included.
+    pub calls: u64,
+    /// Host time in the calls.
+    pub ns: u64,
+}
+
+impl CopyTotals {
+    pub fn add(&mut self, c: &CopyEvent) {
+        match c.direction {
+            CopyDirection::HostToDevice => self.h2d_bytes += c.bytes,
+            CopyDirection::DeviceToHost => self.d2h_bytes += c.bytes,
+            CopyDirection::DeviceToDevice => self.d2d_bytes += c.bytes,
+            CopyDirection::HostToHost | CopyDirection::Memset | CopyDirection::Unknown => {}
+        }
+        self.calls += 1;
+        self.ns += c.ts_ns.saturating_sub(c.start_ns);
+    }
+}
+
 #[derive(Default)]
 struct SourceState {
     /// Calls of this source the thread is inside. More than 0 with `open`
     /// None: the outermost call's entry was lost; its return ends no step.
     depth: u32,
-    open: Option<(u64, u64, u64)>, // (step, start_ns, thread_launches at start)
+    open: Option<(u64, u64, ThreadCounters)>, // (step, start_ns, the thread's counters at start)
     sync_wait_ns: u64,
+    copies: CopyTotals,
     last_end_ns: Option<u64>,
     /// Records of the thread were lost while this step was open, or since the
     /// last one ended (so the next one is marked too).
@@ -97,6 +159,8 @@ pub struct StepTracker {
     pub gaps: u64,
     /// Steps whose entry was lost: their return ended no step.
     pub steps_without_start: u64,
+    /// The scheduler programs are attached: the counters' snapshots mean something.
+    pub sched: bool,
 }
 
 impl StepTracker {
@@ -111,6 +175,7 @@ impl StepTracker {
             next_seq: HashMap::new(),
             gaps: 0,
             steps_without_start: 0,
+            sched: false,
         }
     }
 
@@ -219,7 +284,7 @@ impl StepTracker {
 
     /// Entry of a step function. Returns the new step's number when this is
     /// an outermost call.
-    pub fn enter(&mut self, tid: u32, probe: u32, ts_ns: u64, thread_launches: u64) -> Option<u64> {
+    pub fn enter(&mut self, tid: u32, probe: u32, ts_ns: u64, at: ThreadCounters) -> Option<u64> {
         let label = self.label(probe)?;
         let s = self.per_source.entry((tid, probe)).or_default();
         s.depth += 1;
@@ -229,15 +294,17 @@ impl StepTracker {
         let counter = self.next_step.entry(label).or_insert(0);
         let step = *counter;
         *counter += 1;
-        s.open = Some((step, ts_ns, thread_launches));
+        s.open = Some((step, ts_ns, at));
         s.sync_wait_ns = 0;
+        s.copies = CopyTotals::default();
         self.open_by_thread.entry(tid).or_default().push((probe, step));
         Some(step)
     }
 
     /// Return of a step function. Returns the step when this closes an
     /// outermost call.
-    pub fn exit(&mut self, tid: u32, probe: u32, ts_ns: u64, thread_launches: u64) -> Option<CompletedStep> {
+    pub fn exit(&mut self, tid: u32, probe: u32, ts_ns: u64, at: ThreadCounters) -> Option<CompletedStep> {
+        let traced_sched = self.sched;
         let Some(s) = self.per_source.get_mut(&(tid, probe)).filter(|s| s.depth > 0) else {
             self.unmatched_returns += 1;
             return None;
@@ -246,7 +313,7 @@ impl StepTracker {
         if s.depth > 0 {
             return None;
         }
-        let Some((step, start_ns, launches_at_start)) = s.open.take() else {
+        let Some((step, start_ns, at_start)) = s.open.take() else {
             // The step's entry was lost (see `sequence`).
             s.last_end_ns = Some(ts_ns);
             self.steps_without_start += 1;
@@ -255,6 +322,7 @@ impl StepTracker {
         let inter_step_ns = s.last_end_ns.map(|e| start_ns.saturating_sub(e));
         s.last_end_ns = Some(ts_ns);
         let sync_wait_ns = s.sync_wait_ns;
+        let copies = s.copies;
         let incomplete = std::mem::take(&mut s.incomplete);
         if let Some(stack) = self.open_by_thread.get_mut(&tid) {
             stack.retain(|&(p, st)| !(p == probe && st == step));
@@ -266,8 +334,10 @@ impl StepTracker {
             start_ns,
             end_ns: ts_ns,
             inter_step_ns,
-            launches: thread_launches.saturating_sub(launches_at_start),
+            launches: at.launches.saturating_sub(at_start.launches),
             sync_wait_ns,
+            sched: traced_sched.then(|| StepSched::between(&at_start, &at)),
+            copies,
             incomplete,
         })
     }
@@ -279,6 +349,15 @@ impl StepTracker {
             && let Some(s) = self.per_source.get_mut(&(tid, probe))
         {
             s.sync_wait_ns += ns;
+        }
+    }
+
+    /// Adds a finished copy or memset to the step `tid` is inside (the innermost), if any.
+    pub fn add_copy(&mut self, c: &CopyEvent) {
+        if let Some(&(probe, _)) = self.open_by_thread.get(&c.tid).and_then(|s| s.last())
+            && let Some(s) = self.per_source.get_mut(&(c.tid, probe))
+        {
+            s.copies.add(c);
         }
     }
 
@@ -314,6 +393,11 @@ impl StepTracker {
 mod tests {
     use super::*;
 
+    /// Counters with only a launch count.
+    fn at(launches: u64) -> ThreadCounters {
+        ThreadCounters::launches(launches)
+    }
+
     fn tracker() -> StepTracker {
         StepTracker::new(vec!["train", "validate", "train"])
     }
@@ -321,9 +405,9 @@ mod tests {
     #[test]
     fn sequential_steps_with_gaps_and_launches() {
         let mut t = tracker();
-        assert_eq!(t.enter(1, 0, 100, 0), Some(0));
+        assert_eq!(t.enter(1, 0, 100, at(0)), Some(0));
         assert_eq!(t.current_step(1), Some(("train", 0)));
-        let s0 = t.exit(1, 0, 200, 5).expect("closes");
+        let s0 = t.exit(1, 0, 200, at(5)).expect("closes");
         assert_eq!(
             s0,
             CompletedStep {
@@ -335,12 +419,14 @@ mod tests {
                 inter_step_ns: None,
                 launches: 5,
                 sync_wait_ns: 0,
+                sched: None,
+                copies: CopyTotals::default(),
                 incomplete: false
             }
         );
         assert_eq!(t.current_step(1), None);
-        assert_eq!(t.enter(1, 0, 250, 7), Some(1));
-        let s1 = t.exit(1, 0, 400, 10).expect("closes");
+        assert_eq!(t.enter(1, 0, 250, at(7)), Some(1));
+        let s1 = t.exit(1, 0, 400, at(10)).expect("closes");
         assert_eq!(s1.inter_step_ns, Some(50));
         assert_eq!(s1.launches, 3);
     }
@@ -348,43 +434,43 @@ mod tests {
     #[test]
     fn nesting_and_recursion_make_one_step() {
         let mut t = tracker();
-        assert_eq!(t.enter(1, 0, 10, 0), Some(0));
-        assert_eq!(t.enter(1, 0, 11, 1), None);
-        assert_eq!(t.enter(1, 0, 12, 2), None);
-        assert_eq!(t.exit(1, 0, 13, 3), None);
+        assert_eq!(t.enter(1, 0, 10, at(0)), Some(0));
+        assert_eq!(t.enter(1, 0, 11, at(1)), None);
+        assert_eq!(t.enter(1, 0, 12, at(2)), None);
+        assert_eq!(t.exit(1, 0, 13, at(3)), None);
         assert_eq!(t.current_step(1), Some(("train", 0)));
-        assert_eq!(t.exit(1, 0, 14, 3), None);
-        let s = t.exit(1, 0, 15, 4).expect("outermost return closes");
+        assert_eq!(t.exit(1, 0, 14, at(3)), None);
+        let s = t.exit(1, 0, 15, at(4)).expect("outermost return closes");
         assert_eq!((s.start_ns, s.end_ns, s.launches), (10, 15, 4));
     }
 
     #[test]
     fn threads_are_independent_and_numbered_in_begin_order() {
         let mut t = tracker();
-        assert_eq!(t.enter(1, 0, 10, 0), Some(0));
-        assert_eq!(t.enter(2, 0, 11, 100), Some(1));
+        assert_eq!(t.enter(1, 0, 10, at(0)), Some(0));
+        assert_eq!(t.enter(2, 0, 11, at(100)), Some(1));
         assert_eq!(t.current_step(1), Some(("train", 0)));
         assert_eq!(t.current_step(2), Some(("train", 1)));
-        let b = t.exit(2, 0, 20, 103).expect("thread 2 closes");
+        let b = t.exit(2, 0, 20, at(103)).expect("thread 2 closes");
         assert_eq!((b.step, b.tid, b.launches), (1, 2, 3));
-        let a = t.exit(1, 0, 30, 2).expect("thread 1 closes");
+        let a = t.exit(1, 0, 30, at(2)).expect("thread 1 closes");
         assert_eq!((a.step, a.launches), (0, 2));
     }
 
     #[test]
     fn labels_count_separately_and_sources_can_share_a_label() {
         let mut t = tracker();
-        assert_eq!(t.enter(1, 0, 10, 0), Some(0));
-        assert_eq!(t.exit(1, 0, 20, 0).map(|s| s.label), Some("train"));
-        assert_eq!(t.enter(1, 1, 30, 0), Some(0), "validate counts from 0");
+        assert_eq!(t.enter(1, 0, 10, at(0)), Some(0));
+        assert_eq!(t.exit(1, 0, 20, at(0)).map(|s| s.label), Some("train"));
+        assert_eq!(t.enter(1, 1, 30, at(0)), Some(0), "validate counts from 0");
         // A validate step inside which another source's train step runs: the
         // launch goes to the innermost.
-        assert_eq!(t.enter(1, 2, 31, 0), Some(1), "source 2 shares the train counter");
+        assert_eq!(t.enter(1, 2, 31, at(0)), Some(1), "source 2 shares the train counter");
         assert_eq!(t.current_step(1), Some(("train", 1)));
-        let inner = t.exit(1, 2, 32, 4).expect("closes");
+        let inner = t.exit(1, 2, 32, at(4)).expect("closes");
         assert_eq!((inner.label, inner.step, inner.launches), ("train", 1, 4));
         assert_eq!(t.current_step(1), Some(("validate", 0)));
-        let outer = t.exit(1, 1, 40, 6).expect("closes");
+        let outer = t.exit(1, 1, 40, at(6)).expect("closes");
         assert_eq!((outer.label, outer.launches), ("validate", 6));
     }
 
@@ -392,34 +478,34 @@ mod tests {
     fn sync_wait_goes_to_the_innermost_open_step() {
         let mut t = tracker();
         t.add_sync_wait(1, 7); // outside any step: dropped
-        t.enter(1, 0, 10, 0);
+        t.enter(1, 0, 10, at(0));
         t.add_sync_wait(1, 5);
-        t.enter(1, 1, 11, 0);
+        t.enter(1, 1, 11, at(0));
         t.add_sync_wait(1, 3);
-        assert_eq!(t.exit(1, 1, 12, 0).map(|s| s.sync_wait_ns), Some(3));
+        assert_eq!(t.exit(1, 1, 12, at(0)).map(|s| s.sync_wait_ns), Some(3));
         t.add_sync_wait(1, 2);
-        assert_eq!(t.exit(1, 0, 20, 0).map(|s| s.sync_wait_ns), Some(7));
-        t.enter(1, 0, 30, 0);
-        assert_eq!(t.exit(1, 0, 40, 0).map(|s| s.sync_wait_ns), Some(0), "reset per step");
+        assert_eq!(t.exit(1, 0, 20, at(0)).map(|s| s.sync_wait_ns), Some(7));
+        t.enter(1, 0, 30, at(0));
+        assert_eq!(t.exit(1, 0, 40, at(0)).map(|s| s.sync_wait_ns), Some(0), "reset per step");
     }
 
     #[test]
     fn unmatched_or_unknown_returns_are_counted_not_steps() {
         let mut t = tracker();
-        assert_eq!(t.exit(1, 0, 5, 0), None);
-        assert_eq!(t.exit(1, 9, 5, 0), None);
+        assert_eq!(t.exit(1, 0, 5, at(0)), None);
+        assert_eq!(t.exit(1, 9, 5, at(0)), None);
         assert_eq!(t.unmatched_returns, 2);
-        assert_eq!(t.enter(1, 9, 5, 0), None, "unknown source");
-        assert_eq!(t.enter(1, 0, 10, 0), Some(0));
+        assert_eq!(t.enter(1, 9, 5, at(0)), None, "unknown source");
+        assert_eq!(t.enter(1, 0, 10, at(0)), Some(0));
     }
 
     #[test]
     fn open_steps_are_reported() {
         let mut t = tracker();
-        t.enter(1, 0, 10, 0);
-        t.exit(1, 0, 20, 0);
-        t.enter(1, 0, 25, 0);
-        t.enter(3, 1, 26, 0);
+        t.enter(1, 0, 10, at(0));
+        t.exit(1, 0, 20, at(0));
+        t.enter(1, 0, 25, at(0));
+        t.enter(3, 1, 26, at(0));
         let open = t.open_steps();
         assert_eq!(
             open,
@@ -452,9 +538,9 @@ mod tests {
             t.sequence(tid, probe, i as u32 + 1, depth, change, &mut unseen);
             match change {
                 DepthChange::Enter => {
-                    t.enter(tid, probe, ts, launches);
+                    t.enter(tid, probe, ts, at(launches));
                 }
-                DepthChange::Exit => done.extend(t.exit(tid, probe, ts, launches)),
+                DepthChange::Exit => done.extend(t.exit(tid, probe, ts, at(launches))),
                 DepthChange::None => {}
             }
         }
@@ -533,7 +619,7 @@ mod tests {
         let mut unseen = Vec::new();
         assert!(!t.sequence(1, 0, 0, 0, DepthChange::Enter, &mut unseen), "seq 0: no sequence");
         assert!(!t.sequence(1, 0, 1, 1, DepthChange::Enter, &mut unseen));
-        t.enter(1, 0, 10, 0);
+        t.enter(1, 0, 10, at(0));
         assert!(!t.sequence(1, 0, 2, 1, DepthChange::None, &mut unseen));
         let open = t.thread_exited(1);
         assert_eq!(open.len(), 1);

@@ -86,6 +86,11 @@ pub struct TraceArgs {
     /// Keep a row per launch and per GEMM (`all`), or only per-step counts and FLOPs (`count`).
     #[arg(long, value_enum, default_value_t = LaunchMode::All)]
     launches: LaunchMode,
+    /// Do not trace the scheduler (each step's on-CPU, runnable, sleeping
+    /// and blocked time, and its verdict's CPU evidence): its programs run on
+    /// every context switch of the machine (see docs/measurement.md for the cost).
+    #[arg(long)]
+    no_sched: bool,
     /// Stop tracing after this many seconds, or this long (`90s`, `2m`, `1h 30m`).
     #[arg(long, value_name = "TIME", value_parser = parse_duration)]
     duration: Option<Duration>,
@@ -169,6 +174,7 @@ impl TraceArgs {
             python_steps: self.step_python,
             target_writes: !self.no_target_writes,
             launch_mode: self.launches,
+            sched: !self.no_sched,
             duration: self.duration,
             maps_interval: Duration::from_millis(self.maps_interval),
             quiet: self.quiet,

@@ -97,6 +97,7 @@ impl Probes {
             self.attach(programs::SYNC_ENTER, path, sym.file_offset, api as u64)?;
             placed.push(PlacedProbe { symbol: api.symbol(), offset: 0, reason: "sync entry and return".into() });
         }
+        placed.extend(self.attach_copies(path, &symbols, layer)?);
         // The calls that name kernels (driver only; rare: entry and return).
         if layer == ApiLayer::Driver {
             for (symbol, which) in [

@@ -78,7 +78,7 @@ mod root_tests {
 
     use profiler_common::{CodeRanges, blas_programs, maps as map_names};
 
-    use crate::probes::Probes;
+    use crate::probes::{JobOptions, Probes};
 
     /// Whether process `tgid` has an entry in the code-range map `name`.
     fn has_ranges(probes: &mut Probes, name: &'static str, tgid: u32) -> bool {
@@ -120,7 +120,11 @@ mod root_tests {
         );
         let pid = child.0.id();
         let nz = std::num::NonZeroU32::new(pid).expect("a pid");
-        let (mut probes, _rings) = Probes::load_job(&[nz], true, false, false).expect("load the programs");
+        let (mut probes, _rings) = Probes::load_job(
+            &[nz],
+            JobOptions { follow_children: true, emit_launches: false, place_probes: false, sched: false },
+        )
+        .expect("load the programs");
         let register = |probes: &mut Probes| {
             for name in [map_names::RUNTIME_TEXT, blas_programs::TEXT_MAP] {
                 assert!(probes.add_code_ranges(name, pid, &[(0x1000, 0x2000)]).expect("registered").is_empty());

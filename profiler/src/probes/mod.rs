@@ -6,6 +6,7 @@
 //! steps [`python`], PyTorch regions [`torch`], BLAS calls [`blas`], NCCL
 //! collectives [`nccl`], the job's processes and children [`job`].
 pub mod blas;
+pub mod copies;
 pub mod cuda;
 pub mod elf;
 mod job;
@@ -14,6 +15,7 @@ pub mod maps;
 pub mod nccl;
 pub mod placement;
 pub mod python;
+mod sched;
 pub mod step_symbol;
 pub mod torch;
 pub mod usdt;
@@ -80,6 +82,19 @@ pub struct ProbePoint {
     /// Bytes the function pushed before that point.
     pub stack_adjust: u64,
     pub reason: String,
+}
+
+/// What [`Probes::load_job`] sets up besides the launch, step and sync probes.
+#[derive(Clone, Copy, Debug)]
+pub struct JobOptions {
+    /// Trace the processes the named ones fork from now on (`--children`).
+    pub follow_children: bool,
+    /// A record per launch (`--launches all`), else counts only.
+    pub emit_launches: bool,
+    /// Move launch probes to instructions the kernel emulates.
+    pub place_probes: bool,
+    /// The scheduler programs (off with `--no-sched`).
+    pub sched: bool,
 }
 
 /// Kernel-side counters, summed over CPUs.
@@ -197,7 +212,7 @@ impl Probes {
     /// Loads all programs, filtering on `pid`'s tgid, and attaches the
     /// thread-exit hook. Returns the probes and the rings.
     pub fn load(pid: NonZeroU32, emit_launches: bool, place_probes: bool) -> Result<(Self, Rings), ProbeError> {
-        Self::load_job(&[pid], false, emit_launches, place_probes)
+        Self::load_job(&[pid], JobOptions { follow_children: false, emit_launches, place_probes, sched: false })
     }
 
     /// Loads all programs, tracing the processes `pids` (the first is the
@@ -207,12 +222,8 @@ impl Probes {
     /// they are installed file-wide, in every process that maps a probed
     /// file, and the programs drop what an untraced process does (`TRACED`);
     /// that is what sees a child from its first instruction after `exec`.
-    pub fn load_job(
-        pids: &[NonZeroU32],
-        follow_children: bool,
-        emit_launches: bool,
-        place_probes: bool,
-    ) -> Result<(Self, Rings), ProbeError> {
+    pub fn load_job(pids: &[NonZeroU32], options: JobOptions) -> Result<(Self, Rings), ProbeError> {
+        let JobOptions { follow_children, emit_launches, place_probes, sched } = options;
         if EBPF_OBJECT.is_empty() {
             return Err(ProbeError::NoObject);
         }
@@ -220,7 +231,8 @@ impl Probes {
         let scope =
             if pids.len() == 1 && !follow_children { UProbeScope::OneProcess(pid) } else { UProbeScope::AllProcesses };
         let follow: u32 = follow_children.into();
-        let (pid_at, tgid_at) = if follow_children { job::task_offsets()? } else { (0, 0) };
+        let (pid_at, tgid_at) = if follow_children || sched { job::task_offsets()? } else { (0, 0) };
+        let sched_on: u32 = sched.into();
         let emit: u32 = emit_launches.into();
         // Tests set a handful of slots so that threads share them.
         let slots = thread_slots(
@@ -236,6 +248,7 @@ impl Probes {
             .override_global(globals::TASK_TGID_OFFSET, &tgid_at, true)
             .override_global(globals::EMIT_LAUNCHES, &emit, true)
             .override_global(globals::THREAD_SLOT_MASK, &slot_mask, true)
+            .override_global(globals::SCHED_ENABLED, &sched_on, true)
             .map_max_entries(map_names::THREAD_SLOTS, slots)
             .map_max_entries(map_names::SLOT_CLAIMS, slots)
             .map_max_entries(map_names::THREAD_FALLBACK, thread_fallback_entries(slots))
@@ -261,6 +274,9 @@ impl Probes {
         exit_hook.load().map_err(|source| ProbeError::Program { name, source })?;
         exit_hook.attach(programs::THREAD_EXIT_TRACEPOINT).map_err(|source| ProbeError::Program { name, source })?;
         job::trace(&mut ebpf, pids)?;
+        if sched {
+            sched::attach(&mut ebpf)?;
+        }
         if follow_children || pids.len() > 1 {
             job::attach_process_hooks(&mut ebpf, follow_children)?;
         }
@@ -477,6 +493,7 @@ fn program_names() -> impl Iterator<Item = &'static str> {
         .chain(torch::programs())
         .chain(nccl::programs())
         .chain(blas::programs())
+        .chain(copies::programs())
 }
 
 /// Maps a file read-only (libraries can be a gigabyte; callers touch only

@@ -183,6 +183,8 @@ pub(crate) mod testing {
             inter_step_ns: None,
             launches: None,
             phases: None,
+            sched: None,
+            copies: Default::default(),
         }
     }
 

@@ -36,6 +36,8 @@ pub struct SessionConfig {
     /// Whether the PEP 523 frame hook may write into the target (off with `--no-target-writes`).
     pub target_writes: bool,
     pub launch_mode: LaunchMode,
+    /// The scheduler programs (off with `--no-sched`).
+    pub sched: bool,
     pub duration: Option<Duration>,
     pub maps_interval: Duration,
     pub quiet: bool,

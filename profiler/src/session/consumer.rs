@@ -2,6 +2,7 @@
 //! sync waits to the step their thread is in, and hands the rows to the store's writer in batches.
 mod blas;
 mod collectives;
+mod copies;
 mod regions;
 
 use std::collections::HashMap;
@@ -52,6 +53,8 @@ pub(super) struct Consumer {
     collectives: Vec<crate::store::CollectiveRow>,
     /// cuBLAS/cuBLASLt descriptors, GEMM rows not yet sent and per-step sums.
     gemms: blas::GemmState,
+    /// Copy rows not yet sent.
+    copies: copies::CopyState,
 }
 
 /// What the consumer counted, for the summary line, once it is closed.
@@ -85,6 +88,7 @@ impl Consumer {
             live: None,
             collectives: Vec::new(),
             gemms: blas::GemmState::default(),
+            copies: copies::CopyState::default(),
         }
     }
 
@@ -102,7 +106,7 @@ impl Consumer {
             Ok(Event::Process(_)) => {}
             Ok(Event::StepEnter(e)) => {
                 self.sequence(&e, DepthChange::Enter);
-                self.tracker.enter(e.tid, e.probe, e.ts_ns, e.thread_launches);
+                self.tracker.enter(e.tid, e.probe, e.ts_ns, e.counters);
             }
             Ok(Event::StepExit(e)) => {
                 self.step_exit(&e);
@@ -112,6 +116,7 @@ impl Consumer {
             Ok(Event::RegionExit(r)) => self.region_event(r, false),
             Ok(Event::Collective(c)) => self.collective(&c),
             Ok(Event::Blas(b)) => self.blas(&b),
+            Ok(Event::Copy(c)) => self.copy(&c),
             Ok(Event::SyncEnter(e)) => {
                 self.sequence(&e, DepthChange::None);
                 let step = self.tracker.current_step(e.tid);
@@ -163,7 +168,7 @@ impl Consumer {
     /// whether it is already stored as incomplete (the step is `self.steps`'s last).
     fn step_exit(&mut self, e: &OrderedEvent) -> Option<(&'static str, bool)> {
         self.sequence(e, DepthChange::Exit);
-        let s = self.tracker.exit(e.tid, e.probe, e.ts_ns, e.thread_launches)?;
+        let s = self.tracker.exit(e.tid, e.probe, e.ts_ns, e.counters)?;
         if s.incomplete {
             self.incomplete_steps.push((s.label, s.step));
         }
@@ -180,6 +185,8 @@ impl Consumer {
             inter_step_ns: s.inter_step_ns,
             launches: Some(s.launches),
             phases: None,
+            sched: s.sched,
+            copies: s.copies,
         });
         Some((s.label, s.incomplete))
     }
@@ -225,6 +232,8 @@ impl Consumer {
             inter_step_ns: s.inter_step_ns,
             launches: None,
             phases: None,
+            sched: None,
+            copies: Default::default(),
         });
     }
 
@@ -261,6 +270,7 @@ impl Consumer {
         self.flush_regions();
         self.flush_collectives();
         self.flush_gemms();
+        self.flush_copies();
     }
 
     /// (steps stored as incomplete so far, step ends seen without a start),

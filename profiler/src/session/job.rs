@@ -103,6 +103,8 @@ pub(super) struct Job {
     /// The frame hook's write for the other processes that run the first
     /// target's CPython (`--step-python` on a build without USDT probes).
     pub frame_hook: Option<FrameHookMembers>,
+    /// Scheduler totals taken out of the kernel for sessions about to end.
+    sched_totals: HashMap<u32, profiler_common::ProcessSched>,
 }
 
 impl Job {
@@ -119,6 +121,7 @@ impl Job {
             last_status: None,
             cutoff_ns: None,
             frame_hook: None,
+            sched_totals: HashMap::new(),
         }
     }
 
@@ -151,6 +154,8 @@ impl Job {
         // Adopted during teardown: the cutoff applies to it too.
         consumer.cutoff_ns = self.cutoff_ns;
         consumer.keep_gemm_rows(self.ctx.cfg.launch_mode == super::LaunchMode::All);
+        consumer.keep_copy_rows(self.ctx.cfg.launch_mode == super::LaunchMode::All);
+        consumer.trace_sched(self.ctx.cfg.sched);
         let mut watcher = LibraryWatcher::new(pid, TorchWatch::new(&self.ctx.cfg, &self.ctx.regions));
         // Its loader is the first target's (file-wide probe), usually.
         watcher.loader_hooked = self.watcher.loader_hooked;
@@ -201,8 +206,25 @@ impl Job {
             }
         }
         for (pid, at) in ended {
+            self.take_sched(probes, pid);
             self.end_member(pid, "target-exited", at);
         }
+    }
+
+    /// Takes process `pid`'s scheduler totals out of the kernel, for its session's end.
+    fn take_sched(&mut self, probes: &mut Probes, pid: u32) {
+        if let Some(t) = probes.take_process_sched(pid) {
+            self.sched_totals.insert(pid, t);
+        }
+    }
+
+    /// Before the probes go: every live session's scheduler totals; returns the first process's.
+    pub fn take_all_sched(&mut self, probes: &mut Probes) -> Option<profiler_common::ProcessSched> {
+        let pids: Vec<u32> = self.members.iter().filter(|(_, m)| m.consumer.is_some()).map(|(p, _)| *p).collect();
+        for pid in pids {
+            self.take_sched(probes, pid);
+        }
+        probes.take_process_sched(self.first_pid)
     }
 
     fn process_event(&mut self, e: ProcessEvent, probes: &mut Probes) {
@@ -283,7 +305,9 @@ impl Job {
             unmatched_returns: totals.unmatched_returns,
         };
         let losses = Losses { lost_step_records: 0, map_failures: 0, incomplete };
-        self.ctx.sender.send(StoreMsg::EndProcess(pid, end, vec![AtFinish::Losses(losses), AtFinish::RankGpus(gpus)]));
+        let mut work = vec![AtFinish::Losses(losses), AtFinish::RankGpus(gpus)];
+        work.extend(self.sched_totals.remove(&pid).map(AtFinish::ContextSwitches));
+        self.ctx.sender.send(StoreMsg::EndProcess(pid, end, work));
         let rank = m.start.rank.map_or(String::new(), |r| format!(" (rank {r})"));
         say!(self.ctx.cfg.quiet, "PID {pid}{rank} ended ({reason}): {} steps", totals.completed_steps);
     }

@@ -37,7 +37,7 @@ pub use teardown::Summary;
 use watcher::LibraryWatcher;
 
 use crate::{
-    probes::{Probes, python::mechanism::PythonStepProbes},
+    probes::{JobOptions, Probes, python::mechanism::PythonStepProbes},
     store::Store,
 };
 
@@ -64,7 +64,13 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     let pids: Vec<_> =
         std::iter::once(target.nz_pid).chain(others.iter().filter_map(|&(p, _)| p.try_into().ok())).collect();
     let emit = cfg.launch_mode == LaunchMode::All;
-    let (mut probes, mut rings) = Probes::load_job(&pids, cfg.follow_children, emit, cfg.place_probes)?;
+    let options = JobOptions {
+        follow_children: cfg.follow_children,
+        emit_launches: emit,
+        place_probes: cfg.place_probes,
+        sched: cfg.sched,
+    };
+    let (mut probes, mut rings) = Probes::load_job(&pids, options)?;
     let (session, writer) = setup::begin_session(&cfg, &target, store, &steps.regions, job_name)?;
     let sampled = gpu.as_ref().map(|g| g.logical_gpus()).unwrap_or_default();
     let gpu_peaks = std::sync::Arc::new(gpu.as_ref().map(|g| g.peaks()).unwrap_or_default());
@@ -74,6 +80,8 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer.sender(), steps.labels.clone(), steps.regions.clone(), target.pid);
     consumer.keep_gemm_rows(cfg.launch_mode == LaunchMode::All);
+    consumer.keep_copy_rows(cfg.launch_mode == LaunchMode::All);
+    consumer.trace_sched(cfg.sched);
     let watcher = LibraryWatcher::new(target.pid, torch::TorchWatch::new(&cfg, &steps.regions));
     let ctx = JobContext {
         cfg: cfg.clone(),

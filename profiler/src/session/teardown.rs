@@ -69,7 +69,7 @@ pub(super) async fn finish(
     cfg: &SessionConfig,
     session: &BegunSession,
     child: Option<(tokio::process::Child, OwnedFd)>,
-    traced: Traced,
+    mut traced: Traced,
     outcome: anyhow::Result<(String, Option<i32>)>,
 ) -> anyhow::Result<Summary> {
     let (end_reason, exit_code) = match outcome {
@@ -83,6 +83,7 @@ pub(super) async fn finish(
     // kernel to retire each uprobe) can take a while and is not part of it.
     let ended_ns = clock::monotonic_ns();
     let kc = traced.probes.counters();
+    let first_sched = traced.job.take_all_sched(&mut traced.probes);
     let job = detach_and_drain(traced.probes, traced.rings, traced.python, traced.job, ended_ns);
     // The job's other processes end first: their rows go before the first session's end.
     let consumer = job.into_first(&end_reason, ended_ns);
@@ -91,7 +92,8 @@ pub(super) async fn finish(
         live.kernel_counters(&kc);
     }
     // A sampler that panicked loses its series, not the session; it fails the run.
-    let (mut problems, at_finish) = stop_samplers(traced.samplers);
+    let (mut problems, mut at_finish) = stop_samplers(traced.samplers);
+    at_finish.extend(first_sched.map(AtFinish::ContextSwitches));
     let (marked_steps, steps_without_start) = consumer.loss_counts();
     let end = SessionEnd {
         ended_ns,

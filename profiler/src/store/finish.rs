@@ -74,6 +74,10 @@ pub(super) fn derive_all(
     if let Err(e) = super::collectives::write_step_collectives(tx, session_id) {
         stats.first_error.get_or_insert_with(|| format!("computing per-step collective figures: {e}"));
     }
+    // Last of all: the verdict reads the collective figures.
+    if let Err(e) = super::copies::write_step_bounds(tx, session_id) {
+        stats.first_error.get_or_insert_with(|| format!("computing per-step verdicts: {e}"));
+    }
     Ok(())
 }
 
@@ -106,6 +110,12 @@ fn derive(conn: &Connection, ids: (i64, i64), steps: &[StepSpan], work: &AtFinis
         }
         AtFinish::StepSystem => write_step_system(conn, session_id, steps),
         AtFinish::Losses(losses) => write_losses(conn, session_id, losses),
+        AtFinish::ContextSwitches(t) => conn
+            .execute(
+                "UPDATE sessions SET context_switches = ?2, preemptions = ?3 WHERE id = ?1",
+                params![session_id, super::i(t.switches), super::i(t.preemptions)],
+            )
+            .map(drop),
         // Read by `job::finish_processes`, which puts it in `StepGpu`.
         AtFinish::RankGpus(_) => Ok(()),
     }

@@ -5,6 +5,7 @@
 //! way readers open a profile ([`open_for_reading`]); profiles merged into
 //! one new file ([`merge_into`]).
 mod collectives;
+mod copies;
 mod finish;
 mod gemms;
 mod job;
@@ -27,7 +28,7 @@ pub use self::{
     gemms::{GemmRow, StepGemms},
     merge::{MergeInput, MergeSummary, merge_into},
     rows::{
-        AtFinish, Capability, CollectiveRow, GpmReadings, GpuRow, GpuSampleRow, KernelRow, LaunchRow, Losses,
+        AtFinish, Capability, CollectiveRow, CopyRow, GpmReadings, GpuRow, GpuSampleRow, KernelRow, LaunchRow, Losses,
         ProbedFileRow, RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepRow, SyncRow, SystemSampleRow,
     },
     schema::{SCHEMA_VERSION, quoted},
@@ -195,6 +196,8 @@ pub enum StoreMsg {
     Regions(Vec<RegionRow>),
     /// NCCL calls.
     Collectives(Vec<CollectiveRow>),
+    /// Copies and memsets (`--launches all`).
+    Copies(Vec<CopyRow>),
     Kernels(Vec<KernelRow>),
     ProbedFile(ProbedFileRow),
     /// The sampled GPUs, once at the start.
@@ -262,6 +265,8 @@ pub(crate) mod testing {
             inter_step_ns: None,
             launches: Some(1),
             phases: None,
+            sched: None,
+            copies: Default::default(),
         }
     }
 

@@ -88,6 +88,26 @@ pub struct StepRow {
     pub launches: Option<u64>,
     /// Where a step from PyTorch's optimizer markers spent its time; None for other sources.
     pub phases: Option<StepPhases>,
+    /// Its thread's time by scheduler state; None without scheduler tracing.
+    pub sched: Option<crate::steps::StepSched>,
+    /// Its thread's copies and memsets.
+    pub copies: crate::steps::CopyTotals,
+}
+
+/// One copy or memset call (a `copies` row, `--launches all`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CopyRow {
+    pub tid: u32,
+    /// The entry point called.
+    pub api: &'static str,
+    /// `h2d`, `d2h`, `d2d`, `h2h`, `memset` or `unknown`.
+    pub direction: &'static str,
+    pub bytes: u64,
+    pub result: u32,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    /// The step its thread was in: (label, step).
+    pub step: Option<(&'static str, u64)>,
 }
 
 /// One PyTorch `record_function` region (a `regions` row).
@@ -276,6 +296,8 @@ pub enum AtFinish {
     StepSystem,
     /// `sessions.lost_step_records`, `sessions.map_failures`, `steps.incomplete`.
     Losses(Losses),
+    /// `sessions.context_switches` and `sessions.preemptions` (scheduler tracing).
+    ContextSwitches(profiler_common::ProcessSched),
     /// A job's process other than the first: the logical GPUs (of the first
     /// session's sampled ones) its steps get `step_gpu` rows for, in place of
     /// the first session's list (see `session::job::rank_gpus`).

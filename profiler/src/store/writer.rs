@@ -116,6 +116,7 @@ pub(super) fn write_msg(tx: &Transaction<'_>, session_id: i64, msg: &StoreMsg) -
         StoreMsg::Syncs(rows) => write_syncs(tx, session_id, rows),
         StoreMsg::Regions(rows) => write_regions(tx, session_id, rows),
         StoreMsg::Collectives(rows) => super::collectives::write_collectives(tx, session_id, rows),
+        StoreMsg::Copies(rows) => super::copies::write_copies(tx, session_id, rows),
         StoreMsg::Capability(c) => tx
             .execute(
                 "INSERT OR IGNORE INTO capabilities(session_id, source, metric, available, reason)
@@ -208,10 +209,14 @@ fn write_launches(tx: &Transaction<'_>, session_id: i64, rows: &[LaunchRow]) -> 
 fn write_steps(tx: &Transaction<'_>, session_id: i64, rows: &[StepRow]) -> rusqlite::Result<()> {
     let mut step = tx.prepare_cached(
         "INSERT OR REPLACE INTO steps(session_id, label, step, tid, start_ns, end_ns, duration_ns, inter_step_ns, launches,
-                                      sync_wait_ns, data_wait_ns, optimizer_ns)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+                                      sync_wait_ns, data_wait_ns, optimizer_ns,
+                                      cpu_ns, runnable_ns, sleep_ns, blocked_ns, other_cpu_ns,
+                                      h2d_bytes, d2h_bytes, d2d_bytes, copy_calls, copy_ns)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22)",
     )?;
     for r in rows {
+        let sched = r.sched.map(|s| [s.cpu_ns, s.runnable_ns, s.sleep_ns, s.blocked_ns, s.other_cpu_ns].map(i));
+        let c = &r.copies;
         step.execute(params![
             session_id,
             r.label,
@@ -224,7 +229,17 @@ fn write_steps(tx: &Transaction<'_>, session_id: i64, rows: &[StepRow]) -> rusql
             r.launches.map(i),
             r.sync_wait_ns.map(i),
             r.phases.map(|p| i(p.data_wait_ns)),
-            r.phases.map(|p| i(p.optimizer_ns))
+            r.phases.map(|p| i(p.optimizer_ns)),
+            sched.map(|s| s[0]),
+            sched.map(|s| s[1]),
+            sched.map(|s| s[2]),
+            sched.map(|s| s[3]),
+            sched.map(|s| s[4]),
+            i(c.h2d_bytes),
+            i(c.d2h_bytes),
+            i(c.d2d_bytes),
+            i(c.calls),
+            i(c.ns)
         ])?;
     }
     Ok(())
@@ -350,6 +365,7 @@ fn rows_in(msgs: &[StoreMsg]) -> u64 {
             StoreMsg::Syncs(r) => r.len() as u64,
             StoreMsg::Regions(r) => r.len() as u64,
             StoreMsg::Collectives(r) => r.len() as u64,
+            StoreMsg::Copies(r) => r.len() as u64,
             StoreMsg::Kernels(r) => r.len() as u64,
             StoreMsg::Gpus(r) => r.len() as u64,
             StoreMsg::GpusUsedByTarget(r) => r.len() as u64,

@@ -58,11 +58,11 @@ impl Consumer {
     /// no sequence of its own (the region record's was checked).
     fn boundary(&mut self, tid: u32, b: Boundary) {
         match b {
-            Boundary::Enter { probe, ts_ns, thread_launches } => {
-                self.tracker.enter(tid, probe, ts_ns, thread_launches);
+            Boundary::Enter { probe, ts_ns, at } => {
+                self.tracker.enter(tid, probe, ts_ns, at);
             }
-            Boundary::Exit { probe, ts_ns, thread_launches, phases, start } => {
-                let e = OrderedEvent { ts_ns, tid, tgid: 0, probe, thread_launches, seq: 0, depth: 0 };
+            Boundary::Exit { probe, ts_ns, at, phases, start } => {
+                let e = OrderedEvent { ts_ns, tid, tgid: 0, probe, counters: at, seq: 0, depth: 0 };
                 let Some((label, marked)) = self.step_exit(&e) else { return };
                 let Some(step) = self.steps.last_mut() else { return };
                 step.phases = phases;

@@ -268,9 +268,9 @@ fn run_traced(args: &[&str], specs: &[&str]) -> Traced {
     for e in events {
         match e {
             Event::StepEnter(s) => {
-                tracker.enter(s.tid, s.probe, s.ts_ns, s.thread_launches);
+                tracker.enter(s.tid, s.probe, s.ts_ns, s.counters);
             }
-            Event::StepExit(s) => completed.extend(tracker.exit(s.tid, s.probe, s.ts_ns, s.thread_launches)),
+            Event::StepExit(s) => completed.extend(tracker.exit(s.tid, s.probe, s.ts_ns, s.counters)),
             Event::Launch(_)
             | Event::SyncEnter(_)
             | Event::SyncExit(_)
@@ -280,6 +280,7 @@ fn run_traced(args: &[&str], specs: &[&str]) -> Traced {
             | Event::RegionExit(_)
             | Event::Collective(_)
             | Event::Blas(_)
+            | Event::Copy(_)
             | Event::LoaderChange { .. }
             | Event::Process(_) => {}
         }

@@ -1,0 +1,238 @@
+//! Where a traced thread's time goes, from the scheduler's own tracepoints:
+//! `sched_switch` (a thread leaves a CPU — preempted, or in an interruptible
+//! or uninterruptible wait — and another takes it) and `sched_wakeup` /
+//! `sched_wakeup_new` (a waiting thread becomes runnable). Each traced thread
+//! keeps its state and four running totals (on a CPU, runnable, sleeping,
+//! blocked) in its `ThreadSlot`; the ordered records carry a snapshot, so a
+//! step's figures are exact differences, like its launch count.
+//!
+//! These fire on every context switch of the machine: the first thing each
+//! does is the traced check (an array lookup for a thread holding a slot, else
+//! one `TRACED` hash lookup). Raw tracepoints: no tracefs needed.
+//!
+//! All events of one task are serialised by its runqueue's lock (a switch
+//! runs under its CPU's, a wakeup under the task's), so plain stores suffice
+//! for a thread's state; the process totals, written from every CPU, are
+//! atomic adds.
+use aya_ebpf::{
+    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel},
+    macros::{map, raw_tracepoint},
+    maps::HashMap,
+    programs::RawTracePointContext,
+};
+use profiler_common::{ProcessSched, SchedTimes};
+
+use crate::{BPF_NOEXIST, TASK_PID_OFFSET, TASK_TGID_OFFSET, ThreadSlot, map_failed, stopped, thread_state, traced};
+
+/// What a thread is doing since `ThreadSched::since_ns`.
+const UNSEEN: u32 = 0;
+const RUNNING: u32 = 1;
+const RUNNABLE: u32 = 2;
+const SLEEPING: u32 = 3;
+const BLOCKED: u32 = 4;
+
+/// `task_struct::__state` bits (include/linux/sched.h).
+const TASK_UNINTERRUPTIBLE: u32 = 0x2;
+const TASK_NOLOAD: u32 = 0x400;
+
+/// Set by the agent: 0 with `--no-sched`, when the tracepoints are not
+/// attached and the snapshots stay zero.
+#[unsafe(no_mangle)]
+static SCHED_ENABLED: u32 = 0;
+
+/// A thread's scheduler state, in its `ThreadSlot` (zeroed with it at exit).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct ThreadSched {
+    state: u32,
+    _pad: u32,
+    since_ns: u64,
+    cpu_ns: u64,
+    runnable_ns: u64,
+    sleep_ns: u64,
+    blocked_ns: u64,
+}
+
+/// Scheduler totals of each traced process, by tgid (`ProcessSched`). The
+/// agent reads an exited process's and removes it.
+#[map]
+static PROCESS_SCHED: HashMap<u32, ProcessSched> = HashMap::with_max_entries(4096, 0);
+
+#[inline(always)]
+fn enabled() -> bool {
+    // SAFETY: a plain read of a global the loader patched.
+    unsafe { core::ptr::read_volatile(&SCHED_ENABLED) != 0 }
+}
+
+#[inline(always)]
+fn now() -> u64 {
+    // SAFETY: a helper without preconditions.
+    unsafe { bpf_ktime_get_ns() }
+}
+
+/// The process's totals, created on first use.
+#[inline(always)]
+fn process_totals(tgid: u32) -> Option<*mut ProcessSched> {
+    if let Some(p) = PROCESS_SCHED.get_ptr_mut(tgid) {
+        return Some(p);
+    }
+    let zero = ProcessSched { cpu_ns: 0, switches: 0, preemptions: 0 };
+    // Another CPU may have created it meanwhile: then the insert fails, harmlessly.
+    let _ = PROCESS_SCHED.insert(tgid, zero, BPF_NOEXIST);
+    let p = PROCESS_SCHED.get_ptr_mut(tgid);
+    if p.is_none() {
+        map_failed();
+    }
+    p
+}
+
+/// An atomic add whose result is unused: BPF's `lock xadd`, which every
+/// kernel that runs these programs has (the target has no `AtomicU64::fetch_add`).
+#[inline(always)]
+fn atomic_add(at: *mut u64, n: u64) {
+    // SAFETY: an aligned u64 in map memory, only ever accessed atomically or read.
+    unsafe { core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(at, n) };
+}
+
+/// The tid and tgid of a `task_struct`, at the offsets the agent took from BTF.
+#[inline(always)]
+fn task_ids(task: *const u8) -> Option<(u32, u32)> {
+    // SAFETY: plain reads of globals the loader patched.
+    let (pid_at, tgid_at) =
+        unsafe { (core::ptr::read_volatile(&TASK_PID_OFFSET), core::ptr::read_volatile(&TASK_TGID_OFFSET)) };
+    // SAFETY: bpf_probe_read_kernel tolerates any address.
+    unsafe {
+        let tid = bpf_probe_read_kernel(task.wrapping_add(pid_at as usize).cast::<u32>()).ok()?;
+        let tgid = bpf_probe_read_kernel(task.wrapping_add(tgid_at as usize).cast::<u32>()).ok()?;
+        Some((tid, tgid))
+    }
+}
+
+/// Ends the thread's current off-CPU or runnable interval at `now`, adding it to its total.
+#[inline(always)]
+fn close_interval(s: &mut ThreadSched, now: u64) {
+    let took = now.saturating_sub(s.since_ns);
+    // Branch-free, each total at its fixed offset: a `match` compiles to a
+    // pointer computed from the state, which the verifier rejects as an
+    // unbounded access into the map value.
+    s.runnable_ns += took * u64::from(s.state == RUNNABLE);
+    s.sleep_ns += took * u64::from(s.state == SLEEPING);
+    s.blocked_ns += took * u64::from(s.state == BLOCKED);
+}
+
+/// The state a thread leaving a CPU is in: preempted or yielding (still
+/// runnable), an uninterruptible wait that counts as load (blocked), or
+/// another wait (sleeping; `TASK_IDLE` waits are uninterruptible but idle).
+#[inline(always)]
+fn leaving_state(preempt: bool, prev_state: u32) -> u32 {
+    if preempt || prev_state == 0 {
+        RUNNABLE
+    } else if prev_state & TASK_UNINTERRUPTIBLE != 0 && prev_state & TASK_NOLOAD == 0 {
+        BLOCKED
+    } else {
+        SLEEPING
+    }
+}
+
+#[inline(always)]
+fn sched_of(slot: *mut ThreadSlot) -> &'static mut ThreadSched {
+    // SAFETY: a valid map value; see the module comment for who writes it.
+    unsafe { &mut (*slot).sched }
+}
+
+/// A CPU switches from `prev` (the running task) to `next`. The fourth
+/// argument, `prev_state`, is there since Linux 5.18.
+#[raw_tracepoint(tracepoint = "sched_switch")]
+pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
+    if stopped() {
+        return 0;
+    }
+    let t = now();
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let (prev_tid, prev_tgid) = (pid_tgid as u32, (pid_tgid >> 32) as u32);
+    if prev_tid != 0 && traced(prev_tid, prev_tgid) {
+        let preempt: u64 = ctx.arg(0);
+        let prev_state: u64 = ctx.arg(3);
+        let leaving = leaving_state(preempt & 0xff != 0, prev_state as u32);
+        if let Some(slot) = thread_state(prev_tid, true) {
+            let s = sched_of(slot);
+            let ran = if s.state == RUNNING { t.saturating_sub(s.since_ns) } else { 0 };
+            s.cpu_ns += ran;
+            s.state = leaving;
+            s.since_ns = t;
+            if let Some(p) = process_totals(prev_tgid) {
+                // SAFETY: valid map value fields.
+                unsafe {
+                    atomic_add(&raw mut (*p).cpu_ns, ran);
+                    atomic_add(&raw mut (*p).switches, 1);
+                    if leaving == RUNNABLE {
+                        atomic_add(&raw mut (*p).preemptions, 1);
+                    }
+                }
+            }
+        }
+    }
+    let next: *const u8 = ctx.arg(2);
+    let Some((next_tid, next_tgid)) = task_ids(next) else { return 0 };
+    if next_tid != 0 && traced(next_tid, next_tgid) {
+        if let Some(slot) = thread_state(next_tid, true) {
+            let s = sched_of(slot);
+            close_interval(s, t);
+            s.state = RUNNING;
+            s.since_ns = t;
+        }
+    }
+    0
+}
+
+/// A waiting task (`p`, the first argument) becomes runnable, in the waker's
+/// context; `sched_wakeup_new` for a new task's first wake-up. A wakeup of a
+/// task still on its CPU (it had not yet switched out) changes nothing.
+#[raw_tracepoint(tracepoint = "sched_wakeup")]
+pub fn sched_wakeup(ctx: RawTracePointContext) -> i32 {
+    if stopped() {
+        return 0;
+    }
+    let task: *const u8 = ctx.arg(0);
+    let Some((tid, tgid)) = task_ids(task) else { return 0 };
+    if tid == 0 || !traced(tid, tgid) {
+        return 0;
+    }
+    let Some(slot) = thread_state(tid, true) else { return 0 };
+    let s = sched_of(slot);
+    if s.state == SLEEPING || s.state == BLOCKED || s.state == UNSEEN {
+        let t = now();
+        close_interval(s, t);
+        s.state = RUNNABLE;
+        s.since_ns = t;
+    }
+    0
+}
+
+/// The thread's snapshot now, from a probe on the thread itself (so it is on
+/// a CPU: its run in progress counts). A thread the scheduler programs have
+/// not seen yet starts here, running.
+#[inline(always)]
+pub(crate) fn snapshot(slot: *mut ThreadSlot, tgid: u32) -> SchedTimes {
+    if !enabled() {
+        return SchedTimes { cpu_ns: 0, runnable_ns: 0, sleep_ns: 0, blocked_ns: 0, process_cpu_ns: 0 };
+    }
+    let t = now();
+    let s = sched_of(slot);
+    if s.state != RUNNING {
+        // Unseen, or a switch-in lost to a race with a wakeup: it runs now.
+        close_interval(s, t);
+        s.state = RUNNING;
+        s.since_ns = t;
+    }
+    let running = t.saturating_sub(s.since_ns);
+    // SAFETY: a lookup whose value is copied at once.
+    let process = unsafe { PROCESS_SCHED.get(tgid) }.map_or(0, |p| p.cpu_ns);
+    SchedTimes {
+        cpu_ns: s.cpu_ns + running,
+        runnable_ns: s.runnable_ns,
+        sleep_ns: s.sleep_ns,
+        blocked_ns: s.blocked_ns,
+        process_cpu_ns: process + running,
+    }
+}

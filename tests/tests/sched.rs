@@ -1,0 +1,312 @@
+//! Why a step is slow (#24): each step's thread time by scheduler state, its
+//! host↔device copies, and its verdict, against a trainer whose steps spend
+//! known time in known ways and make copies of known sizes
+//! (tests/fixtures/sched_trainer.c, writing its own ground truth), through
+//! the genuine CUDA runtime and driver (no GPU: every call fails at once,
+//! the probes fire on the real code) and through the stand-ins; and real
+//! PyTorch loops with a slow DataLoader and with a CPU hog on their core.
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    process::{Child, Command},
+    time::Duration,
+};
+
+use integration_tests::*;
+
+/// How far apart the four scheduler columns' sum and the step's duration may
+/// be: each snapshot is read a few hundred ns after its record's stamp, and a
+/// preempted probe can widen that (docs/measurement.md).
+const SUM_BOUND_NS: i64 = 50_000;
+
+/// One step as the trainer measured it.
+#[derive(Debug)]
+struct TruthStep {
+    start_ns: i64,
+    cpu_ns: i64,
+}
+
+/// The trainer's steps, and its copies as (api, direction) -> (calls, bytes).
+fn read_truth(path: &Path) -> (Vec<TruthStep>, BTreeMap<(String, String), (i64, i64)>) {
+    let file = TruthFile::read(path);
+    let steps =
+        file.records("step").map(|r| TruthStep { start_ns: file.num(&r, 0), cpu_ns: file.num(&r, 2) }).collect();
+    let mut copies: BTreeMap<(String, String), (i64, i64)> = BTreeMap::new();
+    for r in file.records("copy") {
+        let e = copies.entry((r[0].to_owned(), r[1].to_owned())).or_default();
+        e.0 += 1;
+        e.1 += file.num::<i64>(&r, 2);
+    }
+    (steps, copies)
+}
+
+/// One step's scheduler, copy and verdict columns.
+#[derive(Debug)]
+struct Step {
+    start_ns: i64,
+    duration_ns: i64,
+    cpu_ns: Option<i64>,
+    runnable_ns: Option<i64>,
+    sleep_ns: Option<i64>,
+    blocked_ns: Option<i64>,
+    h2d: Option<i64>,
+    d2h: Option<i64>,
+    d2d: Option<i64>,
+    copy_calls: Option<i64>,
+    bound: Option<String>,
+}
+
+impl Step {
+    /// The four scheduler columns less the step's duration.
+    fn unaccounted_ns(&self) -> i64 {
+        let sum = [self.cpu_ns, self.runnable_ns, self.sleep_ns, self.blocked_ns].map(|v| v.expect("sched column"));
+        sum.iter().sum::<i64>() - self.duration_ns
+    }
+}
+
+fn db_steps(db: &Path, session: i64, label: &str) -> Vec<Step> {
+    open(db)
+        .prepare(
+            "SELECT start_ns, duration_ns, cpu_ns, runnable_ns, sleep_ns, blocked_ns, h2d_bytes, d2h_bytes,
+                    d2d_bytes, copy_calls, bound
+             FROM steps WHERE session_id = ?1 AND label = ?2 AND duration_ns IS NOT NULL ORDER BY step",
+        )
+        .expect("prepare")
+        .query_map(rusqlite::params![session, label], |r| {
+            Ok(Step {
+                start_ns: r.get(0)?,
+                duration_ns: r.get(1)?,
+                cpu_ns: r.get(2)?,
+                runnable_ns: r.get(3)?,
+                sleep_ns: r.get(4)?,
+                blocked_ns: r.get(5)?,
+                h2d: r.get(6)?,
+                d2h: r.get(7)?,
+                d2d: r.get(8)?,
+                copy_calls: r.get(9)?,
+                bound: r.get(10)?,
+            })
+        })
+        .expect("query")
+        .map(|r| r.expect("row"))
+        .collect()
+}
+
+/// The `copies` rows as (api, direction) -> (calls, bytes).
+fn db_copies(db: &Path, session: i64) -> BTreeMap<(String, String), (i64, i64)> {
+    open(db)
+        .prepare("SELECT api, direction, count(*), sum(bytes) FROM copies WHERE session_id = ?1 GROUP BY 1, 2")
+        .expect("prepare")
+        .query_map([session], |r| Ok(((r.get(0)?, r.get(1)?), (r.get(2)?, r.get(3)?))))
+        .expect("query")
+        .map(|r| r.expect("row"))
+        .collect()
+}
+
+/// A `profiler run` of the trainer, started once the profiler says it has
+/// probed `library` (a path's end), if one is named.
+struct Run {
+    db: PathBuf,
+    truth: PathBuf,
+    session: i64,
+    stderr: String,
+}
+
+fn run_trainer(name: &str, trainer: &[&str], profiler: &[&str], ld_path: &Path, libraries: &[&str]) -> Run {
+    let dir = workdir(name);
+    let (db, truth, go) = (dir.join("p.db"), dir.join("truth.txt"), dir.join("go"));
+    let mut args: Vec<String> = ["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--step-symbol", "train_step"]
+        .map(String::from)
+        .to_vec();
+    args.extend(profiler.iter().map(|s| s.to_string()));
+    args.push("--".into());
+    args.push(fixtures().join("sched_trainer").display().to_string());
+    args.extend(
+        ["--truth", truth.to_str().expect("utf-8"), "--wait-file", go.to_str().expect("utf-8")].map(String::from),
+    );
+    args.extend(trainer.iter().map(|s| s.to_string()));
+    let ld = ld_path.display().to_string();
+    let agent = Agent::start_with_env(&args, &[("LD_LIBRARY_PATH", &ld)], true);
+    for lib in libraries {
+        agent.wait_for(&format!("{lib} ("), Duration::from_secs(60));
+    }
+    std::fs::write(&go, b"").expect("write go file");
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "{stderr}");
+    let session = last_session(&db).id;
+    Run { db, truth, session, stderr }
+}
+
+/// The CUDA runtime from the PyTorch wheels (`libcudart.so.13` or `.12`).
+fn genuine_cudart() -> Option<PathBuf> {
+    for (_, python) in torch_pythons() {
+        let Some(venv) = python.parent().and_then(Path::parent) else { continue };
+        for packages in site_packages(venv) {
+            for rel in ["nvidia/cu13/lib/libcudart.so.13", "nvidia/cuda_runtime/lib/libcudart.so.12"] {
+                if packages.join(rel).exists() {
+                    return Some(packages.join(rel));
+                }
+            }
+        }
+    }
+    skip("no PyTorch environment with the CUDA runtime's libcudart (see `cargo xtask torch-env`)");
+    None
+}
+
+const SPIN_US: i64 = 3000;
+const SLEEP_US: i64 = 2000;
+
+#[test]
+fn a_steps_cpu_time_sleep_and_copies_match_the_trainers_own_through_the_genuine_runtime() {
+    let Some(cudart) = genuine_cudart() else { return };
+    let soname = cudart.file_name().and_then(|n| n.to_str()).expect("a file name").to_owned();
+    let (spin, sleep) = (SPIN_US.to_string(), SLEEP_US.to_string());
+    let trainer =
+        ["--steps", "12", "--spin-us", &spin, "--sleep-us", &sleep, "--cudart", cudart.to_str().expect("utf-8")];
+    let run = run_trainer("sched_genuine", &trainer, &[], &fixtures().join("nvidia/lib"), &["libcuda.so.1", &soname]);
+    let (truth, truth_copies) = read_truth(&run.truth);
+    let steps = db_steps(&run.db, run.session, "train");
+    assert_eq!(steps.len(), truth.len(), "{}", run.stderr);
+    for (t, s) in truth.iter().zip(&steps) {
+        assert!((s.start_ns - t.start_ns).abs() < 1_000_000, "step boundaries line up: {t:?} {s:?}");
+        let cpu = s.cpu_ns.expect("cpu_ns");
+        let err = (cpu - t.cpu_ns).abs() as f64 / t.cpu_ns as f64;
+        assert!(err < 0.10, "cpu_ns {cpu} within 10 % of the thread's own {} ns", t.cpu_ns);
+        let slept = s.sleep_ns.expect("sleep_ns") - SLEEP_US * 1000;
+        assert!((0..500_000).contains(&slept), "sleep_ns within 0.5 ms of the {SLEEP_US} µs sleep: {s:?}");
+        assert!(s.unaccounted_ns().abs() <= SUM_BOUND_NS, "the four add up to the duration: {s:?}");
+        // cudaMemcpy h2d 4096 + cudaMemcpy2D 64 x 8; cudaMemcpyAsync d2h 1000; cudaMemcpy d2d 333; a memset.
+        assert_eq!((s.h2d, s.d2h, s.d2d, s.copy_calls), (Some(4096 + 512), Some(1000), Some(333), Some(5)), "{s:?}");
+    }
+    // Every call once, as the runtime call (the runtime's calls fail before any driver copy).
+    assert_eq!(db_copies(&run.db, run.session), truth_copies);
+    let switches = count(&run.db, "SELECT context_switches FROM sessions WHERE id = ?1", run.session);
+    assert!(switches >= 12, "each step's sleep is a context switch: {switches}");
+}
+
+#[test]
+fn every_driver_copy_form_is_counted_once_and_a_runtime_copy_reaching_the_driver_once() {
+    let fx = fixtures();
+    let runtime = fx.join("libcudart.so.12");
+    let trainer = ["--steps", "3", "--spin-us", "200", "--sleep-us", "0", "--driver-forms"];
+    let trainer = [&trainer[..], &["--cudart", runtime.to_str().expect("utf-8")]].concat();
+    let run = run_trainer("sched_forms", &trainer, &[], &fx, &["libcuda.so.1", "libcudart.so.12"]);
+    let (_, truth_copies) = read_truth(&run.truth);
+    assert_eq!(truth_copies.len(), 73, "the trainer calls every driver form and the runtime's");
+    assert_eq!(db_copies(&run.db, run.session), truth_copies, "{}", run.stderr);
+    let steps = db_steps(&run.db, run.session, "train");
+    let per_step = |dir: &str| truth_copies.iter().filter(|((_, d), _)| d == dir).map(|(_, (_, b))| b).sum::<i64>();
+    let db_sum = |f: fn(&Step) -> Option<i64>| steps.iter().map(|s| f(s).expect("copy column")).sum::<i64>();
+    assert_eq!(db_sum(|s| s.h2d), per_step("h2d"));
+    assert_eq!(db_sum(|s| s.d2h), per_step("d2h"));
+    assert_eq!(db_sum(|s| s.d2d), per_step("d2d"));
+    assert_eq!(db_sum(|s| s.copy_calls), truth_copies.values().map(|(n, _)| n).sum::<i64>());
+}
+
+#[test]
+fn a_cpu_hog_on_the_trainers_core_is_runnable_time_and_the_steps_are_cpu_starved() {
+    let trainer = ["--steps", "15", "--spin-us", "4000", "--sleep-us", "500", "--hog"];
+    let run = run_trainer("sched_hog", &trainer, &[], &fixtures(), &[]);
+    let steps = db_steps(&run.db, run.session, "train");
+    assert_eq!(steps.len(), 15, "{}", run.stderr);
+    // The hog takes about half the core while the step spins: the step waits
+    // runnable for about as long as it runs.
+    let mut shares: Vec<f64> =
+        steps.iter().map(|s| s.runnable_ns.expect("runnable") as f64 / s.cpu_ns.expect("cpu") as f64).collect();
+    shares.sort_by(f64::total_cmp);
+    let median = shares[shares.len() / 2];
+    assert!((0.5..2.0).contains(&median), "runnable ≈ on-CPU time with a hog sharing the core: {shares:?}");
+    let starved = steps.iter().filter(|s| s.bound.as_deref() == Some("cpu-starved")).count();
+    assert!(starved * 10 >= steps.len() * 8, "most steps are cpu-starved: {steps:?}");
+    assert!(steps.iter().all(|s| s.unaccounted_ns().abs() <= SUM_BOUND_NS), "{steps:?}");
+    let preempted = count(&run.db, "SELECT preemptions FROM sessions WHERE id = ?1", run.session);
+    assert!(preempted > 0, "the hog preempts the trainer");
+}
+
+#[test]
+fn fsync_waits_are_blocked_time() {
+    let dir = workdir("sched_blocked_files");
+    let trainer = [
+        "--steps",
+        "8",
+        "--spin-us",
+        "500",
+        "--sleep-us",
+        "0",
+        "--fsync-kb",
+        "512",
+        "--fsync-dir",
+        dir.to_str().expect("utf-8"),
+    ];
+    let run = run_trainer("sched_blocked", &trainer, &[], &fixtures(), &[]);
+    let steps = db_steps(&run.db, run.session, "train");
+    assert_eq!(steps.len(), 8, "{}", run.stderr);
+    let blocked: i64 = steps.iter().map(|s| s.blocked_ns.expect("blocked")).sum();
+    assert!(blocked > 0, "fsync waits uninterruptibly: {steps:?}");
+    assert!(steps.iter().all(|s| s.unaccounted_ns().abs() <= SUM_BOUND_NS), "accounted: {steps:?}");
+}
+
+#[test]
+fn no_sched_leaves_the_scheduler_columns_null() {
+    let trainer = ["--steps", "3", "--spin-us", "200", "--sleep-us", "200"];
+    let run = run_trainer("sched_off", &trainer, &["--no-sched"], &fixtures(), &[]);
+    let steps = db_steps(&run.db, run.session, "train");
+    assert_eq!(steps.len(), 3, "{}", run.stderr);
+    assert!(steps.iter().all(|s| s.cpu_ns.is_none() && s.runnable_ns.is_none()), "{steps:?}");
+    let switches =
+        count(&run.db, "SELECT count(*) FROM sessions WHERE id = ?1 AND context_switches IS NULL", run.session);
+    assert_eq!(switches, 1);
+}
+
+/// A PyTorch loop under `profiler run`, pinned to CPU 0 (with a hog there when asked).
+fn torch_run(python: &Path, name: &str, extra: &[&str], hog: bool) -> (PathBuf, String) {
+    let dir = workdir(name);
+    let (db, truth) = (dir.join("p.db"), dir.join("truth.txt"));
+    let hog: Option<Child> = hog.then(|| {
+        Command::new("taskset").args(["-c", "0", "sh", "-c", "while :; do :; done"]).spawn().expect("start a hog")
+    });
+    let out = Command::new(profiler_bin())
+        .args(["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--", "taskset", "-c", "0"])
+        .arg(python)
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/torch_loop.py"))
+        .args(["--steps", "30", "--truth", truth.to_str().expect("utf-8")])
+        .args(extra)
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .expect("run profiler");
+    if let Some(mut h) = hog {
+        let _ = h.kill();
+        let _ = h.wait();
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stderr}");
+    (db, stderr)
+}
+
+/// Steps past the first few (import, first-batch and warm-up effects).
+fn settled(db: &Path) -> Vec<Step> {
+    let steps = db_steps(db, last_session(db).id, "train");
+    steps.into_iter().skip(3).collect()
+}
+
+#[test]
+fn a_pytorch_loop_with_a_slow_dataloader_is_data_bound() {
+    let Some(python) = torch_python("python3.11") else { return };
+    let (db, stderr) = torch_run(&python, "sched_torch_data", &["--batch-sleep-ms", "30"], false);
+    let steps = settled(&db);
+    assert!(steps.len() >= 20, "{stderr}");
+    let data = steps.iter().filter(|s| s.bound.as_deref() == Some("data")).count();
+    assert!(data * 10 >= steps.len() * 9, "a 30 ms sleep per batch: data-bound steps: {steps:?}");
+    assert!(steps.iter().all(|s| s.unaccounted_ns().abs() <= SUM_BOUND_NS), "{steps:?}");
+}
+
+#[test]
+fn a_pytorch_loop_sharing_its_core_with_a_hog_is_cpu_starved() {
+    let Some(python) = torch_python("python3.11") else { return };
+    let (db, stderr) = torch_run(&python, "sched_torch_hog", &["--width", "1024"], true);
+    let steps = settled(&db);
+    assert!(steps.len() >= 20, "{stderr}");
+    let starved = steps.iter().filter(|s| s.bound.as_deref() == Some("cpu-starved")).count();
+    assert!(starved * 10 >= steps.len() * 8, "most steps cpu-starved: {steps:?}");
+    assert!(steps.iter().all(|s| s.unaccounted_ns().abs() <= SUM_BOUND_NS), "{steps:?}");
+}
