@@ -22,7 +22,9 @@ use profiler_common::{
     copies::{ARG_NONE, ARG_STACK0, CopyForm, CopyLayout, CopyRecord, NO_KIND, layout_offsets as at},
 };
 
-use crate::{LOST_ORDERED, ORDERED_EVENTS, bump, cookie, entry_sp, map_failed, ordered_state, submit_flags, target_tid};
+use crate::{
+    LOST_ORDERED, ORDERED_EVENTS, bump, cookie, entry_sp, map_failed, ordered_state, submit_flags, target_tid,
+};
 
 /// A call in progress: its record, and its entry's stack pointer.
 #[repr(C)]

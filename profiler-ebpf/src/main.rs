@@ -30,9 +30,9 @@
 #![expect(internal_features, reason = "core::intrinsics::atomic_xadd: the BPF target has no AtomicU64::fetch_add")]
 
 mod blas;
+mod copies;
 mod frame_hook;
 mod nccl;
-mod copies;
 mod python;
 mod sched;
 mod torch;
@@ -953,7 +953,15 @@ fn write_ordered_record(
 ) {
     match ORDERED_EVENTS.reserve::<OrderedRecord>(0) {
         Some(mut entry) => {
-            entry.write(OrderedRecord { header: header(kind, tid), probe, seq, thread_launches, depth, _pad: 0, sched });
+            entry.write(OrderedRecord {
+                header: header(kind, tid),
+                probe,
+                seq,
+                thread_launches,
+                depth,
+                _pad: 0,
+                sched,
+            });
             entry.submit(submit_flags());
         }
         None => bump(&LOST_ORDERED),

@@ -114,6 +114,64 @@ pub fn verdict(e: &Evidence) -> Option<Bound> {
     })
 }
 
+/// Runs of steps with a verdict other than their label's most common one are
+/// named when at least this many steps long (shorter ones are noise).
+pub const MIN_RUN: u64 = 5;
+/// The most runs a summary names (the longest).
+pub const MAX_RUNS: usize = 3;
+
+/// Consecutive steps with the same verdict, other than the label's most common.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Run {
+    pub first: i64,
+    pub last: i64,
+    pub bound: Bound,
+    pub steps: u64,
+}
+
+/// How a label's steps were bound: each verdict's count (most common first)
+/// and the longest runs of another verdict.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Summary {
+    pub counts: Vec<(Bound, u64)>,
+    /// Steps with a verdict.
+    pub judged: u64,
+    pub runs: Vec<Run>,
+}
+
+/// The summary of `steps` ((step, verdict) in order), None when none has a verdict.
+pub fn summarize(steps: &[(i64, Option<Bound>)]) -> Option<Summary> {
+    let mut counts: Vec<(Bound, u64)> = Vec::new();
+    for b in steps.iter().filter_map(|(_, b)| *b) {
+        match counts.iter_mut().find(|(c, _)| *c == b) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((b, 1)),
+        }
+    }
+    counts.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let &(dominant, _) = counts.first()?;
+    let mut runs: Vec<Run> = Vec::new();
+    let mut current: Option<Run> = None;
+    for &(step, bound) in steps {
+        match (&mut current, bound) {
+            (Some(r), Some(b)) if r.bound == b => {
+                r.last = step;
+                r.steps += 1;
+            }
+            _ => {
+                runs.extend(current.take().filter(|r| r.steps >= MIN_RUN));
+                current =
+                    bound.filter(|b| *b != dominant).map(|bound| Run { first: step, last: step, bound, steps: 1 });
+            }
+        }
+    }
+    runs.extend(current.filter(|r| r.steps >= MIN_RUN));
+    runs.sort_by(|a, b| b.steps.cmp(&a.steps).then(a.first.cmp(&b.first)));
+    runs.truncate(MAX_RUNS);
+    runs.sort_by_key(|r| r.first);
+    Some(Summary { judged: counts.iter().map(|(_, n)| n).sum(), counts, runs })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -159,6 +217,21 @@ mod tests {
         let gpu = Evidence { duration_ns: 100, sync_wait_ns: Some(31), ..Default::default() };
         assert_eq!(verdict(&gpu), Some(Bound::Gpu));
         assert_eq!(verdict(&Evidence::default()), None, "a step of no length");
+    }
+
+    #[test]
+    fn a_summary_names_the_common_verdict_and_the_long_runs_of_others() {
+        let mut steps: Vec<(i64, Option<Bound>)> = (0..100).map(|i| (i, Some(Bound::Gpu))).collect();
+        for s in &mut steps[40..48] {
+            s.1 = Some(Bound::Data);
+        }
+        steps[60].1 = Some(Bound::Data); // one step: no run
+        steps[70].1 = None;
+        let s = summarize(&steps).expect("a summary");
+        assert_eq!(s.counts, vec![(Bound::Gpu, 90), (Bound::Data, 9)]);
+        assert_eq!(s.judged, 99);
+        assert_eq!(s.runs, vec![Run { first: 40, last: 47, bound: Bound::Data, steps: 8 }]);
+        assert_eq!(summarize(&[(0, None)]), None);
     }
 
     #[test]

@@ -26,12 +26,15 @@ struct TruthStep {
     cpu_ns: i64,
 }
 
-/// The trainer's steps, and its copies as (api, direction) -> (calls, bytes).
-fn read_truth(path: &Path) -> (Vec<TruthStep>, BTreeMap<(String, String), (i64, i64)>) {
+/// Copies as (api, direction) -> (calls, bytes).
+type Copies = BTreeMap<(String, String), (i64, i64)>;
+
+/// The trainer's steps, and its copies.
+fn read_truth(path: &Path) -> (Vec<TruthStep>, Copies) {
     let file = TruthFile::read(path);
     let steps =
         file.records("step").map(|r| TruthStep { start_ns: file.num(&r, 0), cpu_ns: file.num(&r, 2) }).collect();
-    let mut copies: BTreeMap<(String, String), (i64, i64)> = BTreeMap::new();
+    let mut copies = Copies::new();
     for r in file.records("copy") {
         let e = copies.entry((r[0].to_owned(), r[1].to_owned())).or_default();
         e.0 += 1;
@@ -93,7 +96,7 @@ fn db_steps(db: &Path, session: i64, label: &str) -> Vec<Step> {
 }
 
 /// The `copies` rows as (api, direction) -> (calls, bytes).
-fn db_copies(db: &Path, session: i64) -> BTreeMap<(String, String), (i64, i64)> {
+fn db_copies(db: &Path, session: i64) -> Copies {
     open(db)
         .prepare("SELECT api, direction, count(*), sum(bytes) FROM copies WHERE session_id = ?1 GROUP BY 1, 2")
         .expect("prepare")

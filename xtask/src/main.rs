@@ -166,6 +166,7 @@ fn c_fixtures() -> Result<()> {
     gcc(&[&common[..], &["-rdynamic", "-o", &out("trainer"), "trainer.c", "-ldl", "-lpthread"]].concat())?;
     gcc(&[&common[..], &["-o", &out("genuine_launch"), "genuine_launch.c", "-ldl"]].concat())?;
     gcc(&[&common[..], &["-rdynamic", "-o", &out("sched_trainer"), "sched_trainer.c", "-ldl"]].concat())?;
+    gcc(&[&common[..], &["-o", &out("bench_loop"), "bench_loop.c", "-ldl", "-lpthread"]].concat())?;
     gcc(&[&common[..], &["-rdynamic", "-o", &out("nccl_trainer"), "nccl_trainer.c", "-ldl"]].concat())?;
     // cuBLAS and cuBLASLt stand-ins (cuBLAS calls cuBLASLt, found next to it) and their trainer.
     so("libcublasLt.so.13", "fake_cublasLt.c", &[])?;

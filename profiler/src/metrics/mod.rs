@@ -108,6 +108,11 @@ const SYNC_SHARE: Spec = Spec {
     help: "The last step's share of time spent waiting on the GPU",
     unit: Some(("ratio", "1")),
 };
+const STEPS_BOUND: Spec = Spec {
+    name: "profiler_steps_bound",
+    help: "Steps ended, by verdict (`bound`: data, gpu, host-cpu, cpu-starved, ...; the rule in docs/measurement.md)",
+    unit: None,
+};
 const LAUNCHES: Spec = Spec { name: "profiler_launches", help: "CUDA kernel launches seen", unit: None };
 const GEMM_FLOPS: Spec = Spec {
     name: "profiler_gemm_flops",
@@ -151,6 +156,7 @@ struct Families {
     step_rate: GaugeFamily,
     sync_wait: CounterFamily,
     sync_share: GaugeFamily,
+    steps_bound: CounterFamily,
     launches: CounterFamily,
     gemm_flops: CounterFamily,
     last_step_flops_rate: GaugeFamily,
@@ -174,6 +180,7 @@ impl Families {
             step_rate: GaugeFamily::new(&STEP_RATE, r, m),
             sync_wait: CounterFamily::new(&SYNC_WAIT, r, m),
             sync_share: GaugeFamily::new(&SYNC_SHARE, r, m),
+            steps_bound: CounterFamily::new(&STEPS_BOUND, r, m),
             launches: CounterFamily::new(&LAUNCHES, r, m),
             gemm_flops: CounterFamily::new(&GEMM_FLOPS, r, m),
             last_step_flops_rate: GaugeFamily::new(&LAST_STEP_FLOPS_RATE, r, m),

@@ -5,7 +5,12 @@ use super::{
     Families, SeriesLabels,
     series::{Labels, LiveCounter, LiveGauge, LiveHistogram},
 };
-use crate::{correlate::mfu::Precision, probes::KernelCounters, store::StepRow};
+use crate::{
+    correlate::mfu::Precision,
+    probes::KernelCounters,
+    store::StepRow,
+    verdict::{Bound, Evidence, verdict},
+};
 
 /// The process's GPUs' summed dense peak, FLOP/s, at a precision; None when
 /// a GPU or the precision is unknown (no GPU, a name the peak table lacks).
@@ -25,6 +30,26 @@ pub struct FlopsAt {
 /// The rate gauge is recomputed once this much time has passed.
 const RATE_WINDOW_S: f64 = 1.0;
 
+/// A step's verdict from what is known when it ends: its columns but NCCL
+/// time, which the store sums from the `collectives` rows at the session's end
+/// (live, a communication-bound step counts under the next rule that holds).
+fn live_verdict(r: &StepRow) -> Option<Bound> {
+    let end = r.end_ns?;
+    let sched = r.sched;
+    verdict(&Evidence {
+        duration_ns: end.saturating_sub(r.start_ns),
+        inter_step_ns: r.inter_step_ns,
+        data_wait_ns: r.phases.map(|p| p.data_wait_ns),
+        collective_ns: None,
+        sync_wait_ns: r.sync_wait_ns,
+        copy_ns: Some(r.copies.ns),
+        h2d_bytes: Some(r.copies.h2d_bytes),
+        runnable_ns: sched.map(|s| s.runnable_ns),
+        blocked_ns: sched.map(|s| s.blocked_ns),
+        cpu_ns: sched.map(|s| s.cpu_ns),
+    })
+}
+
 /// One step label's series.
 struct StepSeries {
     steps: LiveCounter,
@@ -36,6 +61,8 @@ struct StepSeries {
     flops_rate: LiveGauge,
     /// Made with the first MFU known: absent, not 0, where it never is.
     mfu: Option<LiveGauge>,
+    /// Steps by verdict, each made with its first step.
+    bound: HashMap<Bound, LiveCounter>,
     /// Its series' labels (the MFU gauge's when it is made).
     labels: Labels,
     /// Steps ended since `since` (for the rate gauge).
@@ -58,6 +85,7 @@ impl StepSeries {
             sync_share: f.sync_share.series(&l),
             flops_rate: f.last_step_flops_rate.series(&l),
             mfu: None,
+            bound: HashMap::new(),
             labels: l,
             ended: 0,
             ever: false,
@@ -151,6 +179,17 @@ impl SessionMetrics {
                 // Unknown for this step (no peak for its GPUs or precision): not the last one's figure.
                 None if step.is_some() => s.mfu.iter().for_each(|g| g.set(f64::NAN)),
                 None => {}
+            }
+            if let Some(b) = live_verdict(r) {
+                let (family, labels) = (&families.steps_bound, &s.labels);
+                s.bound
+                    .entry(b)
+                    .or_insert_with(|| {
+                        let mut l = labels.clone();
+                        l.push(("bound", b.as_str().to_owned()));
+                        family.series(&l)
+                    })
+                    .add(1.0);
             }
             s.steps.add(1.0);
             s.ended += 1;

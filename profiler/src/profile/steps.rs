@@ -13,6 +13,15 @@ pub struct StepRow {
     pub sync_wait_ns: Option<i64>,
     pub data_wait_ns: Option<i64>,
     pub optimizer_ns: Option<i64>,
+    /// Where the thread's time went (NULL without scheduler tracing).
+    pub cpu_ns: Option<i64>,
+    pub runnable_ns: Option<i64>,
+    pub blocked_ns: Option<i64>,
+    /// Host time in copies and memsets.
+    pub copy_ns: Option<i64>,
+    pub collective_ns: Option<i64>,
+    /// `steps.bound`, the step's verdict.
+    pub bound: Option<String>,
 }
 
 /// Every step of the session, each label's in start order (the order
@@ -20,7 +29,7 @@ pub struct StepRow {
 pub fn load_steps(db: &ProfileDb, session: i64) -> anyhow::Result<Vec<StepRow>> {
     let mut q = db.conn.prepare(
         "SELECT label, step, start_ns, end_ns, duration_ns, inter_step_ns, launches, sync_wait_ns, data_wait_ns,
-                optimizer_ns
+                optimizer_ns, cpu_ns, runnable_ns, blocked_ns, copy_ns, collective_ns, bound
          FROM steps WHERE session_id = ?1 ORDER BY 1, start_ns, step",
     )?;
     let rows = q
@@ -36,6 +45,12 @@ pub fn load_steps(db: &ProfileDb, session: i64) -> anyhow::Result<Vec<StepRow>> 
                 sync_wait_ns: r.get(7)?,
                 data_wait_ns: r.get(8)?,
                 optimizer_ns: r.get(9)?,
+                cpu_ns: r.get(10)?,
+                runnable_ns: r.get(11)?,
+                blocked_ns: r.get(12)?,
+                copy_ns: r.get(13)?,
+                collective_ns: r.get(14)?,
+                bound: r.get(15)?,
             })
         })?
         .collect::<rusqlite::Result<_>>()?;

@@ -10,6 +10,7 @@ mod harness;
 mod jobs;
 mod launch;
 mod python;
+mod sched;
 mod torch;
 
 use std::path::{Path, PathBuf};
@@ -20,14 +21,15 @@ use anyhow::{Result, bail};
 type Table = fn(&Path) -> Result<()>;
 
 /// The tables that run alone by name (`cargo xtask bench NAME`).
-const PARTS: [(&str, Table); 4] = [
+const PARTS: [(&str, Table); 5] = [
     ("torch", torch::torch_table),
+    ("sched", sched::sched_table),
     ("frame-hook", frame_hook::frame_hook_table),
     ("flops", flops::flops_table),
     ("jobs", jobs::jobs_table),
 ];
 
-/// The tables; `only`: `torch`, `frame-hook`, `flops` or `jobs`, that one alone.
+/// The tables; `only`: one of [`PARTS`], that one alone.
 pub fn main(only: Option<&str>) -> Result<()> {
     if !crate::root::is_root() {
         bail!(

@@ -118,10 +118,13 @@ struct Attached {
     db: PathBuf,
 }
 
-/// Attaches for `WINDOW_S` (the profiler stops itself) and waits for it to be gone.
-fn attached(pid: u32, db: PathBuf) -> Result<Attached> {
+/// Attaches for `WINDOW_S` (the profiler stops itself, `extra` its further
+/// flags) and waits for it to be gone.
+fn attached(pid: u32, db: PathBuf, extra: &[&str]) -> Result<Attached> {
     let began = monotonic_ns();
-    let agent = harness::attach_agent(pid, &["--no-gpu", "--duration", &WINDOW_S.to_string()], &db)?;
+    let duration = WINDOW_S.to_string();
+    let args = [&["--no-gpu", "--duration", &duration][..], extra].concat();
+    let agent = harness::attach_agent(pid, &args, &db)?;
     let start = monotonic_ns();
     harness::wait_rusage(&agent)?;
     let end = monotonic_ns().min(start + WINDOW_S as i64 * 1_000_000_000);
@@ -136,7 +139,8 @@ struct Rounds {
     attached: Vec<Attached>,
 }
 
-/// Runs the loop through `ROUNDS` attached windows, each between two detached ones.
+/// Runs the loop through `ROUNDS` rounds of two attached windows (with the
+/// scheduler programs, then with `--no-sched`), each between two detached ones.
 fn run_rounds(python: &Path, work: &Path) -> Result<Rounds> {
     let running = start_loop(python, work)?;
     // Past the first steps' warm-up (allocator, DataLoader workers' start).
@@ -145,8 +149,10 @@ fn run_rounds(python: &Path, work: &Path) -> Result<Rounds> {
     let mut detached = vec![Window::detached()];
     let mut rounds = Vec::new();
     for round in 0..ROUNDS {
-        say(format!("bench: PyTorch round {}/{ROUNDS}: attached, then detached", round + 1));
-        rounds.push(attached(pid, work.join(format!("torch_bench_{round}.db")))?);
+        say(format!("bench: PyTorch round {}/{ROUNDS}: attached, detached, attached --no-sched, detached", round + 1));
+        rounds.push(attached(pid, work.join(format!("torch_bench_{round}.db")), &[])?);
+        detached.push(Window::detached());
+        rounds.push(attached(pid, work.join(format!("torch_bench_{round}_nosched.db")), &["--no-sched"])?);
         detached.push(Window::detached());
     }
     drop(running);
@@ -217,7 +223,11 @@ pub fn torch_table(work: &Path) -> Result<()> {
         let first = db_steps(&a.db)?.first().map(|&(_, e)| e).context("no step recorded after attach")?;
         attach.push((first - a.began) as f64 / 1e9);
     }
-    let (ratios, off, on) = ratios(&r);
+    let (all_ratios, off, all_on) = ratios(&r);
+    // Even windows traced the scheduler, odd ones ran with --no-sched.
+    let every_other = |v: &[f64], odd: usize| v.iter().skip(odd).step_by(2).copied().collect::<Vec<f64>>();
+    let (ratios, no_sched) = (every_other(&all_ratios, 0), every_other(&all_ratios, 1));
+    let on = every_other(&all_on, 0);
     println!();
     println!(
         "PyTorch {} steps from record_function markers ({name}, AdamW + DataLoader on CPU, one loop: \
@@ -239,6 +249,11 @@ pub fn torch_table(work: &Path) -> Result<()> {
         (
             "attached ÷ detached (min … max)",
             format!("{:.3} … {:.3}", percentile(ratios.clone(), 0), percentile(ratios, 100)),
+        ),
+        ("attached --no-sched ÷ detached (median)", format!("{:.3}", percentile(no_sched.clone(), 50))),
+        (
+            "attached --no-sched ÷ detached (min … max)",
+            format!("{:.3} … {:.3}", percentile(no_sched.clone(), 0), percentile(no_sched, 100)),
         ),
         ("attach → first step recorded (median)", format!("{:.3} s", percentile(attach.clone(), 50))),
         ("attach → first step recorded (max)", format!("{:.3} s", percentile(attach, 100))),

@@ -12,6 +12,7 @@ use crate::profile::{
     sessions::{self, CapabilityRow, SessionInfo},
     steps::{StepRow, load_steps},
 };
+use crate::verdict::{Bound, summarize};
 
 /// Version of the JSON shape below; bumped only when a field changes meaning
 /// or goes away (new fields may be added without a bump).
@@ -133,6 +134,101 @@ pub struct LabelReport {
     pub mfu_pct: Option<Percentiles>,
     /// Per step, the mean `step_gpu.mfu_gpm_pct` over its GPUs (an estimate from NVML GPM).
     pub mfu_gpm_pct: Option<Percentiles>,
+    /// What bound the measured steps (`steps.bound`); None when none has a verdict.
+    pub bound: Option<BoundReport>,
+}
+
+/// A label's verdicts: each one's share, and the long runs of steps bound otherwise.
+#[derive(Debug, Serialize)]
+pub struct BoundReport {
+    /// Most common first.
+    pub verdicts: Vec<BoundShare>,
+    pub runs: Vec<BoundRun>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct BoundShare {
+    pub verdict: &'static str,
+    pub steps: u64,
+    /// Of the steps with a verdict.
+    pub pct: f64,
+    /// The p50, over these steps, of the column the verdict rests on.
+    pub evidence: Option<BoundEvidence>,
+}
+
+/// Consecutive steps (by number) with the same verdict, other than the label's most common.
+#[derive(Debug, Serialize)]
+pub struct BoundRun {
+    pub first_step: i64,
+    pub last_step: i64,
+    pub verdict: &'static str,
+    pub evidence: Option<BoundEvidence>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct BoundEvidence {
+    /// What was measured: `data wait`, `sync wait`, `on CPU`, …
+    pub name: &'static str,
+    pub p50_ms: f64,
+}
+
+/// The column a verdict rests on, and what the report calls it.
+fn evidence_of(bound: Bound, s: &StepRow) -> (&'static str, Option<i64>) {
+    match bound {
+        Bound::Data => ("data wait", s.data_wait_ns),
+        Bound::Communication => ("NCCL", s.collective_ns),
+        Bound::Gpu => ("sync wait", s.sync_wait_ns),
+        Bound::InputCopy => ("copies", s.copy_ns),
+        Bound::CpuStarved => ("runnable", s.runnable_ns),
+        Bound::Blocked => ("blocked", s.blocked_ns),
+        Bound::HostCpu | Bound::Mixed => ("on CPU", s.cpu_ns),
+    }
+}
+
+/// The p50 of the verdict's evidence over `steps`.
+fn evidence(bound: Bound, steps: &[&StepRow]) -> Option<BoundEvidence> {
+    let mut name = "";
+    let values = steps
+        .iter()
+        .filter_map(|s| {
+            let (n, v) = evidence_of(bound, s);
+            name = n;
+            v.map(|v| v as f64 / 1e6)
+        })
+        .collect();
+    Percentiles::of(values).map(|p| BoundEvidence { name, p50_ms: p.p50 })
+}
+
+fn bound_report(used: &[&StepRow]) -> Option<BoundReport> {
+    let judged: Vec<(&StepRow, Option<Bound>)> =
+        used.iter().map(|s| (*s, s.bound.as_deref().and_then(Bound::parse))).collect();
+    let summary = summarize(&judged.iter().map(|(s, b)| (s.step, *b)).collect::<Vec<_>>())?;
+    let with = |b: Bound| judged.iter().filter(|(_, v)| *v == Some(b)).map(|(s, _)| *s).collect::<Vec<_>>();
+    let verdicts = summary
+        .counts
+        .iter()
+        .map(|&(b, n)| BoundShare {
+            verdict: b.as_str(),
+            steps: n,
+            pct: 100.0 * n as f64 / summary.judged as f64,
+            evidence: evidence(b, &with(b)),
+        })
+        .collect();
+    let runs = summary
+        .runs
+        .iter()
+        .map(|r| {
+            let inside: Vec<&StepRow> =
+                with(r.bound).into_iter().filter(|s| (r.first..=r.last).contains(&s.step)).collect();
+            BoundRun {
+                first_step: r.first,
+                last_step: r.last,
+                verdict: r.bound.as_str(),
+                evidence: evidence(r.bound, &inside),
+            }
+        })
+        .collect();
+    Some(BoundReport { verdicts, runs })
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -375,6 +471,7 @@ fn label_figures(name: &str, rows: &[StepRow], used: &[&StepRow], skip: u64) -> 
         tflops_per_s: None,
         mfu_pct: None,
         mfu_gpm_pct: None,
+        bound: bound_report(used),
     }
 }
 

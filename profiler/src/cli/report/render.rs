@@ -236,7 +236,34 @@ fn render_label(o: &mut String, l: &LabelReport) {
         .sync_wait_share
         .map_or_else(|| format!("{ABSENT:>12}  (not recorded)"), |v| format!("{:>11.1}%  of step time", 100.0 * v));
     let _ = writeln!(o, "  {:<18}{sync}", "sync wait");
+    render_bound(o, l);
     render_energy(o, l);
+}
+
+/// The label's verdicts: `87.0% gpu (sync wait p50 12.1 ms), 13.0% data`, then
+/// the long runs of steps bound otherwise.
+fn render_bound(o: &mut String, l: &LabelReport) {
+    let Some(b) = &l.bound else {
+        let _ = writeln!(o, "  {:<18}{ABSENT:>12}  (no verdicts: see docs/measurement.md)", "bound by");
+        return;
+    };
+    let evidence = |e: &Option<super::build::BoundEvidence>| {
+        e.as_ref().map_or(String::new(), |e| format!(" ({} p50 {:.1} ms)", e.name, e.p50_ms))
+    };
+    let shares: Vec<String> = b
+        .verdicts
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let why = if i == 0 { evidence(&v.evidence) } else { String::new() };
+            format!("{:.0}% {}{why}", v.pct, v.verdict)
+        })
+        .collect();
+    let _ = writeln!(o, "{}", fit(&format!("  {:<18}{}", "bound by", shares.join(", ")), WIDTH));
+    for r in &b.runs {
+        let line = format!("  {:<18}steps {}–{} {}{}", "", r.first_step, r.last_step, r.verdict, evidence(&r.evidence));
+        let _ = writeln!(o, "{}", fit(&line, WIDTH));
+    }
 }
 
 fn render_energy(o: &mut String, l: &LabelReport) {
@@ -305,7 +332,7 @@ fn render_kernels(o: &mut String, kernels: Option<&[TopKernel]>) {
 #[cfg(test)]
 mod tests {
     use super::{
-        super::build::{GpuEnergy, REPORT_VERSION},
+        super::build::{BoundEvidence, BoundReport, BoundRun, BoundShare, GpuEnergy, REPORT_VERSION},
         *,
     };
     use crate::profile::sessions::SessionInfo;
@@ -342,6 +369,23 @@ mod tests {
             tflops_per_s: Some(p(1234.5)),
             mfu_pct: Some(p(45.6)),
             mfu_gpm_pct: Some(p(38.9)),
+            bound: Some(BoundReport {
+                verdicts: vec![
+                    BoundShare {
+                        verdict: "gpu",
+                        steps: 87,
+                        pct: 87.0,
+                        evidence: Some(BoundEvidence { name: "sync wait", p50_ms: 12.25 }),
+                    },
+                    BoundShare { verdict: "data", steps: 13, pct: 13.0, evidence: None },
+                ],
+                runs: vec![BoundRun {
+                    first_step: 1200,
+                    last_step: 1260,
+                    verdict: "data",
+                    evidence: Some(BoundEvidence { name: "data wait", p50_ms: 41.0 }),
+                }],
+            }),
         };
         let gpu = |gpu: i64, name: &str| GpuEnergy { gpu, name: Some(name.into()), energy: stat(61.5) };
         let cap = |source: &str, metric: &str, reason: Option<&str>| CapabilityRow {

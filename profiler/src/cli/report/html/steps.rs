@@ -107,27 +107,29 @@ impl LabelSteps<'_> {
         Ok(())
     }
 
-    /// Data-loader wait and optimizer time stacked with the rest of the step
-    /// (PyTorch steps only).
+    /// Where each step's time went, stacked (see [`time_parts`]): drawn when
+    /// the steps have any of the columns beyond their duration.
     pub fn phases(&self, page: &mut Page) -> anyhow::Result<()> {
-        if !self.rows.iter().any(|s| s.data_wait_ns.is_some() || s.optimizer_ns.is_some()) {
+        let any = |s: &&StepRow| {
+            [s.data_wait_ns, s.copy_ns, s.sync_wait_ns, s.collective_ns, s.cpu_ns].iter().any(Option::is_some)
+        };
+        if !self.rows.iter().any(any) {
             return Ok(());
         }
         let id = format!("{}-phases", self.anchor);
         let title = format!("Where step time goes ({})", self.figures.label);
-        let names = ["data-loader wait", "optimizer", "rest of the step"];
         let done: Vec<(usize, &StepRow)> =
             self.rows.iter().copied().enumerate().filter(|(_, s)| s.duration_ns.is_some()).collect();
-        let bars = mean_bars(&done, |s| {
-            let (d, o) = (s.data_wait_ns.map(ms), s.optimizer_ns.map(ms));
-            let rest = s.duration_ns.map(ms).map(|t| (t - d.unwrap_or(0.0) - o.unwrap_or(0.0)).max(0.0));
-            (vec![d, o, rest], None)
-        });
-        let desc = "Per step, bottom to top: data-loader wait, optimizer, the rest of the step, in ms.".to_owned();
+        let bars = mean_bars(&done, |s| (time_parts(s), None));
+        let desc = format!(
+            "Per step, bottom to top: {}, in ms; each part takes what the ones below it leave of the step \
+             (a wait spent spinning on a CPU counts once, as the wait).",
+            TIME_PARTS.join(", ")
+        );
         let frame = self.frame(&id, &title, "time (ms)", desc);
         if let Some(svg) = stacked_bars(&frame, &bars, self.warmup())? {
             let note = per_bar_note(done.len(), bars.len());
-            page.figure(&Figure { id, title, svg, legend: stack_legend(&names), note });
+            page.figure(&Figure { id, title, svg, legend: stack_legend(&TIME_PARTS), note });
         }
         Ok(())
     }
@@ -274,6 +276,29 @@ fn per_bar_note(steps: usize, bars: usize) -> Option<String> {
 /// Bars over `steps` ((ordinal, step) in start order): one per step, or the
 /// per-step mean of each part over a run of steps when there are more than
 /// [`BARS`]. `parts` gives a step's parts and its error bound.
+/// The parts of a step's time the HTML report stacks, bottom to top.
+const TIME_PARTS: [&str; 8] =
+    ["data-loader wait", "copies", "sync wait", "NCCL", "runnable", "blocked", "on CPU", "remainder"];
+
+/// A step's [`TIME_PARTS`] in ms: each column in turn, up to what the ones
+/// before it leave of the step's duration (waits and on-CPU time overlap: a
+/// spinning sync is both), then what is left; a NULL column is no part.
+fn time_parts(s: &StepRow) -> Vec<Option<f64>> {
+    let total = s.duration_ns.map_or(0.0, ms);
+    let mut left = total;
+    let mut take = |v: Option<i64>| {
+        v.map(|v| {
+            let part = ms(v).min(left).max(0.0);
+            left -= part;
+            part
+        })
+    };
+    let columns = [s.data_wait_ns, s.copy_ns, s.sync_wait_ns, s.collective_ns, s.runnable_ns, s.blocked_ns, s.cpu_ns];
+    let mut parts: Vec<Option<f64>> = columns.into_iter().map(&mut take).collect();
+    parts.push(Some(left.max(0.0)));
+    parts
+}
+
 fn mean_bars(steps: &[(usize, &StepRow)], parts: impl Fn(&StepRow) -> (Vec<Option<f64>>, Option<f64>)) -> Vec<Bar> {
     let mut bars = Vec::new();
     for run in chunks(steps, BARS) {
