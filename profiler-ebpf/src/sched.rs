@@ -174,13 +174,14 @@ pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
     }
     let next: *const u8 = ctx.arg(2);
     let Some((next_tid, next_tgid)) = task_ids(next) else { return 0 };
-    if next_tid != 0 && traced(next_tid, next_tgid) {
-        if let Some(slot) = thread_state(next_tid, true) {
-            let s = sched_of(slot);
-            close_interval(s, t);
-            s.state = RUNNING;
-            s.since_ns = t;
-        }
+    if next_tid != 0
+        && traced(next_tid, next_tgid)
+        && let Some(slot) = thread_state(next_tid, true)
+    {
+        let s = sched_of(slot);
+        close_interval(s, t);
+        s.state = RUNNING;
+        s.since_ns = t;
     }
     0
 }
