@@ -51,22 +51,24 @@ fn start(mode: &str, stamps: &Path) -> Result<Loop> {
     Ok(running)
 }
 
-/// `(ns, iterations)` stamps of a loop's file.
-fn read_stamps(path: &Path) -> Result<Vec<(i64, i64)>> {
+/// A loop's stamps: (previous stretch's end, next stretch's start, iterations), ns.
+type Stamps = Vec<(i64, i64, i64)>;
+
+fn read_stamps(path: &Path) -> Result<Stamps> {
     let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
-    let parse = |l: &str| -> Option<(i64, i64)> {
+    let parse = |l: &str| -> Option<(i64, i64, i64)> {
         let mut f = l.strip_prefix("stamp ")?.split_whitespace().map(|v| v.parse().ok());
-        Some((f.next()??, f.next()??))
+        Some((f.next()??, f.next()??, f.next()??))
     };
     Ok(text.lines().filter_map(parse).collect())
 }
 
-/// The median ns per iteration between consecutive stamps inside `[start, end]`.
-fn per_iteration(stamps: &[(i64, i64)], (start, end): (i64, i64)) -> f64 {
+/// The median ns per iteration of the stretches inside `[start, end]`.
+fn per_iteration(stamps: &Stamps, (start, end): (i64, i64)) -> f64 {
     let v: Vec<f64> = stamps
         .windows(2)
-        .filter(|p| p[0].0 >= start && p[1].0 <= end)
-        .map(|p| (p[1].0 - p[0].0) as f64 / (p[1].1 - p[0].1).max(1) as f64)
+        .filter(|p| p[0].1 >= start && p[1].0 <= end)
+        .map(|p| (p[1].0 - p[0].1) as f64 / (p[1].2 - p[0].2).max(1) as f64)
         .collect();
     if v.is_empty() { f64::NAN } else { median(v) }
 }
@@ -84,13 +86,14 @@ fn rounds(stamps: &Path, pid: u32, args: &[&str], work: &Path) -> Result<(f64, V
     let mut detached = vec![sleep_window()];
     let mut attached = Vec::new();
     let duration = WINDOW_S.to_string();
-    let mut all: Vec<&str> = vec!["--no-gpu", "--quiet", "--duration", &duration];
+    let mut all: Vec<&str> = vec!["--no-gpu", "--duration", &duration];
     all.extend(args);
     for _ in 0..ROUNDS {
         let agent = harness::attach_agent(pid, &all, &work.join("sched_bench.db"))?;
         let start = monotonic_ns();
         harness::wait_rusage(&agent)?;
         attached.push((start, monotonic_ns().min(start + WINDOW_S as i64 * 1_000_000_000)));
+        harness::wait_until_detached();
         detached.push(sleep_window());
     }
     let s = read_stamps(stamps)?;
@@ -107,13 +110,17 @@ pub fn sched_table(work: &Path) -> Result<()> {
     ));
     let switch_stamps = work.join("switch.txt");
     let switcher = start("--switch", &switch_stamps)?;
+    say("bench: context switches of a traced thread");
     let (switch_ns, traced) = rounds(&switch_stamps, switcher.0.id(), &[], &work)?;
+    say("bench: context switches of a traced thread, --no-sched");
     let (_, untraced_off) = rounds(&switch_stamps, switcher.0.id(), &["--no-sched"], &work)?;
     let idle = start("--idle", &work.join("idle.txt"))?;
+    say("bench: context switches of an untraced thread (the profiler attached to an idle process)");
     let (_, untraced) = rounds(&switch_stamps, idle.0.id(), &[], &work)?;
     drop((switcher, idle));
     let copy_stamps = work.join("copy.txt");
     let copier = start("--copy", &copy_stamps)?;
+    say("bench: copy calls");
     let (copy_ns, copy_cost) = rounds(&copy_stamps, copier.0.id(), &[], &work)?;
     drop(copier);
     // Two context switches per round trip.
