@@ -28,6 +28,7 @@
 
 mod blas;
 mod frame_hook;
+mod jax;
 mod nccl;
 mod python;
 mod torch;

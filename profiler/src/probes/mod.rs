@@ -8,6 +8,7 @@
 pub mod blas;
 pub mod cuda;
 pub mod elf;
+pub mod jax;
 mod job;
 pub mod loader;
 pub mod maps;
@@ -477,6 +478,7 @@ fn program_names() -> impl Iterator<Item = &'static str> {
         .chain(torch::programs())
         .chain(nccl::programs())
         .chain(blas::programs())
+        .chain(jax::programs())
 }
 
 /// Maps a file read-only (libraries can be a gigabyte; callers touch only

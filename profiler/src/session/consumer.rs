@@ -2,6 +2,7 @@
 //! sync waits to the step their thread is in, and hands the rows to the store's writer in batches.
 mod blas;
 mod collectives;
+mod jax;
 mod regions;
 
 use std::collections::HashMap;
@@ -52,6 +53,8 @@ pub(super) struct Consumer {
     collectives: Vec<crate::store::CollectiveRow>,
     /// cuBLAS/cuBLASLt descriptors, GEMM rows not yet sent and per-step sums.
     gemms: blas::GemmState,
+    /// JAX's jitted calls in flight and rows not yet sent.
+    jax: jax::JaxState,
 }
 
 /// What the consumer counted, for the summary line, once it is closed.
@@ -85,6 +88,7 @@ impl Consumer {
             live: None,
             collectives: Vec::new(),
             gemms: blas::GemmState::default(),
+            jax: jax::JaxState::default(),
         }
     }
 
@@ -112,6 +116,8 @@ impl Consumer {
             Ok(Event::RegionExit(r)) => self.region_event(r, false),
             Ok(Event::Collective(c)) => self.collective(&c),
             Ok(Event::Blas(b)) => self.blas(&b),
+            Ok(Event::JitEnter(j)) => self.jit_event(j, true),
+            Ok(Event::JitExit(j)) => self.jit_event(j, false),
             Ok(Event::SyncEnter(e)) => {
                 self.sequence(&e, DepthChange::None);
                 let step = self.tracker.current_step(e.tid);
@@ -122,6 +128,7 @@ impl Consumer {
                 self.sequence(&e, DepthChange::None);
                 self.open_syncs.remove(&e.tid);
                 self.regions_thread_exited(e.tid);
+                self.jit_thread_exited(e.tid);
                 for s in self.tracker.thread_exited(e.tid) {
                     self.store_open_step(s);
                 }
@@ -259,6 +266,7 @@ impl Consumer {
             self.writer.send(StoreMsg::Kernels(kernels));
         }
         self.flush_regions();
+        self.flush_jit_calls();
         self.flush_collectives();
         self.flush_gemms();
     }
@@ -282,6 +290,7 @@ impl Consumer {
     /// NULL), flushes, and returns its totals, to finish the session.
     pub fn close(mut self) -> ConsumerTotals {
         self.kernels.name_runtime_stubs(self.pid);
+        self.finish_jit();
         for s in self.tracker.open_steps() {
             self.store_open_step(s);
         }

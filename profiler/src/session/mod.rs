@@ -14,6 +14,7 @@ macro_rules! say {
 mod attach;
 mod blas;
 mod config;
+mod jax;
 mod consumer;
 mod drain;
 mod event_loop;
@@ -73,6 +74,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
 
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer.sender(), steps.labels.clone(), steps.regions.clone(), target.pid);
+    consumer.use_jit_steps(steps.jax.clone(), cfg.quiet);
     consumer.keep_gemm_rows(cfg.launch_mode == LaunchMode::All);
     let watcher = LibraryWatcher::new(target.pid, torch::TorchWatch::new(&cfg, &steps.regions));
     let ctx = JobContext {
@@ -81,6 +83,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         sender: writer.sender(),
         labels: steps.labels.clone(),
         regions: steps.regions.clone(),
+        jax: steps.jax.clone(),
         gpus: sampled,
         nvml_processes,
         gpu_peaks,

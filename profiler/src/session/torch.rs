@@ -20,7 +20,7 @@ const OPTIMIZER_LABEL: &str = "train";
 /// Adds the region step sources to the step tracker's labels (their probe
 /// ids follow the named sources'), and says where steps will come from.
 pub(super) fn step_sources(cfg: &SessionConfig, labels: &mut Vec<&'static str>) -> RegionSteps {
-    let named = !(cfg.steps.is_empty() && cfg.python_steps.is_empty() && cfg.step_regions.is_empty());
+    let named = super::jax::named_sources(cfg);
     let mut sources = RegionSteps::default();
     if cfg.step_mode.optimizer_steps(named) {
         sources.optimizer = Some(labels.len() as u32);

@@ -74,6 +74,9 @@ pub(super) fn derive_all(
     if let Err(e) = super::collectives::write_step_collectives(tx, session_id) {
         stats.first_error.get_or_insert_with(|| format!("computing per-step collective figures: {e}"));
     }
+    if let Err(e) = super::jax::write_step_dispatch(tx, session_id) {
+        stats.first_error.get_or_insert_with(|| format!("computing JAX steps' dispatch times: {e}"));
+    }
     Ok(())
 }
 

@@ -7,6 +7,7 @@
 mod collectives;
 mod finish;
 mod gemms;
+mod jax;
 mod job;
 mod merge;
 pub mod rows;
@@ -27,7 +28,7 @@ pub use self::{
     gemms::{GemmRow, StepGemms},
     merge::{MergeInput, MergeSummary, merge_into},
     rows::{
-        AtFinish, Capability, CollectiveRow, GpmReadings, GpuRow, GpuSampleRow, KernelRow, LaunchRow, Losses,
+        AtFinish, Capability, CollectiveRow, GpmReadings, GpuRow, GpuSampleRow, JitCallRow, KernelRow, LaunchRow, Losses,
         ProbedFileRow, RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepRow, SyncRow, SystemSampleRow,
     },
     schema::{SCHEMA_VERSION, quoted},
@@ -195,6 +196,8 @@ pub enum StoreMsg {
     Regions(Vec<RegionRow>),
     /// NCCL calls.
     Collectives(Vec<CollectiveRow>),
+    /// Calls of `jax.jit` functions.
+    JitCalls(Vec<JitCallRow>),
     Kernels(Vec<KernelRow>),
     ProbedFile(ProbedFileRow),
     /// The sampled GPUs, once at the start.

@@ -116,6 +116,7 @@ pub(super) fn write_msg(tx: &Transaction<'_>, session_id: i64, msg: &StoreMsg) -
         StoreMsg::Syncs(rows) => write_syncs(tx, session_id, rows),
         StoreMsg::Regions(rows) => write_regions(tx, session_id, rows),
         StoreMsg::Collectives(rows) => super::collectives::write_collectives(tx, session_id, rows),
+        StoreMsg::JitCalls(rows) => super::jax::write_jit_calls(tx, session_id, rows),
         StoreMsg::Capability(c) => tx
             .execute(
                 "INSERT OR IGNORE INTO capabilities(session_id, source, metric, available, reason)
@@ -350,6 +351,7 @@ fn rows_in(msgs: &[StoreMsg]) -> u64 {
             StoreMsg::Syncs(r) => r.len() as u64,
             StoreMsg::Regions(r) => r.len() as u64,
             StoreMsg::Collectives(r) => r.len() as u64,
+            StoreMsg::JitCalls(r) => r.len() as u64,
             StoreMsg::Kernels(r) => r.len() as u64,
             StoreMsg::Gpus(r) => r.len() as u64,
             StoreMsg::GpusUsedByTarget(r) => r.len() as u64,
