@@ -5,8 +5,8 @@ use std::collections::VecDeque;
 use zerocopy::FromBytes;
 
 use profiler_common::{
-    BLAS_STACK_ARGS, BlasCall, BlasRecord, CollectiveOp, CollectiveRecord, KernelNameRecord, LaunchApi, LaunchRecord,
-    JitRecord, OrderedRecord, ProcessRecord, REGION_NAME_CAP, RecordHeader, RecordKind, RegionRecord,
+    BLAS_STACK_ARGS, BlasCall, BlasRecord, CollectiveOp, CollectiveRecord, JitRecord, KernelNameRecord, LaunchApi,
+    LaunchRecord, OrderedRecord, ProcessRecord, REGION_NAME_CAP, RecordHeader, RecordKind, RegionRecord,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

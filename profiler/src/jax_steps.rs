@@ -14,7 +14,8 @@
 //! rule in docs/steps.md: the first jitted function called outermost whose
 //! name contains `train`; failing that, once [`AUTO_WINDOW`] outermost calls
 //! have been seen (or at the session's end), the most-called one whose name
-//! contains `step`, else the most-called one called at a steady period. The
+//! contains `step` (called at least three times), else the most-called one
+//! called at a steady period. The
 //! calls seen before a pick are replayed into steps once it is made.
 use std::collections::HashMap;
 
@@ -125,7 +126,14 @@ impl<T: Clone> JitSteps<T> {
     }
 
     /// A call began. Boundaries it makes go to `out`.
-    pub fn enter(&mut self, tid: u32, function: u64, call: (Option<String>, u64, u64), tag: T, out: &mut Vec<JitBoundary>) {
+    pub fn enter(
+        &mut self,
+        tid: u32,
+        function: u64,
+        call: (Option<String>, u64, u64),
+        tag: T,
+        out: &mut Vec<JitBoundary>,
+    ) {
         let (name, ts_ns, thread_launches) = call;
         let stack = self.stacks.entry(tid).or_default();
         let depth = stack.len() as u32;
@@ -238,7 +246,7 @@ fn pick_by_counts(seen: &[SeenCall]) -> Option<(String, PickReason)> {
     }
     // Most calls first; ties: the first seen.
     counts.sort_by_key(|(_, ts)| std::cmp::Reverse(ts.len()));
-    if let Some((n, _)) = counts.iter().find(|(n, _)| n.to_lowercase().contains("step")) {
+    if let Some((n, _)) = counts.iter().find(|(n, ts)| ts.len() >= 3 && n.to_lowercase().contains("step")) {
         return Some((n.clone(), PickReason::StepName));
     }
     counts.iter().find(|(_, ts)| steady(ts)).map(|(n, _)| (n.clone(), PickReason::SteadyPeriod))
@@ -346,7 +354,10 @@ mod tests {
 
     #[test]
     fn the_flag_takes_the_label_prefix() {
-        assert_eq!(JitStepSpec::parse("eval=eval_step"), Ok(JitStepSpec { label: "eval".into(), name: "eval_step".into() }));
+        assert_eq!(
+            JitStepSpec::parse("eval=eval_step"),
+            Ok(JitStepSpec { label: "eval".into(), name: "eval_step".into() })
+        );
         assert_eq!(JitStepSpec::parse("train_step").map(|s| s.label), Ok("train".into()));
         assert!(JitStepSpec::parse("").is_err());
     }

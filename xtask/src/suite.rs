@@ -106,16 +106,15 @@ fn test_phases(args: &[String], tally: &mut Tally) -> Result<()> {
     // test runs: a unit test reads PyTorch's libraries too.
     let pythons = torch_env::ensure_all().iter().map(|(n, p)| format!("{n}={}", p.display())).collect::<Vec<_>>();
     let pythons = OsString::from(pythons.join(";"));
-    // The JAX environments, as `version=python;…`, and the CUDA plugin wheels.
+    // The JAX environments, as `version=python;…` (`+cuda12`: with the CUDA plugin).
     let jax = jax_env::ensure_all().iter().map(|(v, p)| format!("{v}={}", p.display())).collect::<Vec<_>>();
-    let (jax, jax_cuda) = (OsString::from(jax.join(";")), jax_env::cuda_wheels().into_os_string());
+    let jax = OsString::from(jax.join(";"));
     let (bin, fx) = (profiler_bin(), fixtures_dir());
     let env = [
         ("PROFILER_BIN", bin.as_os_str()),
         ("PROFILER_FIXTURES", fx.as_os_str()),
         ("PROFILER_TORCH_PYTHONS", pythons.as_os_str()),
         ("PROFILER_JAX_PYTHONS", jax.as_os_str()),
-        ("PROFILER_JAX_CUDA_WHEELS", jax_cuda.as_os_str()),
         ("RUST_BACKTRACE", backtrace.as_os_str()),
     ];
     // Release, like the root runs below: the profiler's test binary built here

@@ -208,8 +208,8 @@ impl JitNames {
         name
     }
 
-    /// The offset proven, if any (for `doctor`).
-    pub fn offset(&self) -> Option<u64> {
+    #[cfg(test)]
+    fn offset(&self) -> Option<u64> {
         self.offset
     }
 }

@@ -14,10 +14,10 @@ macro_rules! say {
 mod attach;
 mod blas;
 mod config;
-mod jax;
 mod consumer;
 mod drain;
 mod event_loop;
+mod jax;
 mod job;
 mod kernels;
 mod loss;

@@ -80,8 +80,9 @@ impl TorchWatch {
             } else {
                 say!(
                     quiet,
-                    "PID {pid} has not loaded PyTorch yet: steps will come from its optimizer markers if it does; \
-                     otherwise no steps will be recorded (name them with --step-symbol, --step-python or --step-region)"
+                    "PID {pid} has not loaded PyTorch yet: steps will come from its optimizer markers if it does \
+                     (or from a JAX program's jitted training step); otherwise no steps will be recorded (name them \
+                     with --step-symbol, --step-python, --step-region or --step-jit)"
                 );
             }
         }

@@ -76,6 +76,8 @@ pub(super) fn derive_all(
     }
     if let Err(e) = super::jax::write_step_dispatch(tx, session_id) {
         stats.first_error.get_or_insert_with(|| format!("computing JAX steps' dispatch times: {e}"));
+    } else {
+        saved(tx, stats, |sp| super::jax::write_step_launches(sp, session_id))?;
     }
     Ok(())
 }

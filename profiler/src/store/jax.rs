@@ -1,5 +1,6 @@
 //! The `jit_calls` rows and, at the session's end, each JAX step's
-//! `dispatch_ns` from the call that began it.
+//! `dispatch_ns` from the call that began it, and the launches other
+//! threads of the process made during it.
 use rusqlite::{Connection, Transaction, params};
 
 use super::{i, rows::JitCallRow};
@@ -38,4 +39,42 @@ pub(super) fn write_step_dispatch(conn: &Connection, session_id: i64) -> rusqlit
         params![session_id],
     )?;
     Ok(())
+}
+
+/// XLA may launch from threads of its own, which have no step: a launch row
+/// with no step of its thread's, made while a JAX step of the process was
+/// open (the most recently begun one, on any thread), is that step's, and
+/// counts in its `launches`. Launch rows only: with `--launches count` (or
+/// once the size budget stops launch rows) a JAX step counts its own
+/// thread's launches alone, as every other step does.
+pub(super) fn write_step_launches(conn: &Connection, session_id: i64) -> rusqlite::Result<()> {
+    let jax: bool = conn.query_row(
+        "SELECT EXISTS (SELECT 1 FROM steps WHERE session_id = ?1 AND dispatch_ns IS NOT NULL)",
+        [session_id],
+        |r| r.get(0),
+    )?;
+    if !jax {
+        return Ok(());
+    }
+    conn.execute_batch("CREATE INDEX IF NOT EXISTS steps_by_start ON steps(session_id, start_ns);")?;
+    conn.execute(
+        "UPDATE launches SET (label, step) = (SELECT s.label, s.step FROM (SELECT label, step, end_ns FROM steps
+                 WHERE session_id = ?1 AND dispatch_ns IS NOT NULL AND start_ns <= launches.ts_ns
+                 ORDER BY start_ns DESC LIMIT 1) s WHERE s.end_ns > launches.ts_ns)
+         WHERE session_id = ?1 AND step IS NULL",
+        [session_id],
+    )?;
+    conn.execute_batch("DROP TABLE IF EXISTS temp.jax_step_launches;")?;
+    conn.execute(
+        "CREATE TEMP TABLE jax_step_launches AS SELECT label, step, tid, count(*) AS n FROM launches
+         WHERE session_id = ?1 AND step IS NOT NULL GROUP BY label, step, tid",
+        [session_id],
+    )?;
+    conn.execute(
+        "UPDATE steps SET launches = launches + coalesce((SELECT sum(j.n) FROM temp.jax_step_launches j
+             WHERE j.label = steps.label AND j.step = steps.step AND j.tid != steps.tid), 0)
+         WHERE session_id = ?1 AND dispatch_ns IS NOT NULL AND launches IS NOT NULL",
+        [session_id],
+    )?;
+    conn.execute_batch("DROP TABLE temp.jax_step_launches;")
 }

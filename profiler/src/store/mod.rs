@@ -28,8 +28,8 @@ pub use self::{
     gemms::{GemmRow, StepGemms},
     merge::{MergeInput, MergeSummary, merge_into},
     rows::{
-        AtFinish, Capability, CollectiveRow, GpmReadings, GpuRow, GpuSampleRow, JitCallRow, KernelRow, LaunchRow, Losses,
-        ProbedFileRow, RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepRow, SyncRow, SystemSampleRow,
+        AtFinish, Capability, CollectiveRow, GpmReadings, GpuRow, GpuSampleRow, JitCallRow, KernelRow, LaunchRow,
+        Losses, ProbedFileRow, RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepRow, SyncRow, SystemSampleRow,
     },
     schema::{SCHEMA_VERSION, quoted},
     writer::{RowSender, StoreWriter},

@@ -35,7 +35,14 @@ impl Default for JaxState {
 
 impl JaxState {
     pub(in crate::session) fn new(sources: JitSources, quiet: bool) -> Self {
-        Self { steps: JitSteps::new(sources), names: JitNames::default(), mem: None, rows: Vec::new(), quiet, said: false }
+        Self {
+            steps: JitSteps::new(sources),
+            names: JitNames::default(),
+            mem: None,
+            rows: Vec::new(),
+            quiet,
+            said: false,
+        }
     }
 
     fn keep(&mut self, call: OpenCall<StepTag>, end_ns: Option<u64>, tid: u32) {
