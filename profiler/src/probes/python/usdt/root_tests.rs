@@ -280,6 +280,8 @@ fn run_traced(args: &[&str], specs: &[&str]) -> Traced {
             | Event::RegionExit(_)
             | Event::Collective(_)
             | Event::Blas(_)
+            | Event::JitEnter(_)
+            | Event::JitExit(_)
             | Event::LoaderChange { .. }
             | Event::Process(_) => {}
         }
