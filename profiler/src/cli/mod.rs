@@ -340,4 +340,17 @@ mod tests {
             assert!(e.contains("LABEL=NAME"), "{bad}: {e}");
         }
     }
+
+    #[test]
+    fn step_jit_takes_the_label_prefix() {
+        use crate::jax_steps::JitStepSpec;
+        let one = |v: &str| step_flags(&["--step-jit", v]).map(|t| t.step_jit[0].clone());
+        let spec = |label: &str, name: &str| JitStepSpec { label: label.into(), name: name.into() };
+        assert_eq!(one("eval=eval_step").expect("LABEL=NAME"), spec("eval", "eval_step"));
+        assert_eq!(one("train_step").expect("NAME"), spec("train", "train_step"));
+        for bad in ["", "eval=", "a b=x"] {
+            let e = one(bad).expect_err(bad).to_string();
+            assert!(e.contains("LABEL=NAME") && e.contains("--step-jit"), "{bad}: {e}");
+        }
+    }
 }

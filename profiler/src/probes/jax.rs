@@ -250,7 +250,8 @@ mod tests {
     /// A process with a `PjitFunction` at 0x10000 whose name string sits at
     /// `name_at` and whose `fun_` points at a Python function named `py_name`.
     fn process(name_at: u64, jit_name: &str, py_name: &str) -> Fake {
-        let (this, text, func, pystr, ty_fn, ty_str) = (0x10000u64, 0x20000u64, 0x30000u64, 0x40000u64, 0x50000u64, 0x60000u64);
+        let (this, text, func, pystr, ty_fn, ty_str) =
+            (0x10000u64, 0x20000u64, 0x30000u64, 0x40000u64, 0x50000u64, 0x60000u64);
         let mut fields = vec![0u64; 32];
         fields[(name_at / 8) as usize] = text;
         fields[(name_at / 8) as usize + 1] = jit_name.len() as u64;

@@ -78,3 +78,71 @@ pub(super) fn write_step_launches(conn: &Connection, session_id: i64) -> rusqlit
     )?;
     conn.execute_batch("DROP TABLE temp.jax_step_launches;")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{JitCallRow, LaunchRow, SessionEnd, StepRow, Store, StoreMsg, testing::*};
+
+    /// Two JAX steps on thread 7 (100–200, 200–300) and an eval step of
+    /// another source (a plain step, no jit call) on thread 7 at 400–500;
+    /// launches by XLA's thread 9 at 150, 250, 350 (between steps) and 450
+    /// (in the plain step's time, which is not a JAX step), one by 7 at 120.
+    #[test]
+    fn jax_steps_get_their_dispatch_and_other_threads_launches() {
+        let (_d, p) = temp_db();
+        let store = Store::open(&p).expect("open");
+        let id = store.begin_session(&start()).expect("session");
+        let w = store.spawn_writer(id);
+        let span = |n, (start_ns, end): (u64, u64), launches| StepRow {
+            step: n,
+            start_ns,
+            end_ns: Some(end),
+            launches: Some(launches),
+            ..step()
+        };
+        w.send(StoreMsg::Steps(vec![span(0, (100, 200), 1), span(1, (200, 300), 0)]));
+        w.send(StoreMsg::Steps(vec![StepRow { label: "eval".into(), ..span(0, (400, 500), 0) }]));
+        let call = |start_ns, end, step| JitCallRow {
+            tid: 7,
+            name: Some("train_step".into()),
+            function: 0xabc,
+            start_ns,
+            end_ns: Some(end),
+            depth: 0,
+            step: Some(("train", step)),
+        };
+        let nested = JitCallRow { depth: 1, start_ns: 205, ..call(205, 206, 1) };
+        w.send(StoreMsg::JitCalls(vec![call(100, 130, 0), call(200, 210, 1), nested]));
+        let at = |tid, ts_ns, step| LaunchRow { tid, ts_ns, step, ..launch() };
+        w.send(StoreMsg::Launches(vec![
+            at(7, 120, Some(("train", 0))),
+            at(9, 150, None),
+            at(9, 250, None),
+            at(9, 350, None),
+            at(9, 450, None),
+        ]));
+        let end = SessionEnd {
+            ended_ns: 600,
+            end_reason: "target-exited".into(),
+            lost_events: 0,
+            total_launches: 5,
+            unmatched_returns: 0,
+        };
+        w.finish(end, Vec::new()).expect("finish");
+        let conn = rusqlite::Connection::open(&p).expect("reopen");
+        let rows: Vec<(String, i64, Option<i64>, i64)> = conn
+            .prepare("SELECT label, step, dispatch_ns, launches FROM steps ORDER BY start_ns")
+            .expect("prepare")
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+            .expect("query")
+            .collect::<Result<_, _>>()
+            .expect("rows");
+        let want = [("train", 0, Some(30), 2), ("train", 1, Some(10), 1), ("eval", 0, None, 0)];
+        let want: Vec<(String, i64, Option<i64>, i64)> =
+            want.iter().map(|&(l, s, d, n)| (l.to_owned(), s, d, n)).collect();
+        assert_eq!(rows, want);
+        let untagged: i64 =
+            conn.query_row("SELECT count(*) FROM launches WHERE step IS NULL", [], |r| r.get(0)).expect("q");
+        assert_eq!(untagged, 2, "the launches at 350 (between steps) and 450 (in no JAX step)");
+    }
+}
