@@ -13,6 +13,8 @@ pub struct StepRow {
     pub sync_wait_ns: Option<i64>,
     pub data_wait_ns: Option<i64>,
     pub optimizer_ns: Option<i64>,
+    /// JAX steps: the host's dispatch of the call that began the step.
+    pub dispatch_ns: Option<i64>,
 }
 
 /// Every step of the session, each label's in start order (the order
@@ -20,7 +22,7 @@ pub struct StepRow {
 pub fn load_steps(db: &ProfileDb, session: i64) -> anyhow::Result<Vec<StepRow>> {
     let mut q = db.conn.prepare(
         "SELECT label, step, start_ns, end_ns, duration_ns, inter_step_ns, launches, sync_wait_ns, data_wait_ns,
-                optimizer_ns
+                optimizer_ns, dispatch_ns
          FROM steps WHERE session_id = ?1 ORDER BY 1, start_ns, step",
     )?;
     let rows = q
@@ -36,6 +38,7 @@ pub fn load_steps(db: &ProfileDb, session: i64) -> anyhow::Result<Vec<StepRow>> 
                 sync_wait_ns: r.get(7)?,
                 data_wait_ns: r.get(8)?,
                 optimizer_ns: r.get(9)?,
+                dispatch_ns: r.get(10)?,
             })
         })?
         .collect::<rusqlite::Result<_>>()?;
