@@ -28,6 +28,15 @@ struct Loop {
     dir: PathBuf,
 }
 
+/// A loop left running by a failed test would keep its stdout (the test
+/// runner's) open: it is killed with its `Loop`.
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Loop {
     /// Starts the loop and waits until its functions are compiled.
     fn start(python: &Path, name: &str, args: &[&str]) -> Loop {
