@@ -53,6 +53,10 @@ pub enum RecordKind {
     ProcessExec = 21,
     /// A [`ProcessRecord`]: a traced process (`pid`) exited (its main thread did).
     ProcessExit = 22,
+    /// A [`JitRecord`]: a call of a `jax.jit` function began (jaxlib's `PjitFunction::Call`).
+    JitEnter = 40,
+    /// A [`JitRecord`]: that call returned (its dispatch is done, not its device work).
+    JitExit = 41,
 }
 
 impl RecordKind {
@@ -74,6 +78,8 @@ impl RecordKind {
             20 => Some(Self::ProcessFork),
             21 => Some(Self::ProcessExec),
             22 => Some(Self::ProcessExit),
+            40 => Some(Self::JitEnter),
+            41 => Some(Self::JitExit),
             _ => None,
         }
     }
@@ -1045,4 +1051,39 @@ pub mod blas_programs {
     /// `HashMap<tgid, [[u64; 2]; BLAS_TEXTS]>`: per process, `[start, end)`
     /// of the probed BLAS libraries' executable mappings; `end` 0 past the last.
     pub const TEXT_MAP: &str = "BLAS_TEXT";
+}
+
+/// The entry (`JitEnter`) or return (`JitExit`) of jaxlib's jit fast path,
+/// `jax::(anonymous namespace)::PjitFunction::Call`, on the ordered ring with
+/// the thread's sequence. The agent reads the function's name from the
+/// target's memory through `function` (see `profiler::probes::jax`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(feature = "user", derive(FromBytes, IntoBytes, KnownLayout, Immutable))]
+pub struct JitRecord {
+    pub header: RecordHeader,
+    /// This thread's ordered records so far, as [`OrderedRecord::seq`].
+    pub seq: u32,
+    /// Step functions the thread is inside, as [`OrderedRecord::depth`] (jit calls do not change it).
+    pub depth: u32,
+    /// The `PjitFunction*` (`this`: `rsi`, since the `absl::StatusOr` result
+    /// goes through a hidden pointer in `rdi`); 0 at the return.
+    pub function: u64,
+    /// The Python object called (`rdx`: the `PjitFunctionObject*` that holds
+    /// the `PjitFunction`); 0 at the return.
+    pub callable: u64,
+    /// Launches this thread had made when the probe fired.
+    pub thread_launches: u64,
+    /// As [`OrderedRecord::sched`].
+    pub sched: SchedTimes,
+}
+
+const _: () = assert!(core::mem::size_of::<JitRecord>() == 96);
+
+/// Names of the jit programs.
+pub mod jax_programs {
+    /// Uprobe on `PjitFunction::Call`: writes the `JitEnter`.
+    pub const ENTER: &str = "jax_jit_enter";
+    /// Uretprobe on the same function: writes the `JitExit`.
+    pub const EXIT: &str = "jax_jit_exit";
 }

@@ -32,6 +32,7 @@
 mod blas;
 mod copies;
 mod frame_hook;
+mod jax;
 mod nccl;
 mod python;
 mod sched;

@@ -5,8 +5,8 @@ use std::collections::VecDeque;
 use zerocopy::FromBytes;
 
 use profiler_common::{
-    BLAS_STACK_ARGS, BlasCall, BlasRecord, CollectiveOp, CollectiveRecord, KernelNameRecord, LaunchApi, LaunchRecord,
-    OrderedRecord, ProcessRecord, REGION_NAME_CAP, RecordHeader, RecordKind, RegionRecord, SchedTimes,
+    BLAS_STACK_ARGS, BlasCall, BlasRecord, CollectiveOp, CollectiveRecord, JitRecord, KernelNameRecord, LaunchApi,
+    LaunchRecord, OrderedRecord, ProcessRecord, REGION_NAME_CAP, RecordHeader, RecordKind, RegionRecord, SchedTimes,
     copies::CopyRecord,
 };
 
@@ -92,6 +92,10 @@ pub enum Event {
     Blas(Box<BlasEvent>),
     /// A host↔device copy or memset returned.
     Copy(CopyEvent),
+    /// A call of a `jax.jit` function began (jaxlib's `PjitFunction::Call`).
+    JitEnter(JitEvent),
+    /// That call returned (`function` 0).
+    JitExit(JitEvent),
 }
 
 /// One copy or memset call (see [`CopyRecord`]), its direction classified.
@@ -135,6 +139,46 @@ fn copy(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> {
         direction: entry.direction(r.kind),
         result: r.result,
     }))
+}
+
+/// An ordered record of jaxlib's jit fast path (see [`JitRecord`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct JitEvent {
+    pub ts_ns: u64,
+    pub tid: u32,
+    pub tgid: u32,
+    /// The `PjitFunction*` (0 at a return).
+    pub function: u64,
+    /// The Python object called (0 at a return).
+    pub callable: u64,
+    /// The thread's counters when the probe fired.
+    pub counters: ThreadCounters,
+    /// As [`OrderedEvent::seq`] / [`OrderedEvent::depth`].
+    pub seq: u32,
+    pub depth: u32,
+}
+
+impl JitEvent {
+    /// The fields the step tracker's sequence check reads.
+    pub fn as_ordered_event(&self) -> OrderedEvent {
+        OrderedEvent::of_record(self.ts_ns, (self.tid, self.tgid), self.counters, self.seq, self.depth)
+    }
+}
+
+/// Decodes a jit record.
+fn jit(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> {
+    let r: JitRecord = exact(bytes, header.kind)?;
+    let e = JitEvent {
+        ts_ns: header.ts_ns,
+        tid: header.tid,
+        tgid: header.tgid,
+        function: r.function,
+        callable: r.callable,
+        counters: ThreadCounters { launches: r.thread_launches, sched: r.sched },
+        seq: r.seq,
+        depth: r.depth,
+    };
+    Ok(if header.kind == RecordKind::JitEnter as u32 { Event::JitEnter(e) } else { Event::JitExit(e) })
 }
 
 /// A cuBLAS/cuBLASLt call with its raw arguments (see [`BlasRecord`]),
@@ -315,6 +359,7 @@ impl Event {
             Self::KernelName(k) => k.ts_ns,
             Self::LoaderChange { ts_ns, .. } => *ts_ns,
             Self::RegionEnter(r) | Self::RegionExit(r) => r.ts_ns,
+            Self::JitEnter(j) | Self::JitExit(j) => j.ts_ns,
             Self::Blas(b) => b.ts_ns,
             Self::Collective(c) => c.ts_ns,
             Self::Copy(c) => c.ts_ns,
@@ -332,6 +377,7 @@ impl Event {
             Self::KernelName(k) => k.tgid,
             Self::LoaderChange { tgid, .. } => *tgid,
             Self::RegionEnter(r) | Self::RegionExit(r) => r.tgid,
+            Self::JitEnter(j) | Self::JitExit(j) => j.tgid,
             Self::Blas(b) => b.tgid,
             Self::Collective(c) => c.tgid,
             Self::Copy(c) => c.tgid,
@@ -437,6 +483,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
             Ok(Event::LoaderChange { ts_ns: header.ts_ns, tgid: header.tgid })
         }
         Some(RecordKind::RegionEnter | RecordKind::RegionExit) => region(bytes, header),
+        Some(RecordKind::JitEnter | RecordKind::JitExit) => jit(bytes, header),
         Some(RecordKind::Blas) => blas(bytes, header),
         Some(RecordKind::Collective) => collective(bytes, header),
         Some(RecordKind::Copy) => copy(bytes, header),
@@ -488,6 +535,7 @@ impl OrderedQueue {
             Event::RegionEnter(r) | Event::RegionExit(r) => r.tid,
             Event::Collective(c) => c.tid,
             Event::Copy(c) => c.tid,
+            Event::JitEnter(j) | Event::JitExit(j) => j.tid,
             _ => return out.push(event),
         };
         if self.held.is_empty() {

@@ -8,6 +8,7 @@ mod correlate;
 mod events;
 #[cfg(test)]
 mod fuzz_tests;
+mod jax_steps;
 mod metrics;
 mod ownership;
 mod privileges;

@@ -520,6 +520,20 @@ pub fn torch_python(name: &str) -> Option<PathBuf> {
     p
 }
 
+/// The JAX environments `cargo xtask` made (`PROFILER_JAX_PYTHONS`:
+/// `version=python;…`, newest first); a visible skip where none could be made.
+pub fn jax_pythons() -> Vec<(String, PathBuf)> {
+    let found: Vec<(String, PathBuf)> = std::env::var("PROFILER_JAX_PYTHONS")
+        .unwrap_or_default()
+        .split(';')
+        .filter_map(|p| p.split_once('=').map(|(n, p)| (n.to_owned(), PathBuf::from(p))))
+        .collect();
+    if found.is_empty() {
+        skip("no JAX environment (see `cargo xtask jax-env`)");
+    }
+    found
+}
+
 /// The `site-packages` directories of the virtual environment at `venv`.
 pub fn site_packages(venv: &Path) -> Vec<PathBuf> {
     let lib = std::fs::read_dir(venv.join("lib")).into_iter().flatten().flatten();

@@ -7,6 +7,7 @@ mod debian_debs;
 mod debian_prometheus;
 mod debian_python;
 mod gpu;
+mod jax_env;
 mod root;
 mod suite;
 mod toolchain;
@@ -57,6 +58,8 @@ enum Task {
     TorchEnv,
     /// Build everything and profile the bundled synthetic trainer into demo.db.
     Demo,
+    /// Make the JAX environments the tests use (cached; downloads only what is missing).
+    JaxEnv,
     /// Build target/gpu-bundle/: the profiler, the GPU check and its PyTorch loop, for a GPU machine.
     GpuBundle,
     /// Build the GPU bundle and run its check here (exit 3 inside, "nothing to check", is success).
@@ -279,6 +282,12 @@ fn run_task(task: Task) -> Result<()> {
             let ready = torch_env::ensure_all();
             for (name, python) in &ready {
                 say(format!("torch-env: {name}: {}", python.display()));
+            }
+            Ok(())
+        }
+        Task::JaxEnv => {
+            for (version, python) in jax_env::ensure_all() {
+                say(format!("jax-env: JAX {version}: {}", python.display()));
             }
             Ok(())
         }

@@ -6,7 +6,7 @@ use std::{ffi::OsString, process::Command};
 
 use anyhow::{Context, Result, bail};
 
-use crate::{cargo, fixtures_dir, profiler_bin, root, say, torch_env};
+use crate::{cargo, fixtures_dir, jax_env, profiler_bin, root, say, torch_env};
 
 /// The module name every root-only test of the profiler crate sits in: the
 /// filter of the root unit-test run.
@@ -106,11 +106,15 @@ fn test_phases(args: &[String], tally: &mut Tally) -> Result<()> {
     // test runs: a unit test reads PyTorch's libraries too.
     let pythons = torch_env::ensure_all().iter().map(|(n, p)| format!("{n}={}", p.display())).collect::<Vec<_>>();
     let pythons = OsString::from(pythons.join(";"));
+    // The JAX environments, as `version=python;…` (`+cuda12`: with the CUDA plugin).
+    let jax = jax_env::ensure_all().iter().map(|(v, p)| format!("{v}={}", p.display())).collect::<Vec<_>>();
+    let jax = OsString::from(jax.join(";"));
     let (bin, fx) = (profiler_bin(), fixtures_dir());
     let env = [
         ("PROFILER_BIN", bin.as_os_str()),
         ("PROFILER_FIXTURES", fx.as_os_str()),
         ("PROFILER_TORCH_PYTHONS", pythons.as_os_str()),
+        ("PROFILER_JAX_PYTHONS", jax.as_os_str()),
         ("RUST_BACKTRACE", backtrace.as_os_str()),
     ];
     // Release, like the root runs below: the profiler's test binary built here

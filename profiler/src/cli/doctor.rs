@@ -383,6 +383,7 @@ fn process_checks(pid: i32) -> (String, Vec<Check>) {
     let exe_or = exe.clone().unwrap_or_else(|| PathBuf::from("the target's executable"));
     let candidates = candidates(&exe_or, &mapped_files(&maps));
     checks.push(python_check(pid, &exe_or, &candidates));
+    checks.push(step_source_check(pid as u32, &mapped_files(&maps)));
     // Which way `--step-python` would see this process's functions, and why.
     if exe.is_some() {
         match crate::probes::python::mechanism::mechanism_for(pid as u32, &candidates) {
@@ -392,6 +393,45 @@ fn process_checks(pid: i32) -> (String, Vec<Check>) {
         }
     }
     (header, checks)
+}
+
+/// Which step source `--steps auto` (no step flags) would use for this
+/// process, and why: PyTorch's optimizer markers where it maps
+/// `libtorch_cpu.so`, a jitted training step where it maps jaxlib's
+/// `libjax_common.so` (both where it maps both: each makes its own steps).
+fn step_source_check(pid: u32, files: &[crate::probes::maps::MappedFile]) -> Check {
+    use crate::probes::{jax, torch};
+    let mut why = Vec::new();
+    if let Some(f) = files.iter().find(|f| torch::is_libtorch_cpu(&f.path)) {
+        why.push(format!(
+            "PyTorch's optimizer markers (Optimizer.step, DataLoader __next__): it maps {}",
+            f.path.display()
+        ));
+    }
+    if let Some(f) = files.iter().find(|f| jax::is_libjax_common(&f.path)) {
+        let resolved = crate::probes::open_in_target(pid, &f.path)
+            .ok_or_else(|| "cannot read it".to_string())
+            .and_then(|data| jax::resolve(&data));
+        match resolved {
+            Ok(at) => why.push(format!(
+                "a jitted training step (a name with 'train', else 'step', else the most-called at a steady \
+                 period; see docs/steps.md): it maps {} (PjitFunction::Call at {at:#x})",
+                f.path.display()
+            )),
+            Err(e) => {
+                let fix = "name the steps another way (--step-python, --step-symbol), or report the jaxlib version";
+                return Check::warn("--steps auto", format!("JAX's jit calls cannot be probed: {e}"), fix);
+            }
+        }
+    }
+    if why.is_empty() {
+        return Check::info(
+            "--steps auto",
+            "no step source yet (neither PyTorch nor JAX is loaded; both are picked up when loaded later): \
+             name one with --step-python, --step-symbol, --step-region or --step-jit",
+        );
+    }
+    Check::pass("--steps auto", why.join("; and "))
 }
 
 /// Whether the process is CPython and where its USDT probes are, found as

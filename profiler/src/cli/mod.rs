@@ -70,7 +70,8 @@ pub struct TraceArgs {
     #[arg(long, value_name = "[LABEL=][FILE_SUFFIX:]NAME", value_parser = parse_python_step)]
     step_python: Vec<PythonStepSpec>,
     /// Where steps come from: `auto` (the named step sources if any, else
-    /// PyTorch's optimizer markers once libtorch is loaded), `torch`, or `none`.
+    /// PyTorch's optimizer markers once libtorch is loaded, and a JAX
+    /// program's jitted training step, picked by name or period), `torch`, or `none`.
     #[arg(long, value_enum, default_value_t = crate::regions::StepMode::Auto)]
     steps: crate::regions::StepMode,
     /// A PyTorch `record_function` region whose name starts with
@@ -79,6 +80,12 @@ pub struct TraceArgs {
     /// --step-symbol. Repeatable.
     #[arg(long, value_name = "[LABEL=]NAME_PREFIX", value_parser = crate::regions::RegionStepSpec::parse)]
     step_region: Vec<crate::regions::RegionStepSpec>,
+    /// A `jax.jit` function whose Python name is NAME makes steps: each one
+    /// runs from the start of a call to the start of the next step
+    /// function's call on its thread (see docs/steps.md), with an optional
+    /// LABEL= as for --step-symbol. Repeatable.
+    #[arg(long, value_name = "[LABEL=]NAME", value_parser = crate::jax_steps::JitStepSpec::parse)]
+    step_jit: Vec<crate::jax_steps::JitStepSpec>,
     /// Never write into the target: refuse the frame hook that --step-python
     /// needs on a CPython without USDT probes.
     #[arg(long)]
@@ -194,6 +201,7 @@ impl TraceArgs {
             live: self.live.into(),
             job: self.job,
             follow_children: false,
+            step_jits: self.step_jit,
         }
     }
 }
@@ -336,6 +344,19 @@ mod tests {
         for bad in ["", "eval=", "Step#1=x"] {
             let e = one(bad).expect_err(bad).to_string();
             assert!(e.contains("LABEL=NAME"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn step_jit_takes_the_label_prefix() {
+        use crate::jax_steps::JitStepSpec;
+        let one = |v: &str| step_flags(&["--step-jit", v]).map(|t| t.step_jit[0].clone());
+        let spec = |label: &str, name: &str| JitStepSpec { label: label.into(), name: name.into() };
+        assert_eq!(one("eval=eval_step").expect("LABEL=NAME"), spec("eval", "eval_step"));
+        assert_eq!(one("train_step").expect("NAME"), spec("train", "train_step"));
+        for bad in ["", "eval=", "a b=x"] {
+            let e = one(bad).expect_err(bad).to_string();
+            assert!(e.contains("LABEL=NAME") && e.contains("--step-jit"), "{bad}: {e}");
         }
     }
 }

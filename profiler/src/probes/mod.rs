@@ -9,6 +9,7 @@ pub mod blas;
 pub mod copies;
 pub mod cuda;
 pub mod elf;
+pub mod jax;
 mod job;
 pub mod loader;
 pub mod maps;
@@ -494,6 +495,7 @@ fn program_names() -> impl Iterator<Item = &'static str> {
         .chain(nccl::programs())
         .chain(blas::programs())
         .chain(copies::programs())
+        .chain(jax::programs())
 }
 
 /// Maps a file read-only (libraries can be a gigabyte; callers touch only

@@ -22,6 +22,8 @@ pub struct StepRow {
     pub collective_ns: Option<i64>,
     /// `steps.bound`, the step's verdict.
     pub bound: Option<String>,
+    /// JAX steps: the host's dispatch of the call that began the step.
+    pub dispatch_ns: Option<i64>,
 }
 
 /// Every step of the session, each label's in start order (the order
@@ -29,7 +31,7 @@ pub struct StepRow {
 pub fn load_steps(db: &ProfileDb, session: i64) -> anyhow::Result<Vec<StepRow>> {
     let mut q = db.conn.prepare(
         "SELECT label, step, start_ns, end_ns, duration_ns, inter_step_ns, launches, sync_wait_ns, data_wait_ns,
-                optimizer_ns, cpu_ns, runnable_ns, blocked_ns, copy_ns, collective_ns, bound
+                optimizer_ns, cpu_ns, runnable_ns, blocked_ns, copy_ns, collective_ns, bound, dispatch_ns
          FROM steps WHERE session_id = ?1 ORDER BY 1, start_ns, step",
     )?;
     let rows = q
@@ -51,6 +53,7 @@ pub fn load_steps(db: &ProfileDb, session: i64) -> anyhow::Result<Vec<StepRow>> 
                 copy_ns: r.get(13)?,
                 collective_ns: r.get(14)?,
                 bound: r.get(15)?,
+                dispatch_ns: r.get(16)?,
             })
         })?
         .collect::<rusqlite::Result<_>>()?;

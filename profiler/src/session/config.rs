@@ -64,6 +64,8 @@ pub struct SessionConfig {
     pub job: Option<String>,
     /// Trace the processes the targets start (`attach --children`; `run` unless `--no-children`).
     pub follow_children: bool,
+    /// `--step-jit`s; their probe ids follow every other source's.
+    pub step_jits: Vec<crate::jax_steps::JitStepSpec>,
 }
 
 /// A process started by `profiler run`, held before `exec` until the probes are in.

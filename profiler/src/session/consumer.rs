@@ -3,6 +3,7 @@
 mod blas;
 mod collectives;
 mod copies;
+mod jax;
 mod regions;
 
 use std::collections::HashMap;
@@ -55,6 +56,8 @@ pub(super) struct Consumer {
     gemms: blas::GemmState,
     /// Copy rows not yet sent.
     copies: copies::CopyState,
+    /// JAX's jitted calls in flight and rows not yet sent.
+    jax: jax::JaxState,
 }
 
 /// What the consumer counted, for the summary line, once it is closed.
@@ -89,6 +92,7 @@ impl Consumer {
             collectives: Vec::new(),
             gemms: blas::GemmState::default(),
             copies: copies::CopyState::default(),
+            jax: jax::JaxState::default(),
         }
     }
 
@@ -117,6 +121,8 @@ impl Consumer {
             Ok(Event::Collective(c)) => self.collective(&c),
             Ok(Event::Blas(b)) => self.blas(&b),
             Ok(Event::Copy(c)) => self.copy(&c),
+            Ok(Event::JitEnter(j)) => self.jit_event(j, true),
+            Ok(Event::JitExit(j)) => self.jit_event(j, false),
             Ok(Event::SyncEnter(e)) => {
                 self.sequence(&e, DepthChange::None);
                 let step = self.tracker.current_step(e.tid);
@@ -127,6 +133,7 @@ impl Consumer {
                 self.sequence(&e, DepthChange::None);
                 self.open_syncs.remove(&e.tid);
                 self.regions_thread_exited(e.tid);
+                self.jit_thread_exited(e.tid);
                 for s in self.tracker.thread_exited(e.tid) {
                     self.store_open_step(s);
                 }
@@ -268,6 +275,7 @@ impl Consumer {
             self.writer.send(StoreMsg::Kernels(kernels));
         }
         self.flush_regions();
+        self.flush_jit_calls();
         self.flush_collectives();
         self.flush_gemms();
         self.flush_copies();
@@ -292,6 +300,7 @@ impl Consumer {
     /// NULL), flushes, and returns its totals, to finish the session.
     pub fn close(mut self) -> ConsumerTotals {
         self.kernels.name_runtime_stubs(self.pid);
+        self.finish_jit();
         for s in self.tracker.open_steps() {
             self.store_open_step(s);
         }

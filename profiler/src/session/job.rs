@@ -36,6 +36,8 @@ pub(super) struct JobContext {
     pub sender: RowSender,
     pub labels: Vec<&'static str>,
     pub regions: RegionSteps,
+    /// The jitted functions that make JAX steps.
+    pub jax: crate::jax_steps::JitSources,
     /// The logical GPUs sampled, and the first target's CUDA_VISIBLE_DEVICES
     /// they are numbered by (see [`rank_gpus`]).
     pub gpus: Vec<u32>,
@@ -151,6 +153,7 @@ impl Job {
         let mut consumer =
             Consumer::new(self.ctx.sender.for_process(pid), self.ctx.labels.clone(), self.ctx.regions.clone(), pid);
         consumer.live = self.ctx.live_for(&start, start.local_rank, cvd.clone());
+        consumer.use_jit_steps(self.ctx.jax.clone(), self.ctx.cfg.quiet);
         // Adopted during teardown: the cutoff applies to it too.
         consumer.cutoff_ns = self.cutoff_ns;
         consumer.keep_gemm_rows(self.ctx.cfg.launch_mode == super::LaunchMode::All);

@@ -17,6 +17,7 @@ mod config;
 mod consumer;
 mod drain;
 mod event_loop;
+mod jax;
 mod job;
 mod kernels;
 mod loss;
@@ -79,6 +80,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
 
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer.sender(), steps.labels.clone(), steps.regions.clone(), target.pid);
+    consumer.use_jit_steps(steps.jax.clone(), cfg.quiet);
     consumer.keep_gemm_rows(cfg.launch_mode == LaunchMode::All);
     consumer.keep_copy_rows(cfg.launch_mode == LaunchMode::All);
     consumer.trace_sched(cfg.sched);
@@ -89,6 +91,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         sender: writer.sender(),
         labels: steps.labels.clone(),
         regions: steps.regions.clone(),
+        jax: steps.jax.clone(),
         gpus: sampled,
         nvml_processes,
         gpu_peaks,

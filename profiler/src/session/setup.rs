@@ -155,6 +155,8 @@ pub(super) struct StepFunctions {
     pub labels: Vec<&'static str>,
     /// The step sources PyTorch's regions make (their probe ids follow the others').
     pub regions: RegionSteps,
+    /// The jitted functions that make JAX steps (their probe ids come last).
+    pub jax: crate::jax_steps::JitSources,
 }
 
 /// Resolves the step functions: a typo costs nothing yet. Both kinds are
@@ -214,7 +216,8 @@ pub(super) fn resolve_steps(cfg: &SessionConfig, target: &TargetProcess) -> anyh
         .map(|l| &*Box::leak(l.to_owned().into_boxed_str()))
         .collect();
     let regions = super::torch::step_sources(cfg, &mut labels);
-    Ok(StepFunctions { symbols, python, labels, regions })
+    let jax = super::jax::step_sources(cfg, &mut labels);
+    Ok(StepFunctions { symbols, python, labels, regions, jax })
 }
 
 /// The CPythons a job whose first target is none may run, each with why:
@@ -286,7 +289,7 @@ pub(super) fn begin_session(
         exe: Some(target.exe.display().to_string()),
         mode: target.mode,
         launch_mode: cfg.launch_mode.as_str(),
-        step_source: super::torch::step_source_text(cfg, step_specs(cfg), regions),
+        step_source: super::jax::step_source_text(cfg, super::torch::step_source_text(cfg, step_specs(cfg), regions)),
         started_ns,
         unix_offset_ns: clock::unix_offset_ns(),
         hostname: read_trimmed("/proc/sys/kernel/hostname"),

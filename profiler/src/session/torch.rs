@@ -20,7 +20,7 @@ const OPTIMIZER_LABEL: &str = "train";
 /// Adds the region step sources to the step tracker's labels (their probe
 /// ids follow the named sources'), and says where steps will come from.
 pub(super) fn step_sources(cfg: &SessionConfig, labels: &mut Vec<&'static str>) -> RegionSteps {
-    let named = !(cfg.steps.is_empty() && cfg.python_steps.is_empty() && cfg.step_regions.is_empty());
+    let named = super::jax::named_sources(cfg);
     let mut sources = RegionSteps::default();
     if cfg.step_mode.optimizer_steps(named) {
         sources.optimizer = Some(labels.len() as u32);
@@ -80,8 +80,9 @@ impl TorchWatch {
             } else {
                 say!(
                     quiet,
-                    "PID {pid} has not loaded PyTorch yet: steps will come from its optimizer markers if it does; \
-                     otherwise no steps will be recorded (name them with --step-symbol, --step-python or --step-region)"
+                    "PID {pid} has not loaded PyTorch yet: steps will come from its optimizer markers if it does \
+                     (or from a JAX program's jitted training step); otherwise no steps will be recorded (name them \
+                     with --step-symbol, --step-python, --step-region or --step-jit)"
                 );
             }
         }

@@ -6,7 +6,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{consumer::Consumer, nccl::NcclWatch, torch::TorchWatch};
+use super::{consumer::Consumer, jax::JaxWatch, nccl::NcclWatch, torch::TorchWatch};
 use crate::{
     probes::{
         self, Probes,
@@ -31,6 +31,8 @@ pub(super) struct LibraryWatcher {
     torch: TorchWatch,
     /// NCCL's `libnccl.so.2`, probed for its collectives.
     nccl: NcclWatch,
+    /// jaxlib's `libjax_common.so`, probed for its jitted calls.
+    jax: JaxWatch,
 }
 
 impl LibraryWatcher {
@@ -42,6 +44,7 @@ impl LibraryWatcher {
             failed: HashMap::new(),
             torch,
             nccl: NcclWatch::default(),
+            jax: JaxWatch::default(),
         }
     }
 
@@ -102,6 +105,7 @@ impl LibraryWatcher {
         }
         self.torch.scan(self.pid, probes, &maps, rows, quiet, how);
         self.nccl.scan(self.pid, probes, &maps, rows, quiet, how);
+        self.jax.scan(self.pid, probes, &maps, rows, quiet, how);
         super::blas::scan(self.pid, probes, &maps, &mut self.seen, rows, quiet, how);
         Some(maps)
     }

@@ -74,6 +74,11 @@ pub(super) fn derive_all(
     if let Err(e) = super::collectives::write_step_collectives(tx, session_id) {
         stats.first_error.get_or_insert_with(|| format!("computing per-step collective figures: {e}"));
     }
+    if let Err(e) = super::jax::write_step_dispatch(tx, session_id) {
+        stats.first_error.get_or_insert_with(|| format!("computing JAX steps' dispatch times: {e}"));
+    } else {
+        saved(tx, stats, |sp| super::jax::write_step_launches(sp, session_id))?;
+    }
     // Last of all: the verdict reads the collective figures.
     if let Err(e) = super::copies::write_step_bounds(tx, session_id) {
         stats.first_error.get_or_insert_with(|| format!("computing per-step verdicts: {e}"));

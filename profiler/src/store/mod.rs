@@ -8,6 +8,7 @@ mod collectives;
 mod copies;
 mod finish;
 mod gemms;
+mod jax;
 mod job;
 mod merge;
 pub mod rows;
@@ -28,8 +29,9 @@ pub use self::{
     gemms::{GemmRow, StepGemms},
     merge::{MergeInput, MergeSummary, merge_into},
     rows::{
-        AtFinish, Capability, CollectiveRow, CopyRow, GpmReadings, GpuRow, GpuSampleRow, KernelRow, LaunchRow, Losses,
-        ProbedFileRow, RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepRow, SyncRow, SystemSampleRow,
+        AtFinish, Capability, CollectiveRow, CopyRow, GpmReadings, GpuRow, GpuSampleRow, JitCallRow, KernelRow,
+        LaunchRow, Losses, ProbedFileRow, RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepRow, SyncRow,
+        SystemSampleRow,
     },
     schema::{SCHEMA_VERSION, quoted},
     writer::{RowSender, StoreWriter},
@@ -198,6 +200,8 @@ pub enum StoreMsg {
     Collectives(Vec<CollectiveRow>),
     /// Copies and memsets (`--launches all`).
     Copies(Vec<CopyRow>),
+    /// Calls of `jax.jit` functions.
+    JitCalls(Vec<JitCallRow>),
     Kernels(Vec<KernelRow>),
     ProbedFile(ProbedFileRow),
     /// The sampled GPUs, once at the start.

@@ -124,6 +124,22 @@ pub struct RegionRow {
     pub step: Option<(&'static str, u64)>,
 }
 
+/// One call of a `jax.jit` function (a `jit_calls` row).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JitCallRow {
+    pub tid: u32,
+    /// None: the name could not be read.
+    pub name: Option<String>,
+    /// The `PjitFunction*`.
+    pub function: u64,
+    pub start_ns: u64,
+    /// None: its return was not seen.
+    pub end_ns: Option<u64>,
+    pub depth: u32,
+    /// The step its thread was in when it began: (label, step).
+    pub step: Option<(&'static str, u64)>,
+}
+
 /// One NCCL call (a `collectives` row); None where the call has no such argument.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CollectiveRow {

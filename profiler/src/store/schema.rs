@@ -36,6 +36,7 @@ pub(super) const MIGRATIONS: &[Migration] = &[
     Migration::Sql(include_str!("migrations/0011_gpm_and_flops_metric.sql")),
     Migration::Sql(include_str!("migrations/0012_gemm_types.sql")),
     Migration::Sql(include_str!("migrations/0013_sched_and_copies.sql")),
+    Migration::Sql(include_str!("migrations/0014_jax.sql")),
 ];
 
 /// One schema change.

@@ -69,9 +69,11 @@ pub fn attach_agent(pid: u32, args: &[&str], db: &Path) -> Result<Child> {
 /// still be taking them off a window that is meant to be detached.
 pub fn wait_until_detached() {
     let running = || {
-        std::fs::read_dir("/proc").into_iter().flatten().flatten().any(|e| {
-            std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim_end() == "profiler")
-        })
+        std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim_end() == "profiler"))
     };
     let t0 = std::time::Instant::now();
     while running() && t0.elapsed() < Duration::from_secs(60) {

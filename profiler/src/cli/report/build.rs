@@ -59,6 +59,7 @@ const TOP_REGIONS: usize = 10;
 ///     "sync_wait_share": 0.12,        // Σ sync wait / Σ step time; null if not recorded
 ///     "data_wait_ms": { … },          // PyTorch steps: time in the DataLoader's __next__; null otherwise
 ///     "optimizer_ms": { … },          // PyTorch steps: time in Optimizer.step; null otherwise
+///     "dispatch_ms": { … },           // JAX steps: the host's dispatch of the step's jitted call; null otherwise
 ///     "gpus": [ { "gpu": 0, "name": "H200", "steps": 94, "energy_per_step_j": 61.5,
 ///                 "energy_error_per_step_j": 0.4, "avg_power_w": 615.0, "below_resolution": 0 } ],
 ///                                     // null if the session has no GPU figures
@@ -123,6 +124,7 @@ pub struct LabelReport {
     pub sync_wait_share: Option<f64>,
     pub data_wait_ms: Option<Percentiles>,
     pub optimizer_ms: Option<Percentiles>,
+    pub dispatch_ms: Option<Percentiles>,
     pub gpus: Option<Vec<GpuEnergy>>,
     pub cpu: Option<EnergyStat>,
     pub dram: Option<EnergyStat>,
@@ -463,6 +465,7 @@ fn label_figures(name: &str, rows: &[StepRow], used: &[&StepRow], skip: u64) -> 
         sync_wait_share: (sync_seen && sync_dur > 0).then(|| sync_sum as f64 / sync_dur as f64),
         data_wait_ms: Percentiles::of(used.iter().filter_map(|s| s.data_wait_ns.map(ms)).collect()),
         optimizer_ms: Percentiles::of(used.iter().filter_map(|s| s.optimizer_ns.map(ms)).collect()),
+        dispatch_ms: Percentiles::of(used.iter().filter_map(|s| s.dispatch_ns.map(ms)).collect()),
         gpus: None,
         cpu: None,
         dram: None,

@@ -62,6 +62,7 @@ fn label_rows(l: &LabelReport, row: &mut RowWriter<'_>) -> ::csv::Result<()> {
         ("launches_per_step", &l.launches_per_step, ""),
         ("data_wait", &l.data_wait_ms, "ms"),
         ("optimizer", &l.optimizer_ms, "ms"),
+        ("dispatch", &l.dispatch_ms, "ms"),
     ] {
         for (stat, get) in [
             ("p50", (|p: &Percentiles| p.p50) as fn(&Percentiles) -> f64),

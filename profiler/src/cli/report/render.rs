@@ -213,12 +213,13 @@ fn render_label(o: &mut String, l: &LabelReport) {
         ("launches/step", &l.launches_per_step, 0),
         ("data wait (ms)", &l.data_wait_ms, 3),
         ("optimizer (ms)", &l.optimizer_ms, 3),
+        ("dispatch (ms)", &l.dispatch_ms, 3),
         ("GEMM TFLOP/s", &l.tflops_per_s, 1),
         ("MFU (%)", &l.mfu_pct, 1),
         ("MFU est. GPM (%)", &l.mfu_gpm_pct, 1),
     ] {
         if p.is_none() && !matches!(name, "step time (ms)" | "inter-step (ms)" | "launches/step") {
-            continue; // PyTorch's phases, FLOPs and MFU: only some steps have them
+            continue; // PyTorch's phases, JAX's dispatch, FLOPs and MFU: only some steps have them
         }
         let cell = |f: fn(&Percentiles) -> f64, decimals| num(p.as_ref().map(f), decimals);
         rows.push(vec![
@@ -361,6 +362,7 @@ mod tests {
             sync_wait_share: Some(0.25),
             data_wait_ms: None,
             optimizer_ms: None,
+            dispatch_ms: None,
             gpus,
             cpu: Some(stat(8.0)),
             dram: None,

@@ -281,6 +281,8 @@ fn run_traced(args: &[&str], specs: &[&str]) -> Traced {
             | Event::Collective(_)
             | Event::Blas(_)
             | Event::Copy(_)
+            | Event::JitEnter(_)
+            | Event::JitExit(_)
             | Event::LoaderChange { .. }
             | Event::Process(_) => {}
         }

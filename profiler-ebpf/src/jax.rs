@@ -1,0 +1,61 @@
+//! JAX's jit fast path: an entry and a return probe on jaxlib's
+//! `jax::(anonymous namespace)::PjitFunction::Call(nanobind::handle,
+//! _object* const*, unsigned long, _object*)` in `libjax_common.so`, which
+//! runs once per call of a `jax.jit` function (tracing or not) on the
+//! calling thread. A few hits per training step: each can afford a
+//! uretprobe.
+//!
+//! x86-64: the function returns `absl::StatusOr<nb::object>` through a hidden
+//! pointer in `rdi`, so `this` (the `PjitFunction`) is in `rsi` and the
+//! Python object called (the `PjitFunctionObject` holding it) in `rdx`. The
+//! name is not read here: the agent reads it from the target's memory once
+//! per function, at an offset it checks against the target's Python objects
+//! (jaxlib's layout changes between releases; the kernel side stays fixed).
+//!
+//! The records go to the ordered ring with the thread's sequence (they make
+//! JAX steps, so launches must not crowd them out, and a gap must show).
+use aya_ebpf::{
+    macros::{uprobe, uretprobe},
+    programs::{ProbeContext, RetProbeContext},
+};
+use profiler_common::{JitRecord, RecordKind};
+
+use crate::{LOST_ORDERED, ORDERED_EVENTS, bump, header, ordered_state, submit_flags, target_tid};
+
+/// `PjitFunction::Call(this = rsi, callable = rdx, …)`.
+#[uprobe]
+pub fn jax_jit_enter(ctx: ProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    let (Some(function), Some(callable)) = (ctx.arg::<u64>(1), ctx.arg::<u64>(2)) else { return 0 };
+    submit(tid, RecordKind::JitEnter, function, callable);
+    0
+}
+
+/// The return of `PjitFunction::Call`: the call is dispatched.
+#[uretprobe]
+pub fn jax_jit_exit(_ctx: RetProbeContext) -> u32 {
+    let Some(tid) = target_tid() else { return 0 };
+    submit(tid, RecordKind::JitExit, 0, 0);
+    0
+}
+
+/// Writes the record to the ordered ring with the thread's sequence, depth and launch count.
+#[inline(always)]
+fn submit(tid: u32, kind: RecordKind, function: u64, callable: u64) {
+    let (seq, depth, thread_launches, sched) = ordered_state(tid, kind);
+    match ORDERED_EVENTS.reserve::<JitRecord>(0) {
+        Some(mut entry) => {
+            entry.write(JitRecord {
+                header: header(kind, tid),
+                seq,
+                depth,
+                function,
+                callable,
+                thread_launches,
+                sched,
+            });
+            entry.submit(submit_flags());
+        }
+        None => bump(&LOST_ORDERED),
+    }
+}
