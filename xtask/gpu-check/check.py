@@ -333,7 +333,7 @@ def load_profile(ctx):
         raise RuntimeError("no session in %s" % ctx.db)
     sid, lost, total, stored, end_reason = sess[0]
     p = {"sid": sid, "lost": lost, "total": total, "stored": stored, "end_reason": end_reason}
-    p["steps"] = q("SELECT step, tid, start_ns, end_ns, launches, sync_wait_ns FROM steps "
+    p["steps"] = q("SELECT step, tid, start_ns, end_ns, launches, sync_wait_ns, cpu_ns, h2d_bytes, copy_calls FROM steps "
                    "WHERE session_id = ? AND label = 'train' ORDER BY step", sid)
     p["launches"] = q("SELECT ts_ns, tid, function FROM launches WHERE session_id = ? ORDER BY ts_ns", sid)
     names = {}
@@ -363,7 +363,8 @@ def part_steps(rep, truth, prof):
     pairs = []
     for ls, pstep in zip(loop_steps, ps):
         pairs.append((ls, {"step": pstep[0], "tid": pstep[1], "start": pstep[2], "end": pstep[3],
-                           "launches": pstep[4], "sync": pstep[5]}))
+                           "launches": pstep[4], "sync": pstep[5], "cpu": pstep[6], "h2d": pstep[7],
+                           "copy_calls": pstep[8]}))
     errs = []
     for ls, pstep in pairs:
         if pstep["end"] is None:
@@ -482,6 +483,59 @@ def part_sync(rep, truth, prof, pairs):
               "median %.3f ms vs loop %.3f ms; diff median %+.1f µs, worst %+.1f µs%s"
               % (prof_med / MS, loop_med / MS, median(diffs) / 1e3, max(diffs, key=abs) / 1e3,
                  "; out in steps %s" % bad[:8] if bad else ""), not bad)
+
+
+COPY_API = re.compile(r"^(cudaMemcpy|cudaMemset|cuMemcpy|cuMemset)")
+
+
+def part_copies_and_cpu(rep, truth, prof, pairs):
+    """Host→device bytes per step against the loop's own input size, copy calls
+    against CUPTI's runtime/driver copy events, and on-CPU time against the
+    loop's own thread CPU time."""
+    done = [(ls, p) for ls, p in pairs if p["end"] is not None and ls["kind"] in ("steady", "cupti")]
+    if not done:
+        rep.skip("copies, cpu_ns", "no steps to compare")
+        return
+    if truth["info"].get("device") == "cpu":
+        rep.info("h2d bytes/step", "0 (CPU device)", fmt_counts([p["h2d"] for _, p in done]))
+    else:
+        want = [ls["h2d_bytes"] for ls, _ in done]
+        got = [p["h2d"] for _, p in done]
+        rep.check("h2d bytes/step", "the input's %s bytes, at least" % fmt_counts(want), fmt_counts(got),
+                  all(g is not None and g >= w for g, w in zip(got, want)))
+        calls, cupti = [], []
+        for ls, p in done:
+            if ls.get("trace"):
+                _, api = read_trace_copies(ls["trace"])
+                cupti.append(sum(1 for a in api if a[0] == ls["tid"]))
+                calls.append(p["copy_calls"])
+        if cupti:
+            rep.check("copy calls/step vs CUPTI", "%s copy/memset API calls (CUPTI)" % fmt_counts(cupti),
+                      "%s (steps.copy_calls)" % fmt_counts(calls), calls == cupti)
+    ratios = [p["cpu"] / ls["cpu_ns"] for ls, p in done if p["cpu"] is not None and ls.get("cpu_ns")]
+    if not ratios:
+        rep.skip("cpu_ns vs thread CPU time", "no scheduler figures (no eBPF, or --no-sched)")
+    else:
+        rep.check("cpu_ns vs thread CPU time", "the loop's thread_time_ns() per step, ±10 %",
+                  "ratio median %.3f, min %.3f, max %.3f" % (median(ratios), min(ratios), max(ratios)),
+                  all(0.9 <= r <= 1.1 for r in ratios))
+
+
+def read_trace_copies(path):
+    """(memcpy/memset GPU events, copy-API events as (tid, name)) of one chrome trace."""
+    with open(path) as f:
+        doc = json.load(f)
+    events = doc.get("traceEvents", []) if isinstance(doc, dict) else doc
+    gpu, api = [], []
+    for e in events:
+        if not isinstance(e, dict) or e.get("ph") != "X":
+            continue
+        cat = str(e.get("cat", "")).lower()
+        if cat in ("gpu_memcpy", "gpu_memset"):
+            gpu.append(e)
+        elif cat in ("cuda_runtime", "cuda_driver") and COPY_API.match(str(e.get("name", ""))):
+            api.append((e.get("tid"), str(e.get("name"))))
+    return gpu, api
 
 
 def pick_gpu(truth, prof):
@@ -661,7 +715,7 @@ def main():
         print("check: the bundle has no profiler binary at %s" % ctx.profiler, file=sys.stderr)
         return EXIT_BROKEN
     ebpf = part_doctor(rep, ctx)
-    profiled_parts = ["steps", "launches/step vs CUPTI", "kernel names vs CUPTI", "sync wait", "energy (profiler)"]
+    profiled_parts = ["steps", "launches/step vs CUPTI", "kernel names vs CUPTI", "sync wait", "copies, cpu_ns", "energy (profiler)"]
     if nothing is not None:
         for part in profiled_parts + ["NVML direct"]:
             rep.skip(part, nothing)
@@ -696,6 +750,7 @@ def main():
             pairs = part_steps(rep, truth, prof)
             part_launches(rep, truth, prof, pairs)
             part_sync(rep, truth, prof, pairs)
+            part_copies_and_cpu(rep, truth, prof, pairs)
             part_energy(rep, truth, prof, pairs)
             prof["db"].close()
     else:

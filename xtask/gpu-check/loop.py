@@ -161,7 +161,12 @@ class TorchWorkload:
                 layers.append(torch.nn.ReLU())
         self.model = torch.nn.Sequential(*layers).to(dev)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4, momentum=0.9)
-        self.x = torch.randn(args.batch, args.hidden, device=dev)
+        self.dev = dev
+        # The input comes from the host every step: one host→device copy of known size.
+        self.x_host = torch.randn(args.batch, args.hidden)
+        self.x_bytes = self.x_host.numel() * self.x_host.element_size()
+        self.x = self.x_host.to(dev)
+        self.cpu_ns = 0
         self.y = torch.randn(args.batch, args.hidden, device=dev)
         self.loss_fn = torch.nn.MSELoss()
         self.loss = None
@@ -184,9 +189,12 @@ class TorchWorkload:
         return s if s.startswith(("GPU-", "MIG-")) else "GPU-" + s
 
     def train_step(self):
-        """The step: forward, loss, backward, optimizer, then wait for the GPU."""
+        """The step: its input to the device, forward, loss, backward, optimizer,
+        then wait for the GPU."""
+        c0 = time.thread_time_ns()
         self.opt.zero_grad(set_to_none=True)
-        out = self.model(self.x)
+        x = self.x_host.to(self.dev) if self.cuda else self.x
+        out = self.model(x)
         self.loss = self.loss_fn(out, self.y)
         self.loss.backward()
         self.opt.step()
@@ -194,6 +202,7 @@ class TorchWorkload:
         if self.cuda:
             self.torch.cuda.synchronize()
         self.sync_ns = (s0, time.monotonic_ns())
+        self.cpu_ns = time.thread_time_ns() - c0
 
     def profiled(self, runner, trace_path):
         """One step under torch.profiler (CUPTI on a CUDA device)."""
@@ -338,7 +347,9 @@ def main():
             t0, t1 = work.profiled(runner, trace)
         s0, s1 = work.sync_ns
         steps.append({"step": i, "kind": kind, "tid": tid, "start_ns": t0, "end_ns": t1,
-                      "sync_start_ns": s0, "sync_end_ns": s1, "trace": trace})
+                      "sync_start_ns": s0, "sync_end_ns": s1, "trace": trace,
+                      "cpu_ns": getattr(work, "cpu_ns", None),
+                      "h2d_bytes": getattr(work, "x_bytes", 0) if getattr(work, "cuda", False) else 0})
     if nvml is not None:
         energy_reads["steady_end"] = nvml.read_energy()
     if sampler is not None:
