@@ -418,6 +418,9 @@ pub struct ProcessSched {
     pub switches: u64,
     /// Of those, times it was preempted (left runnable).
     pub preemptions: u64,
+    /// Switches that did not fit a thread's state as the programs kept it
+    /// (each loses that thread's interval since its last change).
+    pub mismatches: u64,
 }
 
 /// Bytes of a kernel name kept (longer names are cut; C++ kernel names
@@ -728,7 +731,7 @@ mod user {
     unsafe impl aya::Pod for super::FrameLayout {}
     // SAFETY: as above (two u32).
     unsafe impl aya::Pod for super::FrameStep {}
-    // SAFETY: as above (three u64; PROCESS_SCHED values).
+    // SAFETY: as above (four u64; PROCESS_SCHED values).
     unsafe impl aya::Pod for super::ProcessSched {}
 }
 

@@ -159,9 +159,8 @@ pub fn copy_exit(ctx: RetProbeContext) -> u32 {
     let _ = COPY_PENDING.remove(tid);
     let mut rec = pending.record;
     rec.result = ctx.ret::<u64>() as u32;
-    // SAFETY: a helper without preconditions.
-    rec.header.ts_ns = unsafe { bpf_ktime_get_ns() };
-    (rec.seq, rec.depth, _, _) = ordered_state(tid, RecordKind::Copy);
+    let o = ordered_state(tid, RecordKind::Copy);
+    (rec.seq, rec.depth, rec.header.ts_ns) = (o.seq, o.depth, o.ts_ns);
     match ORDERED_EVENTS.reserve::<CopyRecord>(0) {
         Some(mut entry) => {
             entry.write(rec);

@@ -42,17 +42,19 @@ pub fn jax_jit_exit(_ctx: RetProbeContext) -> u32 {
 /// Writes the record to the ordered ring with the thread's sequence, depth and launch count.
 #[inline(always)]
 fn submit(tid: u32, kind: RecordKind, function: u64, callable: u64) {
-    let (seq, depth, thread_launches, sched) = ordered_state(tid, kind);
+    let o = ordered_state(tid, kind);
     match ORDERED_EVENTS.reserve::<JitRecord>(0) {
         Some(mut entry) => {
+            let mut header = header(kind, tid);
+            header.ts_ns = o.ts_ns;
             entry.write(JitRecord {
-                header: header(kind, tid),
-                seq,
-                depth,
+                header,
+                seq: o.seq,
+                depth: o.depth,
                 function,
                 callable,
-                thread_launches,
-                sched,
+                thread_launches: o.launches,
+                sched: o.sched,
             });
             entry.submit(submit_flags());
         }

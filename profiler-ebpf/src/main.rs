@@ -904,16 +904,27 @@ pub fn name_exit(ctx: RetProbeContext) -> u32 {
 /// return), with its sequence number and step depth.
 #[inline(always)]
 fn emit_ordered(tid: u32, kind: RecordKind, probe: u32) {
-    let (seq, depth, thread_launches, sched) = ordered_state(tid, kind);
-    write_ordered_record(tid, kind, probe, (seq, depth, thread_launches), sched);
+    let o = ordered_state(tid, kind);
+    write_ordered_record(tid, kind, probe, &o);
+}
+
+/// Where a thread stands at one of its ordered records: the record's
+/// sequence number, its step depth after the record, its launch count, where
+/// its time has gone, and the moment these are of (the record's stamp).
+pub(crate) struct Ordered {
+    pub seq: u32,
+    pub depth: u32,
+    pub launches: u64,
+    pub sched: SchedTimes,
+    pub ts_ns: u64,
 }
 
 /// Before an ordered record of the thread (`kind`): flushes its staged
-/// launches, and returns its next sequence number, its step depth after the
-/// record, its launch count and where its time has gone. Split out of
-/// `emit_ordered` for `torch`'s region records, which carry the same sequence.
+/// launches, and returns where the thread stands ([`Ordered`]). Split out of
+/// `emit_ordered` for the records of the other families, which carry the
+/// same sequence.
 #[inline(always)]
-pub(crate) fn ordered_state(tid: u32, kind: RecordKind) -> (u32, u32, u64, SchedTimes) {
+pub(crate) fn ordered_state(tid: u32, kind: RecordKind) -> Ordered {
     // The thread's staged launches go first: the agent, reading the launch
     // ring before the ordered ring, then has every launch that precedes an ordered
     // record by the time it reads that record (see `profiler::events::OrderedQueue`).
@@ -923,7 +934,8 @@ pub(crate) fn ordered_state(tid: u32, kind: RecordKind) -> (u32, u32, u64, Sched
     }
     match thread_state(tid, true) {
         Some(state) => {
-            // SAFETY: only this thread writes its own state.
+            let (sched, ts_ns) = sched::snapshot(state, (bpf_get_current_pid_tgid() >> 32) as u32);
+            // SAFETY: only this thread writes these fields of its own state.
             let state = unsafe { &mut *state };
             state.seq = next_seq(state.seq);
             if kind == RecordKind::StepEnter {
@@ -931,10 +943,16 @@ pub(crate) fn ordered_state(tid: u32, kind: RecordKind) -> (u32, u32, u64, Sched
             } else if kind == RecordKind::StepExit {
                 state.step_depth = state.step_depth.saturating_sub(1);
             }
-            let sched = sched::snapshot(state, (bpf_get_current_pid_tgid() >> 32) as u32);
-            (state.seq, state.step_depth, state.launches, sched)
+            Ordered { seq: state.seq, depth: state.step_depth, launches: state.launches, sched, ts_ns }
         }
-        None => (0, 0, 0, SchedTimes::default()),
+        // SAFETY: a helper without preconditions.
+        None => Ordered {
+            seq: 0,
+            depth: 0,
+            launches: 0,
+            sched: SchedTimes::default(),
+            ts_ns: unsafe { bpf_ktime_get_ns() },
+        },
     }
 }
 
@@ -945,23 +963,19 @@ fn next_seq(seq: u32) -> u32 {
 }
 
 #[inline(always)]
-fn write_ordered_record(
-    tid: u32,
-    kind: RecordKind,
-    probe: u32,
-    (seq, depth, thread_launches): (u32, u32, u64),
-    sched: SchedTimes,
-) {
+fn write_ordered_record(tid: u32, kind: RecordKind, probe: u32, o: &Ordered) {
     match ORDERED_EVENTS.reserve::<OrderedRecord>(0) {
         Some(mut entry) => {
+            let mut header = header(kind, tid);
+            header.ts_ns = o.ts_ns;
             entry.write(OrderedRecord {
-                header: header(kind, tid),
+                header,
                 probe,
-                seq,
-                thread_launches,
-                depth,
+                seq: o.seq,
+                thread_launches: o.launches,
+                depth: o.depth,
                 _pad: 0,
-                sched,
+                sched: o.sched,
             });
             entry.submit(submit_flags());
         }
@@ -1021,7 +1035,9 @@ pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
     // SAFETY: a valid map value; its thread is exiting, so nothing else writes it.
     let (seq, depth, launches) = unsafe { (next_seq((*state).seq), (*state).step_depth, (*state).launches) };
     // Not on the record: a thread's last figures are of no step.
-    let sched = SchedTimes::default();
+    // SAFETY: a helper without preconditions.
+    let ts_ns = unsafe { bpf_ktime_get_ns() };
+    let exit = Ordered { seq, depth, launches, sched: SchedTimes::default(), ts_ns };
     if in_slot {
         // SAFETY: as above.
         unsafe { core::ptr::write_bytes(slot, 0, 1) };
@@ -1029,7 +1045,7 @@ pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
     } else if THREAD_FALLBACK.remove(tid).is_err() {
         map_failed();
     }
-    write_ordered_record(tid, RecordKind::ThreadExit, 0, (seq, depth, launches), sched);
+    write_ordered_record(tid, RecordKind::ThreadExit, 0, &exit);
     0
 }
 

@@ -104,9 +104,8 @@ pub fn nccl_exit(ctx: RetProbeContext) -> u32 {
     let Some(mut rec) = (unsafe { NCCL_PENDING.get(tid) }).copied() else { return 0 };
     let _ = NCCL_PENDING.remove(tid);
     rec.result = ctx.ret::<u64>() as u32;
-    // SAFETY: a helper without preconditions.
-    rec.header.ts_ns = unsafe { bpf_ktime_get_ns() };
-    (rec.seq, rec.depth, rec.thread_launches, _) = ordered_state(tid, RecordKind::Collective);
+    let o = ordered_state(tid, RecordKind::Collective);
+    (rec.seq, rec.depth, rec.thread_launches, rec.header.ts_ns) = (o.seq, o.depth, o.launches, o.ts_ns);
     match ORDERED_EVENTS.reserve::<CollectiveRecord>(0) {
         Some(mut entry) => {
             entry.write(rec);

@@ -34,6 +34,7 @@ const BLOCKED: u32 = 4;
 /// `task_struct::__state` bits (include/linux/sched.h).
 const TASK_UNINTERRUPTIBLE: u32 = 0x2;
 const TASK_NOLOAD: u32 = 0x400;
+const TASK_DEAD: u32 = 0x80;
 
 /// Set by the agent: 0 with `--no-sched`, when the tracepoints are not
 /// attached and the snapshots stay zero.
@@ -51,6 +52,17 @@ pub(crate) struct ThreadSched {
     runnable_ns: u64,
     sleep_ns: u64,
     blocked_ns: u64,
+}
+
+/// A switch the programs cannot square with the thread's state (a switch-in
+/// of a thread already running, a switch-out of one not running): the
+/// interval since its state last changed is lost, and counted here.
+#[inline(always)]
+fn mismatch(tgid: u32) {
+    if let Some(p) = process_totals(tgid) {
+        // SAFETY: a valid map value field.
+        unsafe { atomic_add(&raw mut (*p).mismatches, 1) };
+    }
 }
 
 /// Scheduler totals of each traced process, by tgid (`ProcessSched`). The
@@ -76,7 +88,7 @@ fn process_totals(tgid: u32) -> Option<*mut ProcessSched> {
     if let Some(p) = PROCESS_SCHED.get_ptr_mut(tgid) {
         return Some(p);
     }
-    let zero = ProcessSched { cpu_ns: 0, switches: 0, preemptions: 0 };
+    let zero = ProcessSched { cpu_ns: 0, switches: 0, preemptions: 0, mismatches: 0 };
     // Another CPU may have created it meanwhile: then the insert fails, harmlessly.
     let _ = PROCESS_SCHED.insert(tgid, zero, BPF_NOEXIST);
     let p = PROCESS_SCHED.get_ptr_mut(tgid);
@@ -154,8 +166,14 @@ pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
         let preempt: u64 = ctx.arg(0);
         let prev_state: u64 = ctx.arg(3);
         let leaving = leaving_state(preempt & 0xff != 0, prev_state as u32);
-        if let Some(slot) = thread_state(prev_tid, true) {
+        // An exiting thread's last switch: its slot was released at its
+        // exit (`thread_exit`) and must not be claimed again.
+        let exiting = prev_state as u32 & TASK_DEAD != 0;
+        if let Some(slot) = thread_state(prev_tid, !exiting) {
             let s = sched_of(slot);
+            if s.state != RUNNING && s.state != UNSEEN {
+                mismatch(prev_tgid);
+            }
             let ran = if s.state == RUNNING { t.saturating_sub(s.since_ns) } else { 0 };
             s.cpu_ns += ran;
             s.state = leaving;
@@ -179,6 +197,9 @@ pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
         && let Some(slot) = thread_state(next_tid, true)
     {
         let s = sched_of(slot);
+        if s.state == RUNNING {
+            mismatch(next_tgid);
+        }
         close_interval(s, t);
         s.state = RUNNING;
         s.since_ns = t;
@@ -210,30 +231,58 @@ pub fn sched_wakeup(ctx: RawTracePointContext) -> i32 {
     0
 }
 
-/// The thread's snapshot now, from a probe on the thread itself (so it is on
-/// a CPU: its run in progress counts). A thread the scheduler programs have
-/// not seen yet starts here, running.
+/// The thread's snapshot, from a probe on the thread itself (so it is on a
+/// CPU: its run in progress counts), and the moment it is of, which the
+/// record is stamped with. A thread the scheduler programs have not seen yet
+/// starts here, running.
+///
+/// Uprobe programs are preemptible: a switch between reading the totals and
+/// the clock would mix two moments (a preempted probe would lose the whole
+/// time it waited). So the clock is read after the totals, and all is read
+/// again if the run's start moved meanwhile.
 #[inline(always)]
-pub(crate) fn snapshot(slot: *mut ThreadSlot, tgid: u32) -> SchedTimes {
+pub(crate) fn snapshot(slot: *mut ThreadSlot, tgid: u32) -> (SchedTimes, u64) {
     if !enabled() {
-        return SchedTimes { cpu_ns: 0, runnable_ns: 0, sleep_ns: 0, blocked_ns: 0, process_cpu_ns: 0 };
+        return (SchedTimes { cpu_ns: 0, runnable_ns: 0, sleep_ns: 0, blocked_ns: 0, process_cpu_ns: 0 }, now());
     }
-    let t = now();
     let s = sched_of(slot);
     if s.state != RUNNING {
         // Unseen, or a switch-in lost to a race with a wakeup: it runs now.
+        let t = now();
         close_interval(s, t);
         s.state = RUNNING;
         s.since_ns = t;
     }
-    let running = t.saturating_sub(s.since_ns);
-    // SAFETY: a lookup whose value is copied at once.
-    let process = unsafe { PROCESS_SCHED.get(tgid) }.map_or(0, |p| p.cpu_ns);
-    SchedTimes {
-        cpu_ns: s.cpu_ns + running,
-        runnable_ns: s.runnable_ns,
-        sleep_ns: s.sleep_ns,
-        blocked_ns: s.blocked_ns,
-        process_cpu_ns: process + running,
+    let mut taken = (SchedTimes { cpu_ns: 0, runnable_ns: 0, sleep_ns: 0, blocked_ns: 0, process_cpu_ns: 0 }, 0);
+    for _ in 0..3 {
+        // SAFETY: reads of the thread's own state, which the scheduler programs may change meanwhile.
+        let since = unsafe { core::ptr::read_volatile(&s.since_ns) };
+        let (cpu, runnable, sleep, blocked) = unsafe {
+            (
+                core::ptr::read_volatile(&s.cpu_ns),
+                core::ptr::read_volatile(&s.runnable_ns),
+                core::ptr::read_volatile(&s.sleep_ns),
+                core::ptr::read_volatile(&s.blocked_ns),
+            )
+        };
+        // SAFETY: a lookup whose value is copied at once.
+        let process = unsafe { PROCESS_SCHED.get(tgid) }.map_or(0, |p| p.cpu_ns);
+        let t = now();
+        let running = t.saturating_sub(since);
+        taken = (
+            SchedTimes {
+                cpu_ns: cpu + running,
+                runnable_ns: runnable,
+                sleep_ns: sleep,
+                blocked_ns: blocked,
+                process_cpu_ns: process + running,
+            },
+            t,
+        );
+        // SAFETY: as above.
+        if unsafe { core::ptr::read_volatile(&s.since_ns) } == since {
+            break;
+        }
     }
+    taken
 }

@@ -130,7 +130,9 @@ fn submit(mut rec: RegionRecord) {
     } else {
         RecordKind::RegionExit
     };
-    (rec.seq, rec.depth, rec.thread_launches, rec.sched) = ordered_state(rec.header.tid, kind);
+    let o = ordered_state(rec.header.tid, kind);
+    (rec.seq, rec.depth, rec.thread_launches, rec.sched, rec.header.ts_ns) =
+        (o.seq, o.depth, o.launches, o.sched, o.ts_ns);
     match ORDERED_EVENTS.reserve::<RegionRecord>(0) {
         Some(mut entry) => {
             entry.write(rec);

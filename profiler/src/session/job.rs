@@ -330,6 +330,7 @@ impl Job {
             m.watcher.scan(probes, c, quiet, "maps");
         }
         for pid in gone {
+            self.take_sched(probes, pid);
             self.end_member(pid, "target-exited", clock::monotonic_ns());
         }
     }

@@ -117,8 +117,8 @@ fn derive(conn: &Connection, ids: (i64, i64), steps: &[StepSpan], work: &AtFinis
         AtFinish::Losses(losses) => write_losses(conn, session_id, losses),
         AtFinish::ContextSwitches(t) => conn
             .execute(
-                "UPDATE sessions SET context_switches = ?2, preemptions = ?3 WHERE id = ?1",
-                params![session_id, super::i(t.switches), super::i(t.preemptions)],
+                "UPDATE sessions SET context_switches = ?2, preemptions = ?3, sched_mismatches = ?4 WHERE id = ?1",
+                params![session_id, super::i(t.switches), super::i(t.preemptions), super::i(t.mismatches)],
             )
             .map(drop),
         // Read by `job::finish_processes`, which puts it in `StepGpu`.

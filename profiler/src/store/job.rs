@@ -158,7 +158,7 @@ fn finish_unended(
 }
 
 /// A process's work at the end: the job's GPU and RAPL figures (on its own
-/// GPUs when it sent `RankGpus`), and its own losses. The system figures
+/// GPUs when it sent `RankGpus`), and its own losses and context switches. The system figures
 /// (the first target's process CPU and RSS) are not its own: none.
 fn process_work(job_work: &[AtFinish], own: Vec<AtFinish>) -> Vec<AtFinish> {
     let gpus = own.iter().find_map(|w| match w {
@@ -180,7 +180,7 @@ fn process_work(job_work: &[AtFinish], own: Vec<AtFinish>) -> Vec<AtFinish> {
             _ => None,
         })
         .collect();
-    work.extend(own.into_iter().filter(|w| matches!(w, AtFinish::Losses(_))));
+    work.extend(own.into_iter().filter(|w| matches!(w, AtFinish::Losses(_) | AtFinish::ContextSwitches(_))));
     work
 }
 

@@ -27,8 +27,12 @@ ALTER TABLE steps ADD COLUMN copy_ns INTEGER;
 ALTER TABLE steps ADD COLUMN bound TEXT;
 -- Times the process's threads left a CPU while traced, and of those the
 -- times they were preempted (still runnable). NULL with --no-sched.
+-- `sched_mismatches`: switches that did not fit a thread's state as the
+-- programs kept it (each loses that thread's interval since its last change;
+-- 0 expected).
 ALTER TABLE sessions ADD COLUMN context_switches INTEGER;
 ALTER TABLE sessions ADD COLUMN preemptions INTEGER;
+ALTER TABLE sessions ADD COLUMN sched_mismatches INTEGER;
 
 -- One row per copy or memset call (--launches all). `api`: the entry point
 -- (cuMemcpyHtoDAsync_v2, cudaMemcpyAsync, ...); `direction`: h2d, d2h, d2d,
