@@ -103,19 +103,7 @@ pub fn copy_enter(ctx: ProbeContext) -> u32 {
         return 0; // nested in a probed call (a runtime copy reaching the driver)
     }
     let (entry, form) = CopyForm::of_cookie(cookie(&ctx));
-    // Every register is read with a fixed offset before one is chosen (see `nccl`).
-    // SAFETY: `regs` is the kernel-provided pt_regs of this probe.
-    let r = unsafe {
-        let p = ctx.regs;
-        [
-            core::ptr::read_volatile(&(*p).rdi),
-            core::ptr::read_volatile(&(*p).rsi),
-            core::ptr::read_volatile(&(*p).rdx),
-            core::ptr::read_volatile(&(*p).rcx),
-            core::ptr::read_volatile(&(*p).r8),
-            core::ptr::read_volatile(&(*p).r9),
-        ]
-    };
+    let r = crate::int_args(&ctx);
     let stack0 = if form.kind == ARG_STACK0 { user_u64(sp + 8) } else { 0 };
     let (bytes, kind) = if form.layout == CopyLayout::None {
         let count = arg(&r, stack0, form.count) << (form.elem_shift & 7);

@@ -570,6 +570,25 @@ fn enter_runtime_launch(tid: u32, sp: u64, ret: u64) {
     }
 }
 
+/// The six integer argument registers at a function's entry (rdi, rsi, rdx,
+/// rcx, r8, r9), each read at a fixed offset before any is chosen: a choice
+/// folded into the context offset is rejected by the verifier.
+#[inline(always)]
+pub(crate) fn int_args(ctx: &ProbeContext) -> [u64; 6] {
+    // SAFETY: `regs` is the kernel-provided pt_regs of this probe.
+    unsafe {
+        let p = ctx.regs;
+        [
+            core::ptr::read_volatile(&(*p).rdi),
+            core::ptr::read_volatile(&(*p).rsi),
+            core::ptr::read_volatile(&(*p).rdx),
+            core::ptr::read_volatile(&(*p).rcx),
+            core::ptr::read_volatile(&(*p).r8),
+            core::ptr::read_volatile(&(*p).r9),
+        ]
+    }
+}
+
 /// Where the function's return address lies: the stack pointer at its entry,
 /// `pushed` bytes above the probe point's when it pushed that much first.
 #[inline(always)]

@@ -42,20 +42,7 @@ pub(crate) fn forget_thread(tid: u32) {
 pub fn nccl_enter(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
     let op = cookie(&ctx) as u32;
-    // Every register is read with a fixed offset before one is chosen: a
-    // choice folded into the context offset is rejected by the verifier.
-    // SAFETY: `regs` is the kernel-provided pt_regs of this probe.
-    let r = unsafe {
-        let p = ctx.regs;
-        [
-            core::ptr::read_volatile(&(*p).rdi),
-            core::ptr::read_volatile(&(*p).rsi),
-            core::ptr::read_volatile(&(*p).rdx),
-            core::ptr::read_volatile(&(*p).rcx),
-            core::ptr::read_volatile(&(*p).r8),
-            core::ptr::read_volatile(&(*p).r9),
-        ]
-    };
+    let r = crate::int_args(&ctx);
     let on_stack = op == CollectiveOp::AllReduce as u32
         || op == CollectiveOp::ReduceScatter as u32
         || op == CollectiveOp::Broadcast as u32
