@@ -130,14 +130,26 @@ fn run_trainer(name: &str, trainer: &[&str], profiler: &[&str], ld_path: &Path, 
     args.extend(trainer.iter().map(|s| s.to_string()));
     let ld = ld_path.display().to_string();
     let agent = Agent::start_with_env(&args, &[("LD_LIBRARY_PATH", &ld)], true);
+    // Written however this ends: a failed wait must not leave the trainer,
+    // and the profiler tracing it, waiting for ever beside later tests.
+    let go = Go(go);
     for lib in libraries {
         agent.wait_for(&format!("{lib} ("), Duration::from_secs(60));
     }
-    std::fs::write(&go, b"").expect("write go file");
+    drop(go);
     let (status, stderr) = agent.finish();
     assert!(status.success(), "{stderr}");
     let session = last_session(&db).id;
     Run { db, truth, session, stderr }
+}
+
+/// Lets the trainer go when dropped.
+struct Go(PathBuf);
+
+impl Drop for Go {
+    fn drop(&mut self) {
+        let _ = std::fs::write(&self.0, b"");
+    }
 }
 
 /// The CUDA runtime from the PyTorch wheels (`libcudart.so.13` or `.12`).
