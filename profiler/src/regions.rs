@@ -42,6 +42,10 @@ const DATALOADER_SUFFIX: &str = ".__next__";
 /// ends lost): the oldest is stored with no end.
 const MAX_OPEN_PER_THREAD: usize = 256;
 
+/// Batches per optimizer step counted per thread up to this (a larger
+/// gradient accumulation is counted as this many).
+const MAX_BATCHES_PER_STEP: usize = 64;
+
 /// `--steps`: where steps come from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum StepMode {
@@ -151,6 +155,66 @@ struct ThreadState<T> {
     next_depth: u32,
     data_wait_ns: u64,
     optimizer_ns: u64,
+    batches: Batches,
+    /// A region began since the open step was entered at a `__next__`'s end.
+    active_since_batch: bool,
+}
+
+/// The DataLoader `__next__` calls of a thread since its previous optimizer
+/// step, and how many each of its steps held: the usual number is its
+/// gradient accumulation, and the `__next__`s before the last that many are
+/// no batch of the step (an epoch's `StopIteration`).
+#[derive(Default)]
+struct Batches {
+    /// (begin, end) of the outermost `__next__`s, the last [`MAX_BATCHES_PER_STEP`].
+    spans: std::collections::VecDeque<(u64, u64)>,
+    /// All of them, and when the first began.
+    count: usize,
+    first_begin: Option<u64>,
+    /// Steps that held n `__next__`s, at `n - 1` (up to [`MAX_BATCHES_PER_STEP`]).
+    per_step: Vec<u32>,
+}
+
+impl Batches {
+    fn push(&mut self, begin: u64, end: u64) {
+        if self.spans.len() == MAX_BATCHES_PER_STEP {
+            self.spans.pop_front();
+        }
+        self.spans.push_back((begin, end));
+        self.count += 1;
+        self.first_begin.get_or_insert(begin);
+    }
+
+    /// The thread's usual `__next__`s per step: the most common count (the
+    /// smaller on a tie), once a step has been counted.
+    fn usual(&self) -> Option<usize> {
+        let (i, &n) = self.per_step.iter().enumerate().rev().max_by_key(|&(_, n)| *n)?;
+        (n > 0).then_some(i + 1)
+    }
+
+    /// The optimizer step ended: when its first batch was ready and its data
+    /// wait, if `__next__`s before its last usual number came first (their
+    /// time, and the time between them, is data wait). Counts the step.
+    fn step_ended(&mut self, counted: bool) -> Option<(u64, u64)> {
+        let moved = self.usual().filter(|&u| self.count > u && u <= self.spans.len()).map(|u| {
+            let later = self.spans.range(self.spans.len() - u..);
+            let ready = later.clone().next().map_or(0, |&(_, end)| end);
+            let first = self.first_begin.unwrap_or(ready);
+            let wait = ready.saturating_sub(first) + later.skip(1).map(|&(b, e)| e.saturating_sub(b)).sum::<u64>();
+            (ready, wait)
+        });
+        if counted && self.count > 0 {
+            let i = self.count.min(MAX_BATCHES_PER_STEP) - 1;
+            if self.per_step.len() <= i {
+                self.per_step.resize(i + 1, 0);
+            }
+            self.per_step[i] += 1;
+        }
+        self.spans.clear();
+        self.count = 0;
+        self.first_begin = None;
+        moved
+    }
 }
 
 impl<T> Default for ThreadState<T> {
@@ -164,6 +228,8 @@ impl<T> Default for ThreadState<T> {
             next_depth: 0,
             data_wait_ns: 0,
             optimizer_ns: 0,
+            batches: Batches::default(),
+            active_since_batch: false,
         }
     }
 }
@@ -188,6 +254,7 @@ impl<T: Clone> RegionTracker<T> {
     /// with too many open), to be stored with no end.
     pub fn begin(&mut self, e: &RegionEvent, tag: T, out: &mut Vec<Boundary>) -> Option<Region<T>> {
         let t = self.threads.entry(e.tid).or_default();
+        t.active_since_batch = true;
         for (probe, prefix) in &self.steps.prefixes {
             if e.name.starts_with(prefix.as_str()) {
                 out.push(Boundary::Enter { probe: *probe, ts_ns: e.ts_ns, thread_launches: e.thread_launches });
@@ -247,6 +314,14 @@ impl<T: Clone> RegionTracker<T> {
         Some(region)
     }
 
+    /// Whether `tid`'s open step was entered at a DataLoader `__next__`'s end
+    /// and the thread has begun no region since: at the session's end such a
+    /// step is no step (the last epoch's `StopIteration`, or a batch no
+    /// optimizer step used) and is not stored.
+    pub fn batch_only_step(&self, tid: u32) -> bool {
+        self.threads.get(&tid).is_some_and(|t| t.opened == Some(Opened::Batch) && !t.active_since_batch)
+    }
+
     /// A thread exited: its open regions, to be stored with no end.
     pub fn thread_exited(&mut self, tid: u32) -> Vec<Region<T>> {
         self.threads.remove(&tid).map(|t| t.open.into_iter().map(|(_, r)| r).collect()).unwrap_or_default()
@@ -275,10 +350,14 @@ fn optimizer_end<T>(
         t.next_depth = t.next_depth.saturating_sub(1);
         if t.next_depth == 0 {
             t.data_wait_ns += took;
+            t.batches.push(region.start_ns, ts_ns);
             match t.opened {
                 None => {
-                    // The first batch after the previous optimizer step is ready.
+                    // The first batch after the previous optimizer step is
+                    // ready, or an epoch ended: which one, the optimizer
+                    // step tells (`Batches::step_ended`).
                     t.opened = Some(Opened::Batch);
+                    t.active_since_batch = false;
                     out.push(Boundary::Enter { probe, ts_ns, thread_launches: launches });
                 }
                 Some(Opened::Batch) => {}
@@ -298,9 +377,16 @@ fn optimizer_end<T>(
         return; // an optimizer stepping another inside its own step
     }
     t.optimizer_ns += took;
-    if let Some(opened) = t.opened.take() {
-        let phases = Some(Phases { data_wait_ns: t.data_wait_ns, optimizer_ns: t.optimizer_ns });
-        let start = match (t.batch_ready.take(), opened) {
+    let opened = t.opened.take();
+    let moved = t.batches.step_ended(opened.is_some());
+    if let Some(opened) = opened {
+        let (ready, data_wait_ns) = match moved {
+            Some((at, wait)) => (Some(at), wait),
+            None => (t.batch_ready, t.data_wait_ns),
+        };
+        t.batch_ready = None;
+        let phases = Some(Phases { data_wait_ns, optimizer_ns: t.optimizer_ns });
+        let start = match (ready, opened) {
             (Some(at), _) => StepStart::Batch(at),
             (None, Opened::FirstRegion) => StepStart::Guessed,
             (None, _) => StepStart::Entered,
@@ -406,6 +492,85 @@ mod tests {
         let (b, _, _) = run(torch(), &events);
         assert_eq!(spans(&b), vec![('[', 5), (']', 50)]);
         assert!(matches!(b[1], Boundary::Exit { phases: Some(Phases { data_wait_ns: 12, optimizer_ns: 10 }), .. }));
+    }
+
+    /// Steps of `batches` `__next__`s each (one `__next__` 10 ns, then 10 ns of
+    /// work, then a 10 ns optimizer step), 100 ns apart; `extra[i]` more
+    /// `__next__`s (an epoch's end: 1 ns, then 20 ns to the next) come first in step i.
+    fn batched_steps(batches: u64, extra: &[u64]) -> Vec<(bool, u64, u64, &'static str)> {
+        let mut events = Vec::new();
+        for (i, &x) in extra.iter().enumerate() {
+            let mut t = i as u64 * 1000;
+            for _ in 0..x {
+                events.extend([(true, t, 1, NEXT), (false, t + 1, 1, "")]);
+                t += 21;
+            }
+            for _ in 0..batches {
+                events.extend([(true, t, 1, NEXT), (false, t + 10, 1, "")]);
+                t += 20;
+            }
+            events.extend([(true, t, 3, STEP), (false, t + 10, 3, "")]);
+        }
+        events
+    }
+
+    /// (start, end, data wait) of each step.
+    fn step_spans(b: &[Boundary]) -> Vec<(u64, u64, u64)> {
+        let mut out = Vec::new();
+        let mut entered = 0;
+        for x in b {
+            match x {
+                Boundary::Enter { ts_ns, .. } => entered = *ts_ns,
+                Boundary::Exit { ts_ns, start, phases, .. } => {
+                    let s = if let StepStart::Batch(at) = start { *at } else { entered };
+                    out.push((s, *ts_ns, phases.map_or(0, |p| p.data_wait_ns)));
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn an_epoch_end_starts_no_step_its_first_batch_does() {
+        let (b, _, t) = run(torch(), &batched_steps(1, &[0, 0, 1, 0, 1]));
+        let s = step_spans(&b);
+        assert_eq!(s.len(), 5);
+        assert_eq!(s[1], (1010, 1030, 10));
+        // The StopIteration `__next__` at 2000..2001 and the new iterator
+        // (to 2021) are data wait and inter-step time.
+        assert_eq!(s[2], (2031, 2051, 31));
+        assert_eq!(s[3], (3010, 3030, 10));
+        assert_eq!(s[4], (4031, 4051, 31));
+        assert!(!t.batch_only_step(1), "no step open");
+    }
+
+    #[test]
+    fn gradient_accumulation_across_an_epoch_end_starts_at_the_first_of_its_batches() {
+        // Four batches a step; the third step's first `__next__` ends the epoch.
+        let (b, _, _) = run(torch(), &batched_steps(4, &[0, 0, 1, 0]));
+        let s = step_spans(&b);
+        assert_eq!(s[0], (10, 90, 40));
+        assert_eq!(s[2], (2031, 2111, 31 + 30));
+        assert_eq!(s[3], (3010, 3090, 40));
+    }
+
+    #[test]
+    fn the_first_step_with_no_usual_count_yet_keeps_its_first_next() {
+        let (b, _, _) = run(torch(), &batched_steps(1, &[1, 0]));
+        assert_eq!(step_spans(&b)[0].0, 1);
+    }
+
+    #[test]
+    fn the_last_epochs_end_is_no_step() {
+        let mut events = batched_steps(1, &[0, 0]);
+        events.extend([(true, 5000, 1, NEXT), (false, 5001, 1, "")]);
+        let (b, _, mut t) = run(torch(), &events);
+        assert_eq!(b.last(), Some(&Boundary::Enter { probe: 0, ts_ns: 5001, thread_launches: 5001 }));
+        assert!(t.batch_only_step(1));
+        // A region after it: a step in progress (a detach in mid-step).
+        let mut out = Vec::new();
+        t.begin(&ev(1, 5100, 7, "fwd"), (), &mut out);
+        assert!(!t.batch_only_step(1));
     }
 
     #[test]

@@ -2,11 +2,13 @@
 //! become `regions` rows, and (through `crate::regions`) step boundaries that
 //! go through the step tracker like a step function's entry and return, with
 //! the steps' data-wait and optimizer time.
+use std::collections::HashMap;
+
 use super::Consumer;
 use crate::{
     events::{OrderedEvent, RegionEvent},
     regions::{Boundary, Region, RegionSteps, RegionTracker, StepStart},
-    steps::DepthChange,
+    steps::{DepthChange, OpenStep},
     store::{RegionRow, StoreMsg},
 };
 
@@ -17,11 +19,15 @@ type StepTag = Option<(&'static str, u64)>;
 pub(in crate::session) struct RegionState {
     tracker: RegionTracker<StepTag>,
     rows: Vec<RegionRow>,
+    optimizer: Option<u32>,
+    /// The step each thread's optimizer markers last opened.
+    marker_steps: HashMap<u32, u64>,
 }
 
 impl RegionState {
     pub(in crate::session) fn new(sources: RegionSteps) -> Self {
-        Self { tracker: RegionTracker::new(sources), rows: Vec::new() }
+        let optimizer = sources.optimizer;
+        Self { tracker: RegionTracker::new(sources), rows: Vec::new(), optimizer, marker_steps: HashMap::new() }
     }
 
     fn keep(&mut self, regions: impl IntoIterator<Item = Region<StepTag>>) {
@@ -59,7 +65,10 @@ impl Consumer {
     fn boundary(&mut self, tid: u32, b: Boundary) {
         match b {
             Boundary::Enter { probe, ts_ns, thread_launches } => {
-                self.tracker.enter(tid, probe, ts_ns, thread_launches);
+                let step = self.tracker.enter(tid, probe, ts_ns, thread_launches);
+                if let Some(step) = step.filter(|_| Some(probe) == self.regions.optimizer) {
+                    self.regions.marker_steps.insert(tid, step);
+                }
             }
             Boundary::Exit { probe, ts_ns, thread_launches, phases, start } => {
                 let e = OrderedEvent { ts_ns, tid, tgid: 0, probe, thread_launches, seq: 0, depth: 0 };
@@ -82,6 +91,13 @@ impl Consumer {
                 }
             }
         }
+    }
+
+    /// Whether a step still open at the session's (or its thread's) end is
+    /// no step: opened by a DataLoader `__next__` (the last epoch's
+    /// `StopIteration`) with nothing after it (see `RegionTracker::batch_only_step`).
+    pub(super) fn batch_only_step(&self, s: &OpenStep) -> bool {
+        self.regions.marker_steps.get(&s.tid) == Some(&s.step) && self.regions.tracker.batch_only_step(s.tid)
     }
 
     /// A thread exited: its open regions are stored with no end.
