@@ -360,6 +360,29 @@ fn epoch_loop(name: &str, args: &[&str]) {
         assert!(gap >= rollover - EPOCH_START_TOLERANCE_NS, "step {}: inter-step {gap} vs rollover {rollover}", e.step);
     }
     let rollovers: Vec<i64> = epochs.iter().map(|e| e.first_batch_ns - e.stop_begin_ns).collect();
+    // `report` shows the first-batch wait apart when its p50 is at least twice
+    // the others': asked where the loop's own waits differ by more than that
+    // (worker start-up: tens of ms against a fraction of one).
+    let out = Command::new(profiler_bin()).arg("report").arg(l.db()).output().expect("report");
+    let table = String::from_utf8_lossy(&out.stdout);
+    let median = |mut v: Vec<i64>| {
+        v.sort();
+        v[(v.len() - 1) / 2]
+    };
+    let firsts: Vec<usize> = epochs.iter().map(|e| e.step).collect();
+    let loop_waits = |first: bool| {
+        median(
+            truth
+                .iter()
+                .enumerate()
+                .filter(|(k, _)| firsts.contains(k) == first)
+                .map(|(_, t)| t.data_wait_ns)
+                .collect(),
+        )
+    };
+    if loop_waits(true) > 4 * loop_waits(false) {
+        assert!(table.contains("epoch boundaries: 4, first-batch wait p50"), "{table}");
+    }
     println!(
         "{name}: {} steps, p99 start {ps} ns, end {pe} ns; epochs' first steps start within {worst} ns; \
          rollovers {:?} µs",

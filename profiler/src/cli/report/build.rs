@@ -676,15 +676,20 @@ mod tests {
                 gap = if k == 0 { "NULL".into() } else { (start - (t - 1_000_000)).to_string() },
             );
             if k == 3 {
-                sql += &format!("INSERT INTO regions(session_id, tid, name, truncated, start_ns, end_ns)
-                                     VALUES ({id}, 9, {next}, 0, {t}, {t} + 100);");
+                sql += &format!(
+                    "INSERT INTO regions(session_id, tid, name, truncated, start_ns, end_ns)
+                                     VALUES ({id}, 9, {next}, 0, {t}, {t} + 100);"
+                );
             }
         }
         conn.execute_batch(&sql).expect("rows");
         drop(conn);
         let r = build(&ProfileDb::open(&path).expect("a profile"), id, None, 0).expect("report");
         let e = r.labels[0].epochs.as_ref().expect("epoch figures");
-        assert_eq!((e.boundaries, e.first_batch_wait_ms.p50, e.other_wait_ms.as_ref().map(|p| p.p50)), (1, 6.0, Some(1.0)));
+        assert_eq!(
+            (e.boundaries, e.first_batch_wait_ms.p50, e.other_wait_ms.as_ref().map(|p| p.p50)),
+            (1, 6.0, Some(1.0))
+        );
         let table = render_table(&r);
         assert!(table.contains("epoch boundaries: 1, first-batch wait p50 6.000 ms vs 1.000 ms otherwise"), "{table}");
         assert!(table.lines().all(|line| line.width() <= WIDTH), "{table}");
