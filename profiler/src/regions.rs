@@ -26,6 +26,15 @@
 //! its first batch's if one comes ([`StepStart::Batch`]). A first region that
 //! is an `Optimizer.step` (attached in mid-iteration) opens nothing: the step
 //! it ends began unseen.
+//!
+//! An epoch's last `__next__` raises `StopIteration` in a region like a
+//! batch's, so the step opened at its end is only known for what it was when
+//! the optimizer step ends: a step that held more `__next__`s than its
+//! thread's usual number (its gradient accumulation) starts at the first of
+//! its last usual number, and the time before is data wait
+//! ([`StepStart::Batch`]). A step opened that way with nothing after it when
+//! the session ends (the last epoch's end) is no step
+//! ([`RegionTracker::batch_only_step`]).
 use std::collections::HashMap;
 
 use crate::{events::RegionEvent, steps::StepPhases as Phases};
