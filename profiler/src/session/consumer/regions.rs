@@ -102,6 +102,7 @@ impl Consumer {
 
     /// A thread exited: its open regions are stored with no end.
     pub(super) fn regions_thread_exited(&mut self, tid: u32) {
+        self.regions.marker_steps.remove(&tid);
         let open = self.regions.tracker.thread_exited(tid);
         self.regions.keep(open);
     }
