@@ -26,6 +26,15 @@
 //! its first batch's if one comes ([`StepStart::Batch`]). A first region that
 //! is an `Optimizer.step` (attached in mid-iteration) opens nothing: the step
 //! it ends began unseen.
+//!
+//! An epoch's last `__next__` raises `StopIteration` in a region like a
+//! batch's, so the step opened at its end is only known for what it was when
+//! the optimizer step ends: a step that held more `__next__`s than its
+//! thread's usual number (its gradient accumulation) starts at the first of
+//! its last usual number, and the time before is data wait
+//! ([`StepStart::Batch`]). A step opened that way with nothing after it when
+//! the session ends (the last epoch's end) is no step
+//! ([`RegionTracker::batch_only_step`]).
 use std::collections::HashMap;
 
 use crate::{
@@ -44,6 +53,10 @@ const DATALOADER_SUFFIX: &str = ".__next__";
 /// Regions open on one thread beyond this are taken as never ending (their
 /// ends lost): the oldest is stored with no end.
 const MAX_OPEN_PER_THREAD: usize = 256;
+
+/// Batches per optimizer step counted per thread up to this (a larger
+/// gradient accumulation is counted as this many).
+const MAX_BATCHES_PER_STEP: usize = 64;
 
 /// `--steps`: where steps come from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -123,9 +136,10 @@ pub enum Boundary {
 pub enum StepStart {
     /// At its [`Boundary::Enter`].
     Entered,
-    /// Later, when its first batch was ready (ns): it was entered before the
-    /// thread was known to use a DataLoader.
-    Batch(u64),
+    /// Later, when its first batch was ready (ns, and the thread's counters
+    /// then): it was entered before the thread was known to use a DataLoader,
+    /// or an epoch's end came first.
+    Batch(u64, ThreadCounters),
     /// Unseen: it was entered at its first optimizer region, a guess.
     Guessed,
 }
@@ -159,12 +173,73 @@ struct ThreadState<T> {
     /// How the open step was entered; None: no step open.
     opened: Option<Opened>,
     /// When the open step's first batch was ready, if it was entered before.
-    batch_ready: Option<u64>,
+    batch_ready: Option<(u64, ThreadCounters)>,
     /// Outermost `Optimizer.step` / DataLoader `__next__` regions open.
     optimizer_depth: u32,
     next_depth: u32,
     data_wait_ns: u64,
     optimizer_ns: u64,
+    batches: Batches,
+    /// A region began since the open step was entered at a `__next__`'s end.
+    active_since_batch: bool,
+}
+
+/// The DataLoader `__next__` calls of a thread since its previous optimizer
+/// step, and how many each of its steps held: the usual number is its
+/// gradient accumulation, and the `__next__`s before the last that many are
+/// no batch of the step (an epoch's `StopIteration`).
+#[derive(Default)]
+struct Batches {
+    /// (begin, end, the thread's counters at the end) of the outermost
+    /// `__next__`s, the last [`MAX_BATCHES_PER_STEP`].
+    spans: std::collections::VecDeque<(u64, u64, ThreadCounters)>,
+    /// All of them, and when the first began.
+    count: usize,
+    first_begin: Option<u64>,
+    /// Steps that held n `__next__`s, at `n - 1` (up to [`MAX_BATCHES_PER_STEP`]).
+    per_step: Vec<u32>,
+}
+
+impl Batches {
+    fn push(&mut self, begin: u64, end: u64, at: ThreadCounters) {
+        if self.spans.len() == MAX_BATCHES_PER_STEP {
+            self.spans.pop_front();
+        }
+        self.spans.push_back((begin, end, at));
+        self.count += 1;
+        self.first_begin.get_or_insert(begin);
+    }
+
+    /// The thread's usual `__next__`s per step: the most common count (the
+    /// smaller on a tie), once a step has been counted.
+    fn usual(&self) -> Option<usize> {
+        let (i, &n) = self.per_step.iter().enumerate().rev().max_by_key(|&(_, n)| *n)?;
+        (n > 0).then_some(i + 1)
+    }
+
+    /// The optimizer step ended: when its first batch was ready and its data
+    /// wait, if `__next__`s before its last usual number came first (their
+    /// time, and the time between them, is data wait). Counts the step.
+    fn step_ended(&mut self, counted: bool) -> Option<((u64, ThreadCounters), u64)> {
+        let moved = self.usual().filter(|&u| self.count > u && u <= self.spans.len()).map(|u| {
+            let later = self.spans.range(self.spans.len() - u..);
+            let ready = later.clone().next().map_or((0, ThreadCounters::default()), |&(_, end, at)| (end, at));
+            let first = self.first_begin.unwrap_or(ready.0);
+            let wait = ready.0.saturating_sub(first) + later.skip(1).map(|&(b, e, _)| e.saturating_sub(b)).sum::<u64>();
+            (ready, wait)
+        });
+        if counted && self.count > 0 {
+            let i = self.count.min(MAX_BATCHES_PER_STEP) - 1;
+            if self.per_step.len() <= i {
+                self.per_step.resize(i + 1, 0);
+            }
+            self.per_step[i] += 1;
+        }
+        self.spans.clear();
+        self.count = 0;
+        self.first_begin = None;
+        moved
+    }
 }
 
 impl<T> Default for ThreadState<T> {
@@ -178,6 +253,8 @@ impl<T> Default for ThreadState<T> {
             next_depth: 0,
             data_wait_ns: 0,
             optimizer_ns: 0,
+            batches: Batches::default(),
+            active_since_batch: false,
         }
     }
 }
@@ -202,6 +279,7 @@ impl<T: Clone> RegionTracker<T> {
     /// with too many open), to be stored with no end.
     pub fn begin(&mut self, e: &RegionEvent, tag: T, out: &mut Vec<Boundary>) -> Option<Region<T>> {
         let t = self.threads.entry(e.tid).or_default();
+        t.active_since_batch = true;
         for (probe, prefix) in &self.steps.prefixes {
             if e.name.starts_with(prefix.as_str()) {
                 out.push(Boundary::Enter { probe: *probe, ts_ns: e.ts_ns, at: e.counters });
@@ -255,6 +333,14 @@ impl<T: Clone> RegionTracker<T> {
         Some(region)
     }
 
+    /// Whether `tid`'s open step was entered at a DataLoader `__next__`'s end
+    /// and the thread has begun no region since: at the session's end such a
+    /// step is no step (the last epoch's `StopIteration`, or a batch no
+    /// optimizer step used) and is not stored.
+    pub fn batch_only_step(&self, tid: u32) -> bool {
+        self.threads.get(&tid).is_some_and(|t| t.opened == Some(Opened::Batch) && !t.active_since_batch)
+    }
+
     /// A thread exited: its open regions, to be stored with no end.
     pub fn thread_exited(&mut self, tid: u32) -> Vec<Region<T>> {
         self.threads.remove(&tid).map(|t| t.open.into_iter().map(|(_, r)| r).collect()).unwrap_or_default()
@@ -283,16 +369,20 @@ fn optimizer_end<T>(
         t.next_depth = t.next_depth.saturating_sub(1);
         if t.next_depth == 0 {
             t.data_wait_ns += took;
+            t.batches.push(region.start_ns, ts_ns, at);
             match t.opened {
                 None => {
-                    // The first batch after the previous optimizer step is ready.
+                    // The first batch after the previous optimizer step is
+                    // ready, or an epoch ended: which one, the optimizer
+                    // step tells (`Batches::step_ended`).
                     t.opened = Some(Opened::Batch);
+                    t.active_since_batch = false;
                     out.push(Boundary::Enter { probe, ts_ns, at });
                 }
                 Some(Opened::Batch) => {}
                 Some(_) => {
                     // Entered before the DataLoader was known: this is its real start.
-                    t.batch_ready.get_or_insert(ts_ns);
+                    t.batch_ready.get_or_insert((ts_ns, at));
                 }
             }
         }
@@ -306,10 +396,17 @@ fn optimizer_end<T>(
         return; // an optimizer stepping another inside its own step
     }
     t.optimizer_ns += took;
-    if let Some(opened) = t.opened.take() {
-        let phases = Some(Phases { data_wait_ns: t.data_wait_ns, optimizer_ns: t.optimizer_ns });
-        let start = match (t.batch_ready.take(), opened) {
-            (Some(at), _) => StepStart::Batch(at),
+    let opened = t.opened.take();
+    let moved = t.batches.step_ended(opened.is_some());
+    if let Some(opened) = opened {
+        let (ready, data_wait_ns) = match moved {
+            Some((at, wait)) => (Some(at), wait),
+            None => (t.batch_ready, t.data_wait_ns),
+        };
+        t.batch_ready = None;
+        let phases = Some(Phases { data_wait_ns, optimizer_ns: t.optimizer_ns });
+        let start = match (ready, opened) {
+            (Some((ready_ns, then)), _) => StepStart::Batch(ready_ns, then),
             (None, Opened::FirstRegion) => StepStart::Guessed,
             (None, _) => StepStart::Entered,
         };
@@ -416,6 +513,85 @@ mod tests {
         assert!(matches!(b[1], Boundary::Exit { phases: Some(Phases { data_wait_ns: 12, optimizer_ns: 10 }), .. }));
     }
 
+    /// Steps of `batches` `__next__`s each (one `__next__` 10 ns, then 10 ns of
+    /// work, then a 10 ns optimizer step), 100 ns apart; `extra[i]` more
+    /// `__next__`s (an epoch's end: 1 ns, then 20 ns to the next) come first in step i.
+    fn batched_steps(batches: u64, extra: &[u64]) -> Vec<(bool, u64, u64, &'static str)> {
+        let mut events = Vec::new();
+        for (i, &x) in extra.iter().enumerate() {
+            let mut t = i as u64 * 1000;
+            for _ in 0..x {
+                events.extend([(true, t, 1, NEXT), (false, t + 1, 1, "")]);
+                t += 21;
+            }
+            for _ in 0..batches {
+                events.extend([(true, t, 1, NEXT), (false, t + 10, 1, "")]);
+                t += 20;
+            }
+            events.extend([(true, t, 3, STEP), (false, t + 10, 3, "")]);
+        }
+        events
+    }
+
+    /// (start, end, data wait) of each step.
+    fn step_spans(b: &[Boundary]) -> Vec<(u64, u64, u64)> {
+        let mut out = Vec::new();
+        let mut entered = 0;
+        for x in b {
+            match x {
+                Boundary::Enter { ts_ns, .. } => entered = *ts_ns,
+                Boundary::Exit { ts_ns, start, phases, .. } => {
+                    let s = if let StepStart::Batch(at, _) = start { *at } else { entered };
+                    out.push((s, *ts_ns, phases.map_or(0, |p| p.data_wait_ns)));
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn an_epoch_end_starts_no_step_its_first_batch_does() {
+        let (b, _, t) = run(torch(), &batched_steps(1, &[0, 0, 1, 0, 1]));
+        let s = step_spans(&b);
+        assert_eq!(s.len(), 5);
+        assert_eq!(s[1], (1010, 1030, 10));
+        // The StopIteration `__next__` at 2000..2001 and the new iterator
+        // (to 2021) are data wait and inter-step time.
+        assert_eq!(s[2], (2031, 2051, 31));
+        assert_eq!(s[3], (3010, 3030, 10));
+        assert_eq!(s[4], (4031, 4051, 31));
+        assert!(!t.batch_only_step(1), "no step open");
+    }
+
+    #[test]
+    fn gradient_accumulation_across_an_epoch_end_starts_at_the_first_of_its_batches() {
+        // Four batches a step; the third step's first `__next__` ends the epoch.
+        let (b, _, _) = run(torch(), &batched_steps(4, &[0, 0, 1, 0]));
+        let s = step_spans(&b);
+        assert_eq!(s[0], (10, 90, 40));
+        assert_eq!(s[2], (2031, 2111, 31 + 30));
+        assert_eq!(s[3], (3010, 3090, 40));
+    }
+
+    #[test]
+    fn the_first_step_with_no_usual_count_yet_keeps_its_first_next() {
+        let (b, _, _) = run(torch(), &batched_steps(1, &[1, 0]));
+        assert_eq!(step_spans(&b)[0].0, 1);
+    }
+
+    #[test]
+    fn the_last_epochs_end_is_no_step() {
+        let mut events = batched_steps(1, &[0, 0]);
+        events.extend([(true, 5000, 1, NEXT), (false, 5001, 1, "")]);
+        let (b, _, mut t) = run(torch(), &events);
+        assert_eq!(b.last(), Some(&Boundary::Enter { probe: 0, ts_ns: 5001, at: ThreadCounters::launches(5001) }));
+        assert!(t.batch_only_step(1));
+        // A region after it: a step in progress (a detach in mid-step).
+        let mut out = Vec::new();
+        t.begin(&ev(1, 5100, 7, "fwd"), (), &mut out);
+        assert!(!t.batch_only_step(1));
+    }
+
     #[test]
     fn without_a_dataloader_steps_are_back_to_back_from_the_first_optimizer_region() {
         let events = [
@@ -461,7 +637,7 @@ mod tests {
         let (b, _, _) = run(torch(), &events);
         // Entered at zero_grad (launches count from there), started at the batch.
         assert_eq!(spans(&b), vec![('[', 0), (']', 90), ('[', 120), (']', 190)]);
-        assert_eq!(starts(&b), vec![StepStart::Batch(20), StepStart::Entered]);
+        assert_eq!(starts(&b), vec![StepStart::Batch(20, ThreadCounters::launches(20)), StepStart::Entered]);
     }
 
     #[test]
@@ -481,7 +657,7 @@ mod tests {
         let (b, _, t) = run(torch(), &events);
         // Entered at the first step's end (no DataLoader seen yet), started at the batch.
         assert_eq!(spans(&b), vec![('[', 90), (']', 190)]);
-        assert_eq!(starts(&b), vec![StepStart::Batch(120)]);
+        assert_eq!(starts(&b), vec![StepStart::Batch(120, ThreadCounters::launches(120))]);
         assert_eq!(t.unmatched_ends, 1);
     }
 

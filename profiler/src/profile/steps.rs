@@ -1,4 +1,6 @@
 //! A session's steps as the report and its HTML page read them.
+use std::collections::{HashMap, HashSet};
+
 use super::ProfileDb;
 
 /// One row of `steps`, as the report (and its HTML page) needs it.
@@ -58,4 +60,41 @@ pub fn load_steps(db: &ProfileDb, session: i64) -> anyhow::Result<Vec<StepRow>> 
         })?
         .collect::<rusqlite::Result<_>>()?;
     Ok(rows)
+}
+
+/// The steps (label, step) that are an epoch's first: PyTorch marker steps
+/// whose start was moved past a DataLoader `__next__` that delivered no batch
+/// of theirs (an epoch's `StopIteration`), seen as a `__next__` region of
+/// their thread that ended in the gap before them (a step's own first batch
+/// ends at its start, not before it). Needs the `regions` rows.
+pub fn epoch_first_steps(db: &ProfileDb, session: i64) -> anyhow::Result<HashSet<(String, i64)>> {
+    let mut ends: HashMap<u32, Vec<i64>> = HashMap::new();
+    let mut q = db.conn.prepare(
+        "SELECT tid, end_ns FROM regions
+         WHERE session_id = ?1 AND end_ns IS NOT NULL AND name LIKE 'enumerate(DataLoader)#%'
+         ORDER BY tid, end_ns",
+    )?;
+    let mut rows = q.query([session])?;
+    while let Some(r) = rows.next()? {
+        ends.entry(r.get(0)?).or_default().push(r.get(1)?);
+    }
+    if ends.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let mut q = db.conn.prepare(
+        "SELECT label, step, tid, start_ns, inter_step_ns FROM steps
+         WHERE session_id = ?1 AND data_wait_ns IS NOT NULL AND inter_step_ns IS NOT NULL",
+    )?;
+    let mut rows = q.query([session])?;
+    let mut first = HashSet::new();
+    while let Some(r) = rows.next()? {
+        let (tid, start, gap): (u32, i64, i64) = (r.get(2)?, r.get(3)?, r.get(4)?);
+        let Some(ends) = ends.get(&tid) else { continue };
+        // The first `__next__` end at or after the previous step's end: before this start?
+        let i = ends.partition_point(|&e| e < start - gap);
+        if ends.get(i).is_some_and(|&e| e < start) {
+            first.insert((r.get(0)?, r.get(1)?));
+        }
+    }
+    Ok(first)
 }

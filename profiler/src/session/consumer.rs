@@ -132,11 +132,12 @@ impl Consumer {
             Ok(Event::ThreadExit(e)) => {
                 self.sequence(&e, DepthChange::None);
                 self.open_syncs.remove(&e.tid);
-                self.regions_thread_exited(e.tid);
                 self.jit_thread_exited(e.tid);
+                // Steps first: whether one is a step reads the thread's regions.
                 for s in self.tracker.thread_exited(e.tid) {
                     self.store_open_step(s);
                 }
+                self.regions_thread_exited(e.tid);
             }
             Err(e) => {
                 if self.decode_errors == 0 {
@@ -226,6 +227,9 @@ impl Consumer {
 
     /// A step with no end: begun and not ended, or ended unseen.
     fn store_open_step(&mut self, s: OpenStep) {
+        if self.batch_only_step(&s) {
+            return;
+        }
         if s.incomplete {
             self.incomplete_steps.push((s.label, s.step));
         }

@@ -1,7 +1,7 @@
 //! Building a session's [`Report`]: per step label, the step, inter-step and
 //! phase times, launches, sync wait, energy per step, FLOPs and MFU; the
 //! session's top kernels and PyTorch regions.
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use anyhow::bail;
 use serde::Serialize;
@@ -10,7 +10,7 @@ use crate::profile::{
     ProfileDb,
     kernels::{TopKernel, top_kernels},
     sessions::{self, CapabilityRow, SessionInfo},
-    steps::{StepRow, load_steps},
+    steps::{StepRow, epoch_first_steps, load_steps},
 };
 use crate::verdict::{Bound, summarize};
 
@@ -60,6 +60,10 @@ const TOP_REGIONS: usize = 10;
 ///     "data_wait_ms": { … },          // PyTorch steps: time in the DataLoader's __next__; null otherwise
 ///     "optimizer_ms": { … },          // PyTorch steps: time in Optimizer.step; null otherwise
 ///     "dispatch_ms": { … },           // JAX steps: the host's dispatch of the step's jitted call; null otherwise
+///     "epochs": { "boundaries": 4, "first_batch_wait_ms": { … }, "other_wait_ms": { … } },
+///                                     // PyTorch steps that are an epoch's first (docs/steps.md): their data
+///                                     // wait apart, when its p50 is at least twice the other steps'; null
+///                                     // otherwise (other_wait_ms: null when every step is one)
 ///     "gpus": [ { "gpu": 0, "name": "H200", "steps": 94, "energy_per_step_j": 61.5,
 ///                 "energy_error_per_step_j": 0.4, "avg_power_w": 615.0, "below_resolution": 0 } ],
 ///                                     // null if the session has no GPU figures
@@ -125,6 +129,7 @@ pub struct LabelReport {
     pub data_wait_ms: Option<Percentiles>,
     pub optimizer_ms: Option<Percentiles>,
     pub dispatch_ms: Option<Percentiles>,
+    pub epochs: Option<EpochWaits>,
     pub gpus: Option<Vec<GpuEnergy>>,
     pub cpu: Option<EnergyStat>,
     pub dram: Option<EnergyStat>,
@@ -233,6 +238,15 @@ fn bound_report(used: &[&StepRow]) -> Option<BoundReport> {
     Some(BoundReport { verdicts, runs })
 }
 
+/// The data wait of the measured steps that are an epoch's first, apart from
+/// the others' (see [`epoch_waits`]).
+#[derive(Debug, Serialize)]
+pub struct EpochWaits {
+    pub boundaries: u64,
+    pub first_batch_wait_ms: Percentiles,
+    pub other_wait_ms: Option<Percentiles>,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Percentiles {
     pub p50: f64,
@@ -337,6 +351,7 @@ pub fn build(db: &ProfileDb, session: i64, label: Option<&str>, skip: u64) -> an
         by_label.retain(|k, _| k == l);
     }
 
+    let epoch_firsts = epoch_first_steps(db, session)?;
     // The measured steps of every label, for joining per-step energy rows.
     let mut measured: Measured = HashMap::new();
     let mut labels = Vec::new();
@@ -345,7 +360,9 @@ pub fn build(db: &ProfileDb, session: i64, label: Option<&str>, skip: u64) -> an
         for s in &used {
             measured.insert((name.clone(), s.step), s.duration_ns.unwrap_or(0));
         }
-        labels.push(label_figures(name, rows, &used, skip));
+        let mut figures = label_figures(name, rows, &used, skip);
+        figures.epochs = epoch_waits(name, &used, &epoch_firsts);
+        labels.push(figures);
     }
 
     let gpu_sums = gpu_energy(db, session, &measured)?;
@@ -466,6 +483,7 @@ fn label_figures(name: &str, rows: &[StepRow], used: &[&StepRow], skip: u64) -> 
         data_wait_ms: Percentiles::of(used.iter().filter_map(|s| s.data_wait_ns.map(ms)).collect()),
         optimizer_ms: Percentiles::of(used.iter().filter_map(|s| s.optimizer_ns.map(ms)).collect()),
         dispatch_ms: Percentiles::of(used.iter().filter_map(|s| s.dispatch_ns.map(ms)).collect()),
+        epochs: None,
         gpus: None,
         cpu: None,
         dram: None,
@@ -476,6 +494,24 @@ fn label_figures(name: &str, rows: &[StepRow], used: &[&StepRow], skip: u64) -> 
         mfu_gpm_pct: None,
         bound: bound_report(used),
     }
+}
+
+/// The data wait of `used` steps that are an epoch's first (`firsts`), apart
+/// from the others', when it stands out: its p50 at least twice theirs.
+fn epoch_waits(name: &str, used: &[&StepRow], firsts: &HashSet<(String, i64)>) -> Option<EpochWaits> {
+    let ms = |ns: i64| ns as f64 / 1e6;
+    let (mut first, mut other) = (Vec::new(), Vec::new());
+    for s in used {
+        let Some(wait) = s.data_wait_ns else { continue };
+        if firsts.contains(&(name.to_owned(), s.step)) { &mut first } else { &mut other }.push(ms(wait));
+    }
+    let boundaries = first.len() as u64;
+    let first_batch_wait_ms = Percentiles::of(first)?;
+    let other_wait_ms = Percentiles::of(other);
+    if other_wait_ms.as_ref().is_some_and(|o| first_batch_wait_ms.p50 < 2.0 * o.p50) {
+        return None;
+    }
+    Some(EpochWaits { boundaries, first_batch_wait_ms, other_wait_ms })
 }
 
 /// Per-step TFLOP/s, MFU and its GPM estimate of the measured steps, into
@@ -717,6 +753,45 @@ mod tests {
         let table = render_table(&r);
         assert!(table.contains("data wait (ms)") && table.contains("optimizer (ms)"), "{table}");
         assert!(table.contains("top PyTorch regions"), "{table}");
+        assert!(table.lines().all(|line| line.width() <= WIDTH), "{table}");
+    }
+
+    /// A step whose thread ended a DataLoader `__next__` in the gap before it
+    /// (an epoch's StopIteration) is an epoch's first: its data wait apart.
+    #[test]
+    fn an_epochs_first_batch_wait_is_shown_apart() {
+        let (_dir, path, id) = empty_session();
+        let conn = Connection::open(&path).expect("open");
+        let next = "'enumerate(DataLoader)#x.__next__'";
+        let mut sql = String::new();
+        for k in 0..6i64 {
+            // 10 ms a step; step 3's first batch comes 5 ms after an epoch's end.
+            let (t, wait) = (k * 10_000_000, if k == 3 { 6_000_000 } else { 1_000_000 });
+            let start = t + wait;
+            sql += &format!(
+                "INSERT INTO steps(session_id, label, step, tid, start_ns, end_ns, duration_ns, inter_step_ns, data_wait_ns)
+                     VALUES ({id}, 'train', {k}, 9, {start}, {t} + 9000000, {t} + 9000000 - {start}, {gap}, {wait});
+                 INSERT INTO regions(session_id, tid, name, truncated, start_ns, end_ns)
+                     VALUES ({id}, 9, {next}, 0, {start} - 1000000, {start});",
+                gap = if k == 0 { "NULL".into() } else { (start - (t - 1_000_000)).to_string() },
+            );
+            if k == 3 {
+                sql += &format!(
+                    "INSERT INTO regions(session_id, tid, name, truncated, start_ns, end_ns)
+                                     VALUES ({id}, 9, {next}, 0, {t}, {t} + 100);"
+                );
+            }
+        }
+        conn.execute_batch(&sql).expect("rows");
+        drop(conn);
+        let r = build(&ProfileDb::open(&path).expect("a profile"), id, None, 0).expect("report");
+        let e = r.labels[0].epochs.as_ref().expect("epoch figures");
+        assert_eq!(
+            (e.boundaries, e.first_batch_wait_ms.p50, e.other_wait_ms.as_ref().map(|p| p.p50)),
+            (1, 6.0, Some(1.0))
+        );
+        let table = render_table(&r);
+        assert!(table.contains("epoch boundaries: 1, first-batch wait p50 6.000 ms vs 1.000 ms otherwise"), "{table}");
         assert!(table.lines().all(|line| line.width() <= WIDTH), "{table}");
     }
 

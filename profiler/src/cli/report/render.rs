@@ -237,6 +237,14 @@ fn render_label(o: &mut String, l: &LabelReport) {
         .sync_wait_share
         .map_or_else(|| format!("{ABSENT:>12}  (not recorded)"), |v| format!("{:>11.1}%  of step time", 100.0 * v));
     let _ = writeln!(o, "  {:<18}{sync}", "sync wait");
+    if let Some(e) = &l.epochs {
+        let other = e.other_wait_ms.as_ref().map_or(String::new(), |p| format!(" vs {:.3} ms otherwise", p.p50));
+        let line = format!(
+            "epoch boundaries: {}, first-batch wait p50 {:.3} ms{other}",
+            e.boundaries, e.first_batch_wait_ms.p50
+        );
+        let _ = writeln!(o, "  {}", fit(&line, WIDTH - 2));
+    }
     render_bound(o, l);
     render_energy(o, l);
 }
@@ -363,6 +371,7 @@ mod tests {
             data_wait_ms: None,
             optimizer_ms: None,
             dispatch_ms: None,
+            epochs: None,
             gpus,
             cpu: Some(stat(8.0)),
             dram: None,

@@ -2,11 +2,13 @@
 //! become `regions` rows, and (through `crate::regions`) step boundaries that
 //! go through the step tracker like a step function's entry and return, with
 //! the steps' data-wait and optimizer time.
+use std::collections::HashMap;
+
 use super::Consumer;
 use crate::{
     events::{OrderedEvent, RegionEvent},
     regions::{Boundary, Region, RegionSteps, RegionTracker, StepStart},
-    steps::DepthChange,
+    steps::{DepthChange, OpenStep, StepSched},
     store::{RegionRow, StoreMsg},
 };
 
@@ -17,11 +19,15 @@ type StepTag = Option<(&'static str, u64)>;
 pub(in crate::session) struct RegionState {
     tracker: RegionTracker<StepTag>,
     rows: Vec<RegionRow>,
+    optimizer: Option<u32>,
+    /// The step each thread's optimizer markers last opened.
+    marker_steps: HashMap<u32, u64>,
 }
 
 impl RegionState {
     pub(in crate::session) fn new(sources: RegionSteps) -> Self {
-        Self { tracker: RegionTracker::new(sources), rows: Vec::new() }
+        let optimizer = sources.optimizer;
+        Self { tracker: RegionTracker::new(sources), rows: Vec::new(), optimizer, marker_steps: HashMap::new() }
     }
 
     fn keep(&mut self, regions: impl IntoIterator<Item = Region<StepTag>>) {
@@ -59,7 +65,10 @@ impl Consumer {
     fn boundary(&mut self, tid: u32, b: Boundary) {
         match b {
             Boundary::Enter { probe, ts_ns, at } => {
-                self.tracker.enter(tid, probe, ts_ns, at);
+                let step = self.tracker.enter(tid, probe, ts_ns, at);
+                if let Some(step) = step.filter(|_| Some(probe) == self.regions.optimizer) {
+                    self.regions.marker_steps.insert(tid, step);
+                }
             }
             Boundary::Exit { probe, ts_ns, at, phases, start } => {
                 let e = OrderedEvent { ts_ns, tid, tgid: 0, probe, counters: at, seq: 0, depth: 0 };
@@ -69,12 +78,14 @@ impl Consumer {
                 match start {
                     StepStart::Entered => {}
                     // Its first batch is its start; the time before it was the gap.
-                    StepStart::Batch(at) if at > step.start_ns => {
-                        let late = at - step.start_ns;
+                    StepStart::Batch(ready_ns, then) if ready_ns > step.start_ns => {
+                        let late = ready_ns - step.start_ns;
                         step.inter_step_ns = step.inter_step_ns.map(|g| g + late);
-                        step.start_ns = at;
+                        step.start_ns = ready_ns;
+                        // Its thread's time from the new start (its launches still count from the old).
+                        step.sched = step.sched.map(|_| StepSched::between(&then, &at));
                     }
-                    StepStart::Batch(_) => {}
+                    StepStart::Batch(..) => {}
                     // Stored as incomplete: its start was not seen.
                     // (Once: a step a loss already marked is in the list.)
                     StepStart::Guessed if !marked => self.incomplete_steps.push((label, step.step)),
@@ -84,8 +95,16 @@ impl Consumer {
         }
     }
 
+    /// Whether a step still open at the session's (or its thread's) end is
+    /// no step: opened by a DataLoader `__next__` (the last epoch's
+    /// `StopIteration`) with nothing after it (see `RegionTracker::batch_only_step`).
+    pub(super) fn batch_only_step(&self, s: &OpenStep) -> bool {
+        self.regions.marker_steps.get(&s.tid) == Some(&s.step) && self.regions.tracker.batch_only_step(s.tid)
+    }
+
     /// A thread exited: its open regions are stored with no end.
     pub(super) fn regions_thread_exited(&mut self, tid: u32) {
+        self.regions.marker_steps.remove(&tid);
         let open = self.regions.tracker.thread_exited(tid);
         self.regions.keep(open);
     }
