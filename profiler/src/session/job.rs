@@ -126,6 +126,11 @@ impl Job {
         &self.ctx.template.job
     }
 
+    /// The size budget has stopped every row (see `store::budget`).
+    pub fn budget_spent(&self) -> bool {
+        self.ctx.sender.budget_spent()
+    }
+
     /// The further PIDs named on the command line, and with `--children` the
     /// live descendants of all of them (with their parents): a session each,
     /// their CUDA libraries probed now. Returns how many there are.
@@ -150,7 +155,7 @@ impl Job {
         consumer.live = self.ctx.live_for(&start, start.local_rank, cvd.clone());
         // Adopted during teardown: the cutoff applies to it too.
         consumer.cutoff_ns = self.cutoff_ns;
-        consumer.keep_gemm_rows(self.ctx.cfg.launch_mode == super::LaunchMode::All);
+        consumer.keep_gemm_rows(self.ctx.cfg.launch_mode.keeps_rows());
         let mut watcher = LibraryWatcher::new(pid, TorchWatch::new(&self.ctx.cfg, &self.ctx.regions));
         // Its loader is the first target's (file-wide probe), usually.
         watcher.loader_hooked = self.watcher.loader_hooked;

@@ -63,7 +63,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     }
     let pids: Vec<_> =
         std::iter::once(target.nz_pid).chain(others.iter().filter_map(|&(p, _)| p.try_into().ok())).collect();
-    let emit = cfg.launch_mode == LaunchMode::All;
+    let emit = cfg.launch_mode.keeps_rows();
     let (mut probes, mut rings) = Probes::load_job(&pids, cfg.follow_children, emit, cfg.place_probes)?;
     let (session, writer) = setup::begin_session(&cfg, &target, store, &steps.regions, job_name)?;
     let sampled = gpu.as_ref().map(|g| g.logical_gpus()).unwrap_or_default();
@@ -73,7 +73,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
 
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer.sender(), steps.labels.clone(), steps.regions.clone(), target.pid);
-    consumer.keep_gemm_rows(cfg.launch_mode == LaunchMode::All);
+    consumer.keep_gemm_rows(cfg.launch_mode.keeps_rows());
     let watcher = LibraryWatcher::new(target.pid, torch::TorchWatch::new(&cfg, &steps.regions));
     let ctx = JobContext {
         cfg: cfg.clone(),

@@ -35,6 +35,7 @@ pub(super) const MIGRATIONS: &[Migration] = &[
     Migration::Sql(include_str!("migrations/0010_flops.sql")),
     Migration::Sql(include_str!("migrations/0011_gpm_and_flops_metric.sql")),
     Migration::Sql(include_str!("migrations/0012_gemm_types.sql")),
+    Migration::Sql(include_str!("migrations/0014_budget.sql")),
 ];
 
 /// One schema change.
