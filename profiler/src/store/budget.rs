@@ -107,11 +107,6 @@ impl BudgetConfig {
     fn per_call_limit(&self) -> u64 {
         self.max_size - self.max_size / 16
     }
-
-    /// The `-wal` file is checkpointed and truncated past this size.
-    pub(super) fn wal_limit(&self) -> u64 {
-        (self.max_size / 16).clamp(1 << 20, 64 << 20)
-    }
 }
 
 /// A per-call row kind: the rows the budget stops first. A new per-call table
@@ -129,7 +124,8 @@ impl PerCall {
     /// Estimated bytes on disk per row.
     fn row_bytes(self) -> u64 {
         match self {
-            Self::Launches => LAUNCH_ROW_BYTES + LAUNCH_INDEX_BYTES,
+            // Its index, built at the end, is reserved apart (`Budget::size_now`).
+            Self::Launches => LAUNCH_ROW_BYTES,
             Self::Gemms => 96,
             Self::Syncs => 56,
             Self::Regions | Self::Collectives => 80,
@@ -251,6 +247,9 @@ impl Stopped {
 pub struct Measured {
     /// Database + `-wal`, bytes.
     pub size: u64,
+    /// The `-wal` alone: its pages may all become new pages of the database
+    /// at the next checkpoint, so they count against the free space twice.
+    pub wal: u64,
     /// Free to unprivileged users (`f_bavail`: what the job can write; root's
     /// reserved blocks are not the job's).
     pub free: u64,
@@ -260,10 +259,11 @@ pub struct Measured {
 /// Measures the profile at `path` (None when its filesystem cannot be read).
 pub fn measure(path: &Path) -> Option<Measured> {
     let len = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
-    let size = len(path) + len(&super::side_file(path, "-wal"));
+    let wal = len(&super::side_file(path, "-wal"));
+    let size = len(path) + wal;
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let vfs = rustix::fs::statvfs(dir).ok()?;
-    Some(Measured { size, free: vfs.f_bavail * vfs.f_frsize, fs_size: vfs.f_blocks * vfs.f_frsize })
+    Some(Measured { size, wal, free: vfs.f_bavail * vfs.f_frsize, fs_size: vfs.f_blocks * vfs.f_frsize })
 }
 
 /// `--launches auto`'s rate window.
@@ -326,6 +326,21 @@ impl Budget {
         self.cfg.min_free.floor(self.last.fs_size)
     }
 
+    /// The `-wal` file is checkpointed and truncated past this size: a small
+    /// part of the budget, and of the floor (see [`Measured::wal`]).
+    pub fn wal_limit(&self) -> u64 {
+        let floor = match self.floor() {
+            0 => u64::MAX,
+            f => f / 4,
+        };
+        (self.cfg.max_size / 16).min(floor).clamp(1 << 20, 64 << 20)
+    }
+
+    /// Free space as the job will see it once the `-wal` is checkpointed.
+    fn free_now(&self) -> u64 {
+        self.last.free.saturating_sub(self.last.wal + self.pending)
+    }
+
     /// Measures the file and the filesystem again (after each batch).
     pub fn remeasure(&mut self) {
         if let Some(m) = measure(&self.path) {
@@ -336,7 +351,7 @@ impl Budget {
             return;
         }
         let floor = self.floor();
-        if self.last.free < floor / 2 {
+        if self.free_now() < floor / 2 {
             let since = *self.below_hard_floor.get_or_insert_with(Instant::now);
             if since.elapsed() >= HARD_FLOOR_HOLD && !self.state.has(ALL_STOPPED) {
                 let why = format!("the disk's free space stayed under {} (half the floor)", mib(floor / 2));
@@ -381,8 +396,9 @@ impl Budget {
         if kind.per_launch() && self.state.has(LAUNCH_ROWS_STOPPED) {
             return false;
         }
-        let size = self.size_now() + bytes;
-        let free = self.last.free.saturating_sub(self.pending + bytes);
+        let index = if kind == PerCall::Launches { rows * LAUNCH_INDEX_BYTES } else { 0 };
+        let size = self.size_now() + bytes + index;
+        let free = self.free_now().saturating_sub(bytes + index);
         let (floor, limit) = (self.floor(), self.cfg.per_call_limit());
         if size > limit || free < floor {
             let why = if size > limit {
@@ -433,12 +449,13 @@ impl Budget {
         let rate = a.rows as f64 / window.as_secs_f64();
         let remaining = a.expected.saturating_sub(self.started.elapsed()).max(AUTO_WINDOW);
         (a.window_start, a.rows) = (Instant::now(), 0);
-        let projected = rate * PerCall::Launches.row_bytes() as f64 * remaining.as_secs_f64();
+        let row = PerCall::Launches.row_bytes() + LAUNCH_INDEX_BYTES;
+        let projected = rate * row as f64 * remaining.as_secs_f64();
         let room = self
             .cfg
             .per_call_limit()
             .saturating_sub(self.size_now())
-            .min(self.last.free.saturating_sub(self.pending + self.floor()));
+            .min(self.free_now().saturating_sub(self.floor()));
         if projected <= room as f64 {
             return true;
         }
@@ -536,7 +553,7 @@ pub(super) fn record_at_finish(conn: &mut rusqlite::Connection, first: i64, budg
 /// shrink it). A reader in the way makes it partial; the next batch tries again.
 pub(super) fn keep_wal_small(conn: &rusqlite::Connection, budget: &Budget) {
     let wal = std::fs::metadata(super::side_file(&budget.path, "-wal")).map(|m| m.len()).unwrap_or(0);
-    if wal > budget.cfg.wal_limit()
+    if wal > budget.wal_limit()
         && let Err(e) = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
     {
         log::debug!("wal checkpoint: {e}");

@@ -181,7 +181,7 @@ impl Store {
         let (tx, rx) = sync_channel::<StoreMsg>(256);
         let state = std::sync::Arc::<budget::BudgetState>::default();
         let gate = budget::Budget::new(budget, &self.path, state.clone());
-        if let Err(e) = self.conn.pragma_update(None, "journal_size_limit", gate.config().wal_limit() as i64) {
+        if let Err(e) = self.conn.pragma_update(None, "journal_size_limit", gate.wal_limit() as i64) {
             log::warn!("cannot limit the -wal file's size: {e}");
         }
         let join = std::thread::Builder::new()

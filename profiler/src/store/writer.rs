@@ -396,7 +396,7 @@ pub(super) fn write_loop(
     let mut batch: Vec<StoreMsg> = Vec::new();
     // A transaction's pages are all in the `-wal` until it commits: batches
     // stay well under the size it is truncated back to.
-    let batch_bytes = budget.config().wal_limit() / 4;
+    let batch_bytes = budget.wal_limit() / 4;
     while end.is_none() {
         let Ok(first) = rx.recv() else { break };
         let mut bytes = RowKind::of(&first).bytes();
