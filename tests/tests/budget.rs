@@ -158,13 +158,8 @@ fn max_size_is_honoured_on_a_high_rate_run() {
     let dir = workdir("budget-max");
     let db = dir.join("p.db");
     let max: u64 = 8 << 20;
-    let (truth, stderr) = traced(
-        &dir,
-        &db,
-        &["--steps", "1500", "--launches", "200", "--threads", "2"],
-        &["--max-size", "8M"],
-        None,
-    );
+    let (truth, stderr) =
+        traced(&dir, &db, &["--steps", "1500", "--launches", "200", "--threads", "2"], &["--max-size", "8M"], None);
     let s = assert_steps_exact(&db, &truth, &stderr);
     let size: u64 = profile_files(&db).iter().map(|p| std::fs::metadata(p).map_or(0, |m| m.len())).sum();
     assert!(size <= max + MAX_SIZE_SLACK, "the profile is {size} bytes, --max-size {max} + slack {MAX_SIZE_SLACK}");
@@ -206,4 +201,46 @@ fn launches_auto_switches_to_counts_and_says_so() {
 fn profile_files(db: &Path) -> [PathBuf; 3] {
     let side = |s: &str| PathBuf::from(format!("{}{s}", db.display()));
     [db.to_owned(), side("-wal"), side("-shm")]
+}
+
+/// (anonymous resident KiB, profile + `-wal` bytes, `-wal` bytes) now.
+fn bounds(agent: u32, db: &Path) -> (u64, u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{agent}/status")).unwrap_or_default();
+    let anon = status.lines().find_map(|l| l.strip_prefix("RssAnon:")).and_then(|v| v.split_whitespace().next());
+    let files = profile_files(db).map(|p| std::fs::metadata(p).map_or(0, |m| m.len()));
+    (anon.and_then(|v| v.parse().ok()).unwrap_or(0), files.iter().sum(), files[1])
+}
+
+/// `cargo xtask soak`'s short version: a minute of thread churn at a high
+/// launch rate under `--max-size 8M`, looked at every 5 s: the profile stays
+/// within its budget, the `-wal` within a few batches of its 1 MiB limit, the
+/// agent's memory flat after warm-up, and every step exact at the end.
+#[test]
+fn a_minute_of_thread_churn_stays_within_its_bounds() {
+    let dir = workdir("budget-soak");
+    let db = dir.join("p.db");
+    let churn = ["--steps", "50", "--launches", "100", "--threads", "2", "--waves", "6000", "--step-sleep-us", "1000"];
+    let mut trainer = Trainer::spawn(&dir, &churn);
+    let agent = Agent::attach(trainer.pid(), &db, &["--step-symbol", "train_step", "--no-gpu", "--max-size", "8M"]);
+    trainer.go();
+    let mut seen = Vec::new();
+    for _ in 0..12 {
+        std::thread::sleep(Duration::from_secs(5));
+        seen.push(bounds(agent.child.id(), &db));
+    }
+    trainer.signal(libc::SIGTERM);
+    assert!(trainer.wait().success(), "trainer failed");
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "profiler failed: {stderr}");
+    let truth = trainer.truth();
+    assert!(truth.steps.len() > 10_000, "{} steps in a minute", truth.steps.len());
+    assert_steps_exact(&db, &truth, &stderr);
+    for &(_, size, wal) in &seen {
+        assert!(size <= (8 << 20) + MAX_SIZE_SLACK, "the profile reached {size} bytes: {seen:?}");
+        assert!(wal <= 4 << 20, "the -wal reached {wal} bytes: {seen:?}");
+    }
+    // After the first 20 s (the budget reached, every buffer grown): flat.
+    let warm = seen[3].0;
+    let last = seen.last().expect("samples").0;
+    assert!(last <= warm + 16 * 1024, "agent anonymous RSS {warm} KiB at 20 s, {last} KiB at 60 s: {seen:?}");
 }

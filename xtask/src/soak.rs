@@ -68,14 +68,15 @@ fn steps_exact(db: &Path, work: &Path) -> (u64, u64) {
     let Ok(conn) = rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY) else {
         return (0, total);
     };
-    let Ok(mut q) =
-        conn.prepare("SELECT count(*), sum(launches) FROM steps WHERE tid = ?1 AND end_ns IS NOT NULL")
+    let Ok(mut q) = conn.prepare("SELECT count(*), sum(launches) FROM steps WHERE tid = ?1 AND end_ns IS NOT NULL")
     else {
         return (0, total);
     };
     let exact = truth
         .iter()
-        .filter(|(tid, want)| q.query_row([tid], |r| Ok((r.get(0)?, r.get::<_, Option<i64>>(1)?.unwrap_or(0)))).ok() == Some(**want))
+        .filter(|(tid, want)| {
+            q.query_row([tid], |r| Ok((r.get(0)?, r.get::<_, Option<i64>>(1)?.unwrap_or(0)))).ok() == Some(**want)
+        })
         .map(|(_, t)| t.0 as u64)
         .sum();
     (exact, total)
@@ -137,7 +138,11 @@ pub fn main(duration: Duration) -> Result<()> {
         .spawn()
         .context("start the profiler")?;
     let pid = agent.id();
-    say(format!("soak: {} s of the genuine-driver trainer, --max-size {MAX_SIZE}, into {}", duration.as_secs(), db.display()));
+    say(format!(
+        "soak: {} s of the genuine-driver trainer, --max-size {MAX_SIZE}, into {}",
+        duration.as_secs(),
+        db.display()
+    ));
     println!("min  anon MiB  file MiB  CPU %  profile MiB  -wal MiB  launch rows  step rows  lost  steps exact");
     let (t0, mut last_cpu, mut last_t) = (Instant::now(), cpu_s(pid), Instant::now());
     let mut minute = 0;
@@ -163,6 +168,9 @@ pub fn main(duration: Duration) -> Result<()> {
     let status = agent.wait().context("wait for the profiler")?;
     let (exact, total) = steps_exact(&db, &work);
     let (launches, steps, lost) = rows(&db);
-    println!("end: profiler {status}; profile {:.1} MiB, {launches} launch rows, {steps} step rows, {lost} lost; steps exact {exact}/{total}", file_len(&db) as f64 / (1u64 << 20) as f64);
+    println!(
+        "end: profiler {status}; profile {:.1} MiB, {launches} launch rows, {steps} step rows, {lost} lost; steps exact {exact}/{total}",
+        file_len(&db) as f64 / (1u64 << 20) as f64
+    );
     Ok(())
 }

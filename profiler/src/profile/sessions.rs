@@ -148,10 +148,11 @@ fn budget(db: &ProfileDb, session: i64) -> anyhow::Result<Option<String>> {
             [session],
             |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
         )?;
-    let stops: Vec<String> = [(launch, "launch rows (--launches auto)"), (per_call, "per-call rows"), (all, "all rows")]
-        .into_iter()
-        .filter_map(|(at, what)| at.map(|at| format!("{what} stopped at {at:.1} s")))
-        .collect();
+    let stops: Vec<String> =
+        [(launch, "launch rows (--launches auto)"), (per_call, "per-call rows"), (all, "all rows")]
+            .into_iter()
+            .filter_map(|(at, what)| at.map(|at| format!("{what} stopped at {at:.1} s")))
+            .collect();
     if stops.is_empty() {
         return Ok(None);
     }

@@ -181,6 +181,7 @@ impl Consumer {
             launches: Some(s.launches),
             phases: None,
         });
+        self.gemm_step_ended(s.label, s.step);
         Some((s.label, s.incomplete))
     }
 

@@ -159,7 +159,7 @@ impl RowKind {
             StoreMsg::Regions(r) => Self::PerCall(PerCall::Regions, n(r.len())),
             StoreMsg::Collectives(r) => Self::PerCall(PerCall::Collectives, n(r.len())),
             StoreMsg::Steps(r) => Self::Timed(n(r.len()) * 128),
-            StoreMsg::StepGemms(r) => Self::Timed(n(r.len()) * 64),
+            StoreMsg::StepGemms(r) | StoreMsg::StepGemmsSoFar(r) => Self::Timed(n(r.len()) * 64),
             StoreMsg::Kernels(r) => Self::Timed(r.iter().map(|k| 64 + 2 * n(k.name.len())).sum()),
             StoreMsg::Gpus(r) => Self::Timed(n(r.len()) * 256),
             StoreMsg::GpuSamples(r) => Self::Timed(n(r.len()) * 192),
@@ -404,7 +404,12 @@ impl Budget {
             let why = if size > limit {
                 format!("the profile reached {} of --max-size {}", mib(size), mib(self.cfg.max_size))
             } else {
-                format!("the disk had {} free of {}, under the --min-free floor {}", mib(free), mib(self.last.fs_size), mib(floor))
+                format!(
+                    "the disk had {} free of {}, under the --min-free floor {}",
+                    mib(free),
+                    mib(self.last.fs_size),
+                    mib(floor)
+                )
             };
             self.stop(Stopped::PerCallRows, why);
             return false;
@@ -451,11 +456,8 @@ impl Budget {
         (a.window_start, a.rows) = (Instant::now(), 0);
         let row = PerCall::Launches.row_bytes() + LAUNCH_INDEX_BYTES;
         let projected = rate * row as f64 * remaining.as_secs_f64();
-        let room = self
-            .cfg
-            .per_call_limit()
-            .saturating_sub(self.size_now())
-            .min(self.free_now().saturating_sub(self.floor()));
+        let room =
+            self.cfg.per_call_limit().saturating_sub(self.size_now()).min(self.free_now().saturating_sub(self.floor()));
         if projected <= room as f64 {
             return true;
         }
@@ -478,7 +480,9 @@ impl Budget {
         let at_ns = crate::clock::monotonic_ns();
         let line = match what {
             Stopped::LaunchRows => "--launches auto: launch and GEMM rows stop here, per-step counts go on",
-            Stopped::PerCallRows => "per-call rows (launches, GEMMs, syncs, regions, collectives) stop here; steps, counts, samples and energy go on",
+            Stopped::PerCallRows => {
+                "per-call rows (launches, GEMMs, syncs, regions, collectives) stop here; steps, counts, samples and energy go on"
+            }
             Stopped::AllRows => "no more rows are stored; the session ends with what was committed",
         };
         eprintln!("profiler: warning: {reason}: {line}");

@@ -220,6 +220,9 @@ pub enum StoreMsg {
     Gemms(Vec<GemmRow>),
     /// Every step's GEMM sums, once, after the steps (see `gemms::write_step_gemms`).
     StepGemms(Vec<StepGemms>),
+    /// The GEMM sums of steps that ended, after their rows (the consumer
+    /// keeps no step's sums past its end); `StepGemms` still comes at the end.
+    StepGemmsSoFar(Vec<StepGemms>),
     /// The last message: the session's end and what to derive then.
     Finish(SessionEnd, Vec<AtFinish>),
     /// A job's traced process other than the first: its session row, made on

@@ -158,6 +158,7 @@ pub(super) fn write_msg(tx: &Transaction<'_>, session_id: i64, msg: &StoreMsg) -
         StoreMsg::SystemSamples(rows) => write_system_samples(tx, session_id, rows),
         StoreMsg::Gemms(rows) => super::gemms::write_gemms(tx, session_id, rows),
         StoreMsg::StepGemms(sums) => super::gemms::write_step_gemms(tx, session_id, sums),
+        StoreMsg::StepGemmsSoFar(sums) => super::gemms::write_step_sums(tx, session_id, sums),
         StoreMsg::Finish(..) | StoreMsg::EndProcess(..) => Ok(()),
     }
 }
@@ -373,7 +374,7 @@ fn rows_in(msgs: &[StoreMsg]) -> u64 {
             StoreMsg::RaplSamples(r) => r.len() as u64,
             StoreMsg::SystemSamples(r) => r.len() as u64,
             StoreMsg::Gemms(r) => r.len() as u64,
-            StoreMsg::StepGemms(r) => r.len() as u64,
+            StoreMsg::StepGemms(r) | StoreMsg::StepGemmsSoFar(r) => r.len() as u64,
             StoreMsg::ProbedFile(_) | StoreMsg::Capability(_) | StoreMsg::Process(_) => 1,
             StoreMsg::ForProcess(_, inner) => rows_in(std::slice::from_ref(inner)),
             StoreMsg::Finish(..) | StoreMsg::EndProcess(..) => 0,
