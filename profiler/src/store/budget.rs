@@ -37,31 +37,37 @@ const AUTO_WINDOW: Duration = Duration::from_secs(5);
 /// a checkpoint written beside the old one dips the free space for a moment.
 const HARD_FLOOR_HOLD: Duration = Duration::from_secs(2);
 
-/// The free space the profile leaves on its filesystem: a share of it, or bytes.
+/// The free space the profile leaves on its filesystem: a share of it, a
+/// size, or the smaller of both.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub enum MinFree {
-    Share(f64),
-    Bytes(u64),
+pub struct MinFree {
+    pub share: Option<f64>,
+    pub bytes: Option<u64>,
 }
 
 impl MinFree {
-    /// `--min-free`: `10%` or a size (`2G`).
+    /// `--min-free`: `10%`, a size (`2G`), or both (`10%,5G`: the smaller).
     pub fn parse(s: &str) -> Result<Self, String> {
-        if let Some(p) = s.strip_suffix('%') {
-            return match p.trim().parse::<f64>() {
-                Ok(v) if (0.0..100.0).contains(&v) => Ok(Self::Share(v / 100.0)),
-                _ => Err(format!("'{s}' is not a share of the filesystem between 0% and 100% (e.g. 10%)")),
-            };
+        let mut m = MinFree { share: None, bytes: None };
+        for part in s.split(',') {
+            if let Some(p) = part.trim().strip_suffix('%') {
+                match p.trim().parse::<f64>() {
+                    Ok(v) if (0.0..100.0).contains(&v) && m.share.is_none() => m.share = Some(v / 100.0),
+                    _ => return Err(format!("'{s}': give one share between 0% and 100% (e.g. 10%), a size, or both")),
+                }
+            } else if m.bytes.is_none() {
+                m.bytes = Some(parse_size(part)?);
+            } else {
+                return Err(format!("'{s}': give one size (e.g. 5G), a share, or both (10%,5G)"));
+            }
         }
-        parse_size(s).map(Self::Bytes)
+        Ok(m)
     }
 
     /// The floor in bytes on a filesystem of `fs_bytes`.
     pub fn floor(self, fs_bytes: u64) -> u64 {
-        match self {
-            Self::Share(f) => (fs_bytes as f64 * f) as u64,
-            Self::Bytes(b) => b,
-        }
+        let share = self.share.map(|f| (fs_bytes as f64 * f) as u64);
+        share.unwrap_or(u64::MAX).min(self.bytes.unwrap_or(u64::MAX)).min(fs_bytes)
     }
 }
 
@@ -100,12 +106,13 @@ impl BudgetConfig {
     /// No limit: for tests that write a profile of known size.
     #[cfg(test)]
     pub fn unlimited() -> Self {
-        Self { max_size: u64::MAX, min_free: MinFree::Bytes(0), auto_launches: None }
+        Self { max_size: u64::MAX, min_free: MinFree { share: None, bytes: Some(0) }, auto_launches: None }
     }
 
-    /// Per-call rows stop here; the rest of `max_size` is for steps and samples.
+    /// Per-call rows stop here; the last eighth of `max_size` is for steps and
+    /// samples (of 4 GiB, 512 MiB: hours of steps and of 8 GPUs' samples).
     fn per_call_limit(&self) -> u64 {
-        self.max_size - self.max_size / 16
+        self.max_size - self.max_size / 8
     }
 }
 
@@ -245,8 +252,8 @@ impl Stopped {
 /// The profile's size and its filesystem's free space, as last measured.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Measured {
-    /// Database + `-wal`, bytes.
-    pub size: u64,
+    /// The database file, bytes.
+    pub db: u64,
     /// The `-wal` alone: its pages may all become new pages of the database
     /// at the next checkpoint, so they count against the free space twice.
     pub wal: u64,
@@ -260,10 +267,10 @@ pub struct Measured {
 pub fn measure(path: &Path) -> Option<Measured> {
     let len = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
     let wal = len(&super::side_file(path, "-wal"));
-    let size = len(path) + wal;
+    let db = len(path);
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let vfs = rustix::fs::statvfs(dir).ok()?;
-    Some(Measured { size, wal, free: vfs.f_bavail * vfs.f_frsize, fs_size: vfs.f_blocks * vfs.f_frsize })
+    Some(Measured { db, wal, free: vfs.f_bavail * vfs.f_frsize, fs_size: vfs.f_blocks * vfs.f_frsize })
 }
 
 /// `--launches auto`'s rate window.
@@ -435,10 +442,13 @@ impl Budget {
         true
     }
 
-    /// The profile's size now (measured + admitted since), with the launch
-    /// index still to be built.
+    /// The profile's size now: the database as measured, what was admitted
+    /// since, the launch index still to be built, and room for the `-wal` at
+    /// its largest (its limit and a batch: a constant, where its measured
+    /// size would come and go with each checkpoint).
     fn size_now(&self) -> u64 {
-        self.last.size + self.pending + self.launch_rows * LAUNCH_INDEX_BYTES
+        let wal = self.wal_limit() + self.wal_limit() / 4;
+        self.last.db + self.pending + self.launch_rows * LAUNCH_INDEX_BYTES + wal
     }
 
     /// `--launches auto`: counts `rows`; at the end of each window, stops launch
@@ -574,6 +584,8 @@ mod tests {
     use super::*;
     use crate::store::testing;
 
+    const NO_FLOOR: MinFree = MinFree { share: None, bytes: Some(0) };
+
     fn launches(n: usize) -> StoreMsg {
         StoreMsg::Launches(vec![testing::launch(); n])
     }
@@ -594,10 +606,15 @@ mod tests {
         for bad in ["", "0", "-1M", "4X", "G", "1e30T"] {
             assert!(parse_size(bad).is_err(), "{bad}");
         }
-        assert_eq!(MinFree::parse("10%"), Ok(MinFree::Share(0.10)));
-        assert_eq!(MinFree::parse("2G"), Ok(MinFree::Bytes(2 << 30)));
-        assert!(MinFree::parse("100%").is_err() && MinFree::parse("x%").is_err());
-        assert_eq!(MinFree::Share(0.10).floor(1000), 100);
+        let both = MinFree::parse("10%,5G").expect("both");
+        assert_eq!(both, MinFree { share: Some(0.10), bytes: Some(5 << 30) });
+        assert_eq!(MinFree::parse("2G"), Ok(MinFree { share: None, bytes: Some(2 << 30) }));
+        for bad in ["100%", "x%", "1%,2%", "1G,2G", ""] {
+            assert!(MinFree::parse(bad).is_err(), "{bad}");
+        }
+        // The smaller of the two: 10 % of a small disk, 5 GiB of a big one.
+        assert_eq!(both.floor(64 << 20), (64 << 20) / 10);
+        assert_eq!(both.floor(1 << 40), 5 << 30);
     }
 
     /// Every kind of message has its place: per-call tables by kind, through
@@ -610,22 +627,22 @@ mod tests {
         assert_eq!(RowKind::of(&StoreMsg::Steps(vec![testing::step()])), RowKind::Timed(128));
     }
 
-    /// Per-call rows stop at 15/16 of --max-size, steps go on until all of it;
+    /// Per-call rows stop at 7/8 of --max-size, steps go on until all of it;
     /// each stop is one event and every dropped row is counted by process.
     #[test]
     fn per_call_rows_stop_first_and_everything_last() {
         let d = tempfile::tempdir().expect("tempdir");
-        let cfg = BudgetConfig { max_size: 1 << 20, min_free: MinFree::Bytes(0), auto_launches: None };
+        let cfg = BudgetConfig { max_size: 16 << 20, min_free: NO_FLOOR, auto_launches: None };
         let mut b = budget(d.path(), cfg);
-        // 88 bytes per row: 10 000 rows fit in 15/16 MiB, 12 000 do not.
-        assert!(b.admit(&launches(10_000)));
-        assert!(!b.admit(&launches(2_000)));
+        // 88 bytes per row, 1.25 MiB kept for the -wal: 140 000 rows fit in 14 MiB, 160 000 do not.
+        assert!(b.admit(&launches(140_000)));
+        assert!(!b.admit(&launches(20_000)));
         assert!(!b.admit(&StoreMsg::ForProcess(5, Box::new(launches(7)))));
         assert_eq!(b.events.len(), 1);
         assert_eq!(b.events[0].what, Stopped::PerCallRows);
         assert!(b.events[0].reason.contains("--max-size"), "{:?}", b.events);
-        assert_eq!(b.dropped, BTreeMap::from([(None, 2_000), (Some(5), 7)]));
-        // Steps fill the last 16th, then nothing is stored.
+        assert_eq!(b.dropped, BTreeMap::from([(None, 20_000), (Some(5), 7)]));
+        // Steps fill the last eighth, then nothing is stored.
         let steps = StoreMsg::Steps(vec![testing::step(); 100]);
         assert!(b.admit(&steps));
         while b.admit(&steps) {}
@@ -644,7 +661,7 @@ mod tests {
     fn the_headroom_floor_stops_per_call_rows() {
         let d = tempfile::tempdir().expect("tempdir");
         let m = measure(&d.path().join("p.db")).expect("statvfs");
-        let cfg = BudgetConfig { max_size: u64::MAX / 2, min_free: MinFree::Bytes(m.free), auto_launches: None };
+        let cfg = BudgetConfig { max_size: u64::MAX / 2, min_free: MinFree { share: None, bytes: Some(m.free) }, auto_launches: None };
         let mut b = budget(d.path(), cfg);
         assert!(!b.admit(&launches(1)));
         assert!(b.events[0].reason.contains("--min-free"), "{:?}", b.events);
@@ -657,7 +674,7 @@ mod tests {
     fn auto_switches_on_a_rate_that_would_spend_the_budget() {
         let d = tempfile::tempdir().expect("tempdir");
         let expected = Some(Duration::from_secs(3600));
-        let cfg = BudgetConfig { max_size: 64 << 20, min_free: MinFree::Bytes(0), auto_launches: expected };
+        let cfg = BudgetConfig { max_size: 64 << 20, min_free: NO_FLOOR, auto_launches: expected };
         let mut b = budget(d.path(), cfg);
         assert!(b.admit(&launches(1000)), "within the first window");
         // As if the window had lasted 5 s: 2000 rows, 400/s, 88 B × 400/s × 3600 s ≈ 120 MiB > the 60 MiB left.
@@ -673,7 +690,7 @@ mod tests {
     fn auto_keeps_launch_rows_at_a_modest_rate() {
         let d = tempfile::tempdir().expect("tempdir");
         let expected = Some(Duration::from_secs(60));
-        let cfg = BudgetConfig { max_size: 64 << 20, min_free: MinFree::Bytes(0), auto_launches: expected };
+        let cfg = BudgetConfig { max_size: 64 << 20, min_free: NO_FLOOR, auto_launches: expected };
         let mut b = budget(d.path(), cfg);
         b.auto.as_mut().expect("auto").window_start -= AUTO_WINDOW;
         assert!(b.admit(&launches(1000)), "≈200/s for a minute is ≈1 MiB");
