@@ -39,7 +39,7 @@ impl Drop for SmallFs {
 /// A training job's checkpoint writer: every 0.5 s, 4 MiB to a new file
 /// renamed over the last one (as `torch.save` users do), one line per write
 /// (`ok` or `FAIL`) in `log`, until `stop` exists.
-fn checkpoint_writer(fs: &Path, log: &Path, stop: &Path) -> Child {
+fn checkpoint_writer(fs: &Path, log: &Path, stop: &Path) -> CheckpointWriter {
     let script = format!(
         "cd '{fs}'; while [ ! -e '{stop}' ]; do
            if head -c 4194304 /dev/zero > ckpt.tmp 2>/dev/null && mv ckpt.tmp ckpt; then echo ok; else echo FAIL; rm -f ckpt.tmp; fi
@@ -49,7 +49,17 @@ fn checkpoint_writer(fs: &Path, log: &Path, stop: &Path) -> Child {
         stop = stop.display(),
         log = log.display()
     );
-    Command::new("sh").arg("-c").arg(script).spawn().expect("start the checkpoint writer")
+    CheckpointWriter(Command::new("sh").arg("-c").arg(script).spawn().expect("start the checkpoint writer"))
+}
+
+/// Killed when dropped (a failed assertion leaves no writer behind).
+struct CheckpointWriter(Child);
+
+impl Drop for CheckpointWriter {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// The trainer with `args`, the profiler attached with `--step-symbol
@@ -132,7 +142,7 @@ fn a_checkpoint_writer_beside_the_profile_never_fails() {
     // 800 000 launches: ≈70 MiB of launch rows, more than the filesystem has.
     let (truth, stderr) = traced(&dir, &db, &["--steps", "2000", "--launches", "200", "--threads", "2"], &[], None);
     std::fs::write(&stop, b"").expect("stop the writer");
-    writer.wait().expect("wait for the checkpoint writer");
+    writer.0.wait().expect("wait for the checkpoint writer");
     let writes = std::fs::read_to_string(&log).expect("checkpoint log");
     assert!(writes.lines().count() >= 2, "the checkpoint writer ran: {writes}");
     assert!(!writes.contains("FAIL"), "a checkpoint write failed beside the profile:\n{writes}\n{stderr}");
@@ -212,16 +222,16 @@ fn bounds(agent: u32, db: &Path) -> (u64, u64, u64) {
 }
 
 /// `cargo xtask soak`'s short version: a minute of thread churn at a high
-/// launch rate under `--max-size 8M`, looked at every 5 s: the profile stays
-/// within its budget, the `-wal` within a few batches of its 1 MiB limit, the
+/// launch rate under `--max-size 32M`, looked at every 5 s: the profile stays
+/// within its budget, the `-wal` within a few batches of its limit, the
 /// agent's memory flat after warm-up, and every step exact at the end.
 #[test]
 fn a_minute_of_thread_churn_stays_within_its_bounds() {
     let dir = workdir("budget-soak");
     let db = dir.join("p.db");
-    let churn = ["--steps", "50", "--launches", "100", "--threads", "2", "--waves", "6000", "--step-sleep-us", "1000"];
+    let churn = ["--steps", "20", "--launches", "100", "--threads", "2", "--waves", "6000", "--step-sleep-us", "5000"];
     let mut trainer = Trainer::spawn(&dir, &churn);
-    let agent = Agent::attach(trainer.pid(), &db, &["--step-symbol", "train_step", "--no-gpu", "--max-size", "8M"]);
+    let agent = Agent::attach(trainer.pid(), &db, &["--step-symbol", "train_step", "--no-gpu", "--max-size", "32M"]);
     trainer.go();
     let mut seen = Vec::new();
     for _ in 0..12 {
@@ -233,10 +243,11 @@ fn a_minute_of_thread_churn_stays_within_its_bounds() {
     let (status, stderr) = agent.finish();
     assert!(status.success(), "profiler failed: {stderr}");
     let truth = trainer.truth();
-    assert!(truth.steps.len() > 10_000, "{} steps in a minute", truth.steps.len());
+    assert!(truth.steps.len() > 5_000, "{} steps in a minute", truth.steps.len());
     assert_steps_exact(&db, &truth, &stderr);
     for &(_, size, wal) in &seen {
-        assert!(size <= (8 << 20) + MAX_SIZE_SLACK, "the profile reached {size} bytes: {seen:?}");
+        assert!(size <= (32 << 20) + MAX_SIZE_SLACK, "the profile reached {size} bytes: {seen:?}");
+        // Its limit (2 MiB, a 16th of the budget) and a batch or two.
         assert!(wal <= 4 << 20, "the -wal reached {wal} bytes: {seen:?}");
     }
     // After the first 20 s (the budget reached, every buffer grown): flat.

@@ -343,9 +343,11 @@ impl Budget {
         (self.cfg.max_size / 16).min(floor).clamp(1 << 20, 64 << 20)
     }
 
-    /// Free space as the job will see it once the `-wal` is checkpointed.
+    /// Free space as the job will see it once the `-wal` is checkpointed and
+    /// the launch index built (its pages pass through the `-wal` first: twice).
     fn free_now(&self) -> u64 {
-        self.last.free.saturating_sub(self.last.wal + self.pending)
+        let index = 2 * self.launch_rows * LAUNCH_INDEX_BYTES;
+        self.last.free.saturating_sub(self.last.wal + self.pending + index)
     }
 
     /// Measures the file and the filesystem again (after each batch).
@@ -405,7 +407,7 @@ impl Budget {
         }
         let index = if kind == PerCall::Launches { rows * LAUNCH_INDEX_BYTES } else { 0 };
         let size = self.size_now() + bytes + index;
-        let free = self.free_now().saturating_sub(bytes + index);
+        let free = self.free_now().saturating_sub(bytes + 2 * index);
         let (floor, limit) = (self.floor(), self.cfg.per_call_limit());
         if size > limit || free < floor {
             let why = if size > limit {
