@@ -160,7 +160,8 @@ fn a_checkpoint_writer_beside_the_profile_never_fails() {
         s.id,
     );
     assert_eq!(caps, 1);
-    assert!(report_text(&db).contains("per-call rows stopped"), "report does not say it");
+    let report = report_text(&db);
+    assert!(report.contains("per-call rows stopped"), "report does not say it:\n{report}");
 }
 
 #[test]
@@ -204,7 +205,8 @@ fn launches_auto_switches_to_counts_and_says_so() {
     let mode: String =
         open(&db).query_row("SELECT launch_mode FROM sessions WHERE id = ?1", [s.id], |r| r.get(0)).expect("mode");
     assert_eq!(mode, "auto");
-    assert!(report_text(&db).contains("launch rows (--launches auto) stopped"), "report does not say it");
+    let report = report_text(&db);
+    assert!(report.contains("launch rows (--launches auto) stopped"), "report does not say it:\n{report}");
 }
 
 /// The profile and its SQLite side files.

@@ -138,16 +138,19 @@ pub fn info(db: &ProfileDb, session: i64) -> anyhow::Result<SessionInfo> {
     Ok(info)
 }
 
+/// The budget's columns: when launch, per-call and all rows stopped (s into the
+/// session), why, and the rows dropped.
+type BudgetColumns = (Option<f64>, Option<f64>, Option<f64>, Option<String>, Option<i64>);
+
 /// "launch rows stopped at 12.3 s, per-call rows at 40.1 s (N rows not stored): why".
 fn budget(db: &ProfileDb, session: i64) -> anyhow::Result<Option<String>> {
-    let (launch, per_call, all, reason, dropped): (Option<f64>, Option<f64>, Option<f64>, Option<String>, Option<i64>) =
-        db.conn.query_row(
-            "SELECT (launch_rows_stopped_ns - started_ns) / 1e9, (per_call_rows_stopped_ns - started_ns) / 1e9,
+    let (launch, per_call, all, reason, dropped): BudgetColumns = db.conn.query_row(
+        "SELECT (launch_rows_stopped_ns - started_ns) / 1e9, (per_call_rows_stopped_ns - started_ns) / 1e9,
                     (all_rows_stopped_ns - started_ns) / 1e9, budget_reason, per_call_rows_dropped
              FROM sessions WHERE id = ?1",
-            [session],
-            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
-        )?;
+        [session],
+        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
+    )?;
     let stops: Vec<String> =
         [(launch, "launch rows (--launches auto)"), (per_call, "per-call rows"), (all, "all rows")]
             .into_iter()

@@ -225,26 +225,26 @@ pub struct BudgetEvent {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stopped {
     /// `--launches auto`: launch and GEMM rows.
-    LaunchRows,
-    PerCallRows,
-    AllRows,
+    Launches,
+    PerCall,
+    Everything,
 }
 
 impl Stopped {
     pub fn column(self) -> &'static str {
         match self {
-            Self::LaunchRows => "launch_rows_stopped_ns",
-            Self::PerCallRows => "per_call_rows_stopped_ns",
-            Self::AllRows => "all_rows_stopped_ns",
+            Self::Launches => "launch_rows_stopped_ns",
+            Self::PerCall => "per_call_rows_stopped_ns",
+            Self::Everything => "all_rows_stopped_ns",
         }
     }
 
     /// The `capabilities` metric (source `store`).
     pub fn metric(self) -> &'static str {
         match self {
-            Self::LaunchRows => "launch_rows",
-            Self::PerCallRows => "per_call_rows",
-            Self::AllRows => "all_rows",
+            Self::Launches => "launch_rows",
+            Self::PerCall => "per_call_rows",
+            Self::Everything => "all_rows",
         }
     }
 }
@@ -364,7 +364,7 @@ impl Budget {
             let since = *self.below_hard_floor.get_or_insert_with(Instant::now);
             if since.elapsed() >= HARD_FLOOR_HOLD && !self.state.has(ALL_STOPPED) {
                 let why = format!("the disk's free space stayed under {} (half the floor)", mib(floor / 2));
-                self.stop(Stopped::AllRows, why);
+                self.stop(Stopped::Everything, why);
             }
         } else {
             self.below_hard_floor = None;
@@ -374,7 +374,7 @@ impl Budget {
     /// A batch failed for want of space: nothing more is stored.
     pub fn disk_full(&mut self, error: &str) {
         if !self.state.has(ALL_STOPPED) {
-            self.stop(Stopped::AllRows, format!("a write failed ({error})"));
+            self.stop(Stopped::Everything, format!("a write failed ({error})"));
         }
     }
 
@@ -420,7 +420,7 @@ impl Budget {
                     mib(floor)
                 )
             };
-            self.stop(Stopped::PerCallRows, why);
+            self.stop(Stopped::PerCall, why);
             return false;
         }
         if kind == PerCall::Launches {
@@ -438,7 +438,7 @@ impl Budget {
         let size = self.size_now() + bytes;
         if size > self.cfg.max_size {
             let why = format!("the profile reached --max-size {}", mib(self.cfg.max_size));
-            self.stop(Stopped::AllRows, why);
+            self.stop(Stopped::Everything, why);
             return false;
         }
         true
@@ -479,23 +479,23 @@ impl Budget {
             remaining.as_secs_f64(),
             mib(room)
         );
-        self.stop(Stopped::LaunchRows, why);
+        self.stop(Stopped::Launches, why);
         false
     }
 
     fn stop(&mut self, what: Stopped, reason: String) {
         self.state.set(match what {
-            Stopped::LaunchRows => LAUNCH_ROWS_STOPPED,
-            Stopped::PerCallRows => PER_CALL_STOPPED,
-            Stopped::AllRows => ALL_STOPPED,
+            Stopped::Launches => LAUNCH_ROWS_STOPPED,
+            Stopped::PerCall => PER_CALL_STOPPED,
+            Stopped::Everything => ALL_STOPPED,
         });
         let at_ns = crate::clock::monotonic_ns();
         let line = match what {
-            Stopped::LaunchRows => "--launches auto: launch and GEMM rows stop here, per-step counts go on",
-            Stopped::PerCallRows => {
+            Stopped::Launches => "--launches auto: launch and GEMM rows stop here, per-step counts go on",
+            Stopped::PerCall => {
                 "per-call rows (launches, GEMMs, syncs, regions, collectives) stop here; steps, counts, samples and energy go on"
             }
-            Stopped::AllRows => "no more rows are stored; the session ends with what was committed",
+            Stopped::Everything => "no more rows are stored; the session ends with what was committed",
         };
         eprintln!("profiler: warning: {reason}: {line}");
         let e = BudgetEvent { at_ns, what, reason };
@@ -641,7 +641,7 @@ mod tests {
         assert!(!b.admit(&launches(20_000)));
         assert!(!b.admit(&StoreMsg::ForProcess(5, Box::new(launches(7)))));
         assert_eq!(b.events.len(), 1);
-        assert_eq!(b.events[0].what, Stopped::PerCallRows);
+        assert_eq!(b.events[0].what, Stopped::PerCall);
         assert!(b.events[0].reason.contains("--max-size"), "{:?}", b.events);
         assert_eq!(b.dropped, BTreeMap::from([(None, 20_000), (Some(5), 7)]));
         // Steps fill the last eighth, then nothing is stored.
@@ -649,7 +649,7 @@ mod tests {
         assert!(b.admit(&steps));
         while b.admit(&steps) {}
         assert!(b.state.all_stopped());
-        assert_eq!(b.events.iter().map(|e| e.what).collect::<Vec<_>>(), [Stopped::PerCallRows, Stopped::AllRows]);
+        assert_eq!(b.events.iter().map(|e| e.what).collect::<Vec<_>>(), [Stopped::PerCall, Stopped::Everything]);
         assert!(b.admit(&StoreMsg::Capability(crate::store::Capability {
             source: "x".into(),
             metric: "y".into(),
@@ -663,7 +663,11 @@ mod tests {
     fn the_headroom_floor_stops_per_call_rows() {
         let d = tempfile::tempdir().expect("tempdir");
         let m = measure(&d.path().join("p.db")).expect("statvfs");
-        let cfg = BudgetConfig { max_size: u64::MAX / 2, min_free: MinFree { share: None, bytes: Some(m.free) }, auto_launches: None };
+        let cfg = BudgetConfig {
+            max_size: u64::MAX / 2,
+            min_free: MinFree { share: None, bytes: Some(m.free) },
+            auto_launches: None,
+        };
         let mut b = budget(d.path(), cfg);
         assert!(!b.admit(&launches(1)));
         assert!(b.events[0].reason.contains("--min-free"), "{:?}", b.events);
@@ -682,7 +686,7 @@ mod tests {
         // As if the window had lasted 5 s: 2000 rows, 400/s, 88 B × 400/s × 3600 s ≈ 120 MiB > the 60 MiB left.
         b.auto.as_mut().expect("auto").window_start -= AUTO_WINDOW;
         assert!(!b.admit(&launches(1000)));
-        assert_eq!(b.events[0].what, Stopped::LaunchRows, "{:?}", b.events);
+        assert_eq!(b.events[0].what, Stopped::Launches, "{:?}", b.events);
         assert!(b.events[0].reason.contains("launches/s"), "{:?}", b.events);
         assert!(!b.admit(&StoreMsg::Gemms(Vec::new())));
         assert!(b.admit(&StoreMsg::Syncs(Vec::new())), "syncs are not launch rows");
