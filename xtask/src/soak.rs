@@ -3,8 +3,10 @@
 //! CPU, the profile and its `-wal`, rows written, lost events, and how many of
 //! the finished trainers' steps the profile holds exactly. Prints; asserts nothing.
 //!
-//! The job: `sh` starting trainers one after another on the genuine NVIDIA 535
-//! libcuda (each 4 threads × 5 waves: thread churn; a new process every few
+//! The job: `sh` starting trainers one after another on the stand-in libcuda
+//! with the genuine driver's entry shape (`shaped/`; the genuine 535 library
+//! dereferences the trainer's made-up handles, and `genuine_launch` has no step
+//! function), each 4 threads × 5 waves (thread churn; a new process every few
 //! seconds: process churn), and a DataLoader-like stream of short-lived children.
 use std::{
     collections::BTreeMap,
@@ -17,8 +19,9 @@ use anyhow::{Context, Result};
 
 use crate::{fixtures_dir, profiler_bin, root, say};
 
-/// The profile's budget: small, so that it is reached within minutes.
-const MAX_SIZE: &str = "64M";
+/// The profile's budget: small, so that per-call rows stop within minutes
+/// (≈40 000 launches/s) and the steps (≈200/s) fill the rest in about 20.
+const MAX_SIZE: &str = "256M";
 
 /// (anonymous, file-backed) resident KiB of `pid`.
 fn rss_kib(pid: u32) -> (u64, u64) {
@@ -102,12 +105,12 @@ fn job_script(work: &Path) -> String {
     format!(
         "cd '{w}'; (while [ ! -e STOP ]; do sleep 0.5; done) &
          i=0; while [ ! -e STOP ]; do
-           '{trainer}' --cuda '{cuda}' --steps 200 --launches 200 --threads 4 --waves 5 --truth truth.$i
+           '{trainer}' --cuda '{cuda}' --steps 50 --launches 200 --threads 4 --waves 5 --step-sleep-us 20000 --truth truth.$i
            i=$((i+1))
          done; wait",
         w = work.display(),
         trainer = fx.join("trainer").display(),
-        cuda = fx.join("nvidia/lib/libcuda.so.1").display(),
+        cuda = fx.join("shaped/libcuda.so.1").display(),
     )
 }
 
@@ -139,7 +142,7 @@ pub fn main(duration: Duration) -> Result<()> {
         .context("start the profiler")?;
     let pid = agent.id();
     say(format!(
-        "soak: {} s of the genuine-driver trainer, --max-size {MAX_SIZE}, into {}",
+        "soak: {} s of the churning trainer, --max-size {MAX_SIZE}, into {}",
         duration.as_secs(),
         db.display()
     ));
