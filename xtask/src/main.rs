@@ -9,6 +9,7 @@ mod debian_python;
 mod gpu;
 mod jax_env;
 mod root;
+mod soak;
 mod suite;
 mod toolchain;
 mod torch_env;
@@ -53,6 +54,12 @@ enum Task {
         /// (ns per Python call, step boundary error); `flops`: only the cost per traced GEMM call;
         /// `jobs`: only the 8-rank job (attach time, agent CPU, events/s, lost).
         only: Option<String>,
+    },
+    /// Leave the profiler running on a churning genuine-driver job with a small --max-size; a table row a minute.
+    Soak {
+        /// How long (seconds, or 90s, 5m, 1h).
+        #[arg(default_value = "20m", value_parser = soak::parse_duration)]
+        duration: std::time::Duration,
     },
     /// Make the PyTorch environments the tests use (cached; downloads only what is missing).
     TorchEnv,
@@ -276,6 +283,11 @@ fn run_task(task: Task) -> Result<()> {
             build()?;
             fixtures()?;
             bench::main(only.as_deref())
+        }
+        Task::Soak { duration } => {
+            build()?;
+            fixtures()?;
+            soak::main(duration)
         }
         Task::Demo => demo(),
         Task::TorchEnv => {

@@ -90,7 +90,9 @@ pub struct TraceArgs {
     /// needs on a CPython without USDT probes.
     #[arg(long)]
     no_target_writes: bool,
-    /// Keep a row per launch and per GEMM (`all`), or only per-step counts and FLOPs (`count`).
+    /// Keep a row per launch and per GEMM (`all`), only per-step counts and
+    /// FLOPs (`count`), or rows until their rate would spend --max-size within
+    /// the session's expected length (`auto`: --duration, else a day).
     #[arg(long, value_enum, default_value_t = LaunchMode::All)]
     launches: LaunchMode,
     /// Do not trace the scheduler (each step's on-CPU, runnable, sleeping
@@ -98,6 +100,21 @@ pub struct TraceArgs {
     /// every context switch of the machine (see docs/measurement.md for the cost).
     #[arg(long)]
     no_sched: bool,
+    /// The profile's size budget (database and -wal; e.g. 500M, 4G): per-call
+    /// rows (launches, GEMMs, syncs, regions, collectives, copies, jitted calls) stop at 7/8 of it,
+    /// steps, counts and samples go on; at all of it the session ends.
+    // 4G: about 45 million launch rows (15 minutes at 50 000 launches/s, a
+    // day at 500/s), well under 1 % of a training node's scratch disk.
+    #[arg(long, value_name = "SIZE", default_value = "4G", value_parser = crate::store::budget::parse_size)]
+    max_size: u64,
+    /// Free space the profile leaves on its filesystem: a share (`10%`), a
+    /// size (`20G`), or the smaller of both (`10%,5G`); below it per-call rows
+    /// stop; below half of it for 2 s, every row stops and the session ends.
+    // 10 %, at most 5G: room for the checkpoint a job writes beside the one it
+    // replaces on a small disk, and a floor that does not stop a profile on a
+    // big disk that is merely 90 % full (the profile itself is --max-size at most).
+    #[arg(long, value_name = "PCT%,SIZE", default_value = "10%,5G", value_parser = crate::store::budget::MinFree::parse)]
+    min_free: crate::store::budget::MinFree,
     /// Stop tracing after this many seconds, or this long (`90s`, `2m`, `1h 30m`).
     #[arg(long, value_name = "TIME", value_parser = parse_duration)]
     duration: Option<Duration>,
@@ -202,6 +219,8 @@ impl TraceArgs {
             job: self.job,
             follow_children: false,
             step_jits: self.step_jit,
+            max_size: self.max_size,
+            min_free: self.min_free,
         }
     }
 }

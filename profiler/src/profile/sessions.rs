@@ -30,6 +30,8 @@ pub struct SessionInfo {
     pub rank: Option<i64>,
     /// The processes (sessions) of its job, itself included.
     pub job_processes: i64,
+    /// What the size budget or `--launches auto` stopped, and when (None: nothing).
+    pub budget: Option<String>,
 }
 
 /// Whether a session ended, is still being written, or stopped without an end.
@@ -126,10 +128,37 @@ pub fn info(db: &ProfileDb, session: i64) -> anyhow::Result<SessionInfo> {
                 job: r.get(18)?,
                 rank: r.get(19)?,
                 job_processes: r.get(20)?,
+                budget: None,
             })
         },
     )?;
     // duration_s is NULL exactly when ended_ns is (started_ns is NOT NULL).
     info.state = session_state(db, session, info.duration_s.is_some())?;
+    info.budget = budget(db, session)?;
     Ok(info)
+}
+
+/// The budget's columns: when launch, per-call and all rows stopped (s into the
+/// session), why, and the rows dropped.
+type BudgetColumns = (Option<f64>, Option<f64>, Option<f64>, Option<String>, Option<i64>);
+
+/// "launch rows stopped at 12.3 s, per-call rows at 40.1 s (N rows not stored): why".
+fn budget(db: &ProfileDb, session: i64) -> anyhow::Result<Option<String>> {
+    let (launch, per_call, all, reason, dropped): BudgetColumns = db.conn.query_row(
+        "SELECT (launch_rows_stopped_ns - started_ns) / 1e9, (per_call_rows_stopped_ns - started_ns) / 1e9,
+                    (all_rows_stopped_ns - started_ns) / 1e9, budget_reason, per_call_rows_dropped
+             FROM sessions WHERE id = ?1",
+        [session],
+        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
+    )?;
+    let stops: Vec<String> =
+        [(launch, "launch rows (--launches auto)"), (per_call, "per-call rows"), (all, "all rows")]
+            .into_iter()
+            .filter_map(|(at, what)| at.map(|at| format!("{what} stopped at {at:.1} s")))
+            .collect();
+    if stops.is_empty() {
+        return Ok(None);
+    }
+    let dropped = dropped.map_or(String::new(), |n| format!(" ({n} rows not stored)"));
+    Ok(Some(format!("{}{dropped}: {}", stops.join(", "), reason.unwrap_or_default())))
 }

@@ -14,6 +14,10 @@ pub enum LaunchMode {
     All,
     /// Only `steps.launches` and the session total; no `launches` rows.
     Count,
+    /// Rows while the launch rate is modest; counts only from when it would
+    /// spend the size budget within the session's expected length
+    /// (`--duration`, else a day), recorded in `sessions.launch_rows_stopped_ns`.
+    Auto,
 }
 
 impl LaunchMode {
@@ -21,7 +25,13 @@ impl LaunchMode {
         match self {
             Self::All => "all",
             Self::Count => "count",
+            Self::Auto => "auto",
         }
+    }
+
+    /// Whether launch (and GEMM) rows are stored, at least at first.
+    pub fn keeps_rows(self) -> bool {
+        self != Self::Count
     }
 }
 
@@ -66,6 +76,10 @@ pub struct SessionConfig {
     pub follow_children: bool,
     /// `--step-jit`s; their probe ids follow every other source's.
     pub step_jits: Vec<crate::jax_steps::JitStepSpec>,
+    /// `--max-size`: the profile's size budget, bytes.
+    pub max_size: u64,
+    /// `--min-free`: the free space the profile leaves on its filesystem.
+    pub min_free: crate::store::budget::MinFree,
 }
 
 /// A process started by `profiler run`, held before `exec` until the probes are in.

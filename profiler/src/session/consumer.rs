@@ -196,6 +196,7 @@ impl Consumer {
             sched: s.sched,
             copies: s.copies,
         });
+        self.gemm_step_ended(s.label, s.step);
         Some((s.label, s.incomplete))
     }
 

@@ -57,6 +57,9 @@ pub(super) async fn run(
                 if let Some(code) = first_exited && job.live_members() == 0 {
                     return Ok(("target-exited".into(), code));
                 }
+                if job.budget_spent() {
+                    return Ok(("budget".into(), None));
+                }
             }
             _ = ticks.status.tick(), if status.enabled || job.first.live.is_some() => {
                 let kc = probes.counters();

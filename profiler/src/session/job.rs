@@ -131,6 +131,11 @@ impl Job {
         &self.ctx.template.job
     }
 
+    /// The size budget has stopped every row (see `store::budget`).
+    pub fn budget_spent(&self) -> bool {
+        self.ctx.sender.budget_spent()
+    }
+
     /// The further PIDs named on the command line, and with `--children` the
     /// live descendants of all of them (with their parents): a session each,
     /// their CUDA libraries probed now. Returns how many there are.
@@ -156,8 +161,8 @@ impl Job {
         consumer.use_jit_steps(self.ctx.jax.clone(), self.ctx.cfg.quiet);
         // Adopted during teardown: the cutoff applies to it too.
         consumer.cutoff_ns = self.cutoff_ns;
-        consumer.keep_gemm_rows(self.ctx.cfg.launch_mode == super::LaunchMode::All);
-        consumer.keep_copy_rows(self.ctx.cfg.launch_mode == super::LaunchMode::All);
+        consumer.keep_gemm_rows(self.ctx.cfg.launch_mode.keeps_rows());
+        consumer.keep_copy_rows(self.ctx.cfg.launch_mode.keeps_rows());
         consumer.trace_sched(self.ctx.cfg.sched);
         let mut watcher = LibraryWatcher::new(pid, TorchWatch::new(&self.ctx.cfg, &self.ctx.regions));
         // Its loader is the first target's (file-wide probe), usually.

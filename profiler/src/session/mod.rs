@@ -64,7 +64,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     }
     let pids: Vec<_> =
         std::iter::once(target.nz_pid).chain(others.iter().filter_map(|&(p, _)| p.try_into().ok())).collect();
-    let emit = cfg.launch_mode == LaunchMode::All;
+    let emit = cfg.launch_mode.keeps_rows();
     let options = JobOptions {
         follow_children: cfg.follow_children,
         emit_launches: emit,
@@ -81,8 +81,8 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer.sender(), steps.labels.clone(), steps.regions.clone(), target.pid);
     consumer.use_jit_steps(steps.jax.clone(), cfg.quiet);
-    consumer.keep_gemm_rows(cfg.launch_mode == LaunchMode::All);
-    consumer.keep_copy_rows(cfg.launch_mode == LaunchMode::All);
+    consumer.keep_gemm_rows(cfg.launch_mode.keeps_rows());
+    consumer.keep_copy_rows(cfg.launch_mode.keeps_rows());
     consumer.trace_sched(cfg.sched);
     let watcher = LibraryWatcher::new(target.pid, torch::TorchWatch::new(&cfg, &steps.regions));
     let ctx = JobContext {

@@ -302,7 +302,14 @@ pub(super) fn begin_session(
     };
     let id = store.begin_session(&start)?;
     let begun = BegunSession { id, start, started_ns, output: store.path().to_owned(), created: store.created() };
-    Ok((begun, store.spawn_writer(id)))
+    Ok((begun, store.spawn_writer_with(id, budget_config(cfg))))
+}
+
+/// The writer's size budget from `--max-size`, `--min-free`, `--launches auto`.
+fn budget_config(cfg: &SessionConfig) -> crate::store::budget::BudgetConfig {
+    use crate::store::budget::{AUTO_EXPECTED, BudgetConfig};
+    let auto = (cfg.launch_mode == super::LaunchMode::Auto).then(|| cfg.duration.unwrap_or(AUTO_EXPECTED));
+    BudgetConfig { max_size: cfg.max_size, min_free: cfg.min_free, auto_launches: auto }
 }
 
 /// The step functions as named on the command line, space-separated.

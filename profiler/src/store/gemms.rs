@@ -67,12 +67,24 @@ pub(super) fn write_gemms(tx: &Transaction<'_>, session_id: i64, rows: &[GemmRow
 /// in any session of the job: one file-wide probe serves them all), NULL
 /// (left) where none was.
 pub(super) fn write_step_gemms(tx: &Transaction<'_>, session_id: i64, sums: &[StepGemms]) -> rusqlite::Result<()> {
+    zero_steps_without_gemms(tx, session_id)?;
+    write_step_sums(tx, session_id, sums)
+}
+
+/// The 0 of [`write_step_gemms`], once, at the end (a scan of the session's
+/// steps): steps whose sums came before (`StepGemmsSoFar`) keep them.
+fn zero_steps_without_gemms(tx: &Transaction<'_>, session_id: i64) -> rusqlite::Result<()> {
     tx.execute(
-        "UPDATE steps SET flops = 0, gemm_calls = 0 WHERE session_id = ?1 AND EXISTS (
+        "UPDATE steps SET flops = 0, gemm_calls = 0 WHERE session_id = ?1 AND flops IS NULL AND EXISTS (
              SELECT 1 FROM probed_files WHERE kind IN ('cublas', 'cublasLt') AND probes > 0
                AND session_id IN (SELECT id FROM sessions WHERE job = (SELECT job FROM sessions WHERE id = ?1)))",
         params![session_id],
     )?;
+    Ok(())
+}
+
+/// Sums of steps that ended (`StoreMsg::StepGemmsSoFar`), and at the end the rest.
+pub(super) fn write_step_sums(tx: &Transaction<'_>, session_id: i64, sums: &[StepGemms]) -> rusqlite::Result<()> {
     let mut stmt = tx.prepare_cached(
         "UPDATE steps SET flops = ?4, gemm_calls = ?5, gemm_data_type = ?6, gemm_compute_type = ?7
          WHERE session_id = ?1 AND label = ?2 AND step = ?3",
@@ -94,7 +106,8 @@ mod tests {
 
     /// Steps 0 and 1; GEMM sums for step 1; with or without a probed cuBLAS:
     /// the steps as stored, and step 1's types.
-    fn stored(blas_probed: bool) -> (Vec<Stored>, (String, String)) {
+    /// `so_far`: step 1's sums sent as it ended, then an empty `StepGemms` at the end.
+    fn stored(blas_probed: bool, so_far: bool) -> (Vec<Stored>, (String, String)) {
         let (_d, p) = temp_db();
         let store = Store::open(&p).expect("open");
         let id = store.begin_session(&start()).expect("session");
@@ -123,14 +136,20 @@ mod tests {
             compute_type: Some("CUBLAS_COMPUTE_32F".into()),
             step: Some(("train", 1)),
         }]));
-        w.send(StoreMsg::StepGemms(vec![StepGemms {
+        let sums = vec![StepGemms {
             label: "train",
             step: 1,
             flops: 48,
             calls: 1,
             data_type: Some("CUDA_R_16BF".into()),
             compute_type: Some("CUBLAS_COMPUTE_32F".into()),
-        }]));
+        }];
+        if so_far {
+            w.send(StoreMsg::StepGemmsSoFar(sums));
+            w.send(StoreMsg::StepGemms(Vec::new()));
+        } else {
+            w.send(StoreMsg::StepGemms(sums));
+        }
         let end = SessionEnd {
             ended_ns: 500,
             end_reason: "target-exited".into(),
@@ -156,10 +175,12 @@ mod tests {
 
     #[test]
     fn steps_without_gemms_are_0_once_blas_was_probed_and_null_otherwise() {
-        let (steps, types) = stored(true);
-        assert_eq!(steps, [(0, Some(0), Some(0)), (1, Some(48), Some(1))]);
-        assert_eq!(types, ("CUDA_R_16BF".into(), "CUBLAS_COMPUTE_32F".into()));
-        // The sums alone (no library row) say nothing about the other steps.
-        assert_eq!(stored(false).0, [(0, None, None), (1, Some(48), Some(1))]);
+        for so_far in [false, true] {
+            let (steps, types) = stored(true, so_far);
+            assert_eq!(steps, [(0, Some(0), Some(0)), (1, Some(48), Some(1))], "so far: {so_far}");
+            assert_eq!(types, ("CUDA_R_16BF".into(), "CUBLAS_COMPUTE_32F".into()));
+            // The sums alone (no library row) say nothing about the other steps.
+            assert_eq!(stored(false, so_far).0, [(0, None, None), (1, Some(48), Some(1))]);
+        }
     }
 }

@@ -4,6 +4,7 @@
 //! transaction, where per-step figures are derived ([`finish`]); and the one
 //! way readers open a profile ([`open_for_reading`]); profiles merged into
 //! one new file ([`merge_into`]).
+pub mod budget;
 mod collectives;
 mod copies;
 mod finish;
@@ -172,19 +173,30 @@ impl Store {
         Ok(job::insert_session(&self.conn, s)?)
     }
 
-    /// Moves the connection to a writer thread.
+    /// Moves the connection to a writer thread, with no size budget.
+    #[cfg(test)]
     pub fn spawn_writer(self, session_id: i64) -> StoreWriter {
+        self.spawn_writer_with(session_id, budget::BudgetConfig::unlimited())
+    }
+
+    /// Moves the connection to a writer thread that keeps to `budget`.
+    pub fn spawn_writer_with(self, session_id: i64, budget: budget::BudgetConfig) -> StoreWriter {
         let (tx, rx) = sync_channel::<StoreMsg>(256);
+        let state = std::sync::Arc::<budget::BudgetState>::default();
+        let gate = budget::Budget::new(budget, &self.path, state.clone());
+        if let Err(e) = self.conn.pragma_update(None, "journal_size_limit", gate.wal_limit() as i64) {
+            log::warn!("cannot limit the -wal file's size: {e}");
+        }
         let join = std::thread::Builder::new()
             .name("profiler-store".into())
             .spawn(move || {
-                let stats = writer::write_loop(self.conn, session_id, rx);
+                let stats = writer::write_loop(self.conn, session_id, rx, gate);
                 // After the connection has closed (see `session_lock`).
                 drop(self.session_lock);
                 stats
             })
             .expect("spawning a thread only fails when the system is out of resources");
-        StoreWriter { tx, join }
+        StoreWriter { tx, join, budget: state }
     }
 }
 
@@ -215,6 +227,9 @@ pub enum StoreMsg {
     Gemms(Vec<GemmRow>),
     /// Every step's GEMM sums, once, after the steps (see `gemms::write_step_gemms`).
     StepGemms(Vec<StepGemms>),
+    /// The GEMM sums of steps that ended, after their rows (the consumer
+    /// keeps no step's sums past its end); `StepGemms` still comes at the end.
+    StepGemmsSoFar(Vec<StepGemms>),
     /// The last message: the session's end and what to derive then.
     Finish(SessionEnd, Vec<AtFinish>),
     /// A job's traced process other than the first: its session row, made on

@@ -37,6 +37,7 @@ pub(super) const MIGRATIONS: &[Migration] = &[
     Migration::Sql(include_str!("migrations/0012_gemm_types.sql")),
     Migration::Sql(include_str!("migrations/0013_sched_and_copies.sql")),
     Migration::Sql(include_str!("migrations/0014_jax.sql")),
+    Migration::Sql(include_str!("migrations/0015_budget.sql")),
 ];
 
 /// One schema change.

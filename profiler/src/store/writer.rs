@@ -6,14 +6,19 @@
 //! ring buffer fills, and the kernel counts what it cannot reserve — loss is
 //! pushed to the one place where it is counted, never dropped silently here.
 use std::{
-    sync::mpsc::{Receiver, SyncSender},
+    sync::{
+        Arc,
+        mpsc::{Receiver, SyncSender},
+    },
     thread::JoinHandle,
 };
 
 use rusqlite::{Connection, Transaction, params};
 
 use super::{
-    StoreError, StoreMsg, WriterStats, i,
+    StoreError, StoreMsg, WriterStats,
+    budget::{Budget, BudgetState, RowKind},
+    i,
     rows::{
         AtFinish, GpuRow, GpuSampleRow, KernelRow, LaunchRow, ProbedFileRow, RegionRow, SessionEnd, StepRow, SyncRow,
         SystemSampleRow,
@@ -24,6 +29,7 @@ use super::{
 pub struct StoreWriter {
     pub(super) tx: SyncSender<StoreMsg>,
     pub(super) join: JoinHandle<Result<WriterStats, StoreError>>,
+    pub(super) budget: Arc<BudgetState>,
 }
 
 impl StoreWriter {
@@ -38,7 +44,7 @@ impl StoreWriter {
 
     /// A sender for sampler threads and the consumer.
     pub fn sender(&self) -> RowSender {
-        RowSender { tx: self.tx.clone(), process: None }
+        RowSender { tx: self.tx.clone(), process: None, budget: self.budget.clone() }
     }
 
     /// Finishes the session: derives `at_finish` in the last transaction,
@@ -62,6 +68,7 @@ impl StoreWriter {
 pub struct RowSender {
     tx: SyncSender<StoreMsg>,
     process: Option<u32>,
+    budget: Arc<BudgetState>,
 }
 
 impl RowSender {
@@ -77,7 +84,12 @@ impl RowSender {
 
     /// A sender whose rows go to the session of the job's process `pid`.
     pub fn for_process(&self, pid: u32) -> RowSender {
-        RowSender { tx: self.tx.clone(), process: Some(pid) }
+        RowSender { tx: self.tx.clone(), process: Some(pid), budget: self.budget.clone() }
+    }
+
+    /// The size budget has stopped every row: the session should end.
+    pub fn budget_spent(&self) -> bool {
+        self.budget.all_stopped()
     }
 }
 
@@ -85,13 +97,17 @@ fn write_batch(
     conn: &mut Connection,
     session_id: i64,
     msgs: &[StoreMsg],
+    budget: &mut Budget,
     stats: &mut WriterStats,
 ) -> rusqlite::Result<()> {
     let tx = conn.transaction()?;
     for msg in msgs {
         write_msg(&tx, session_id, msg)?;
     }
+    // What the budget stopped, with the rows it was decided on.
+    super::budget::record(&tx, session_id, budget.config(), budget.floor(), &budget.fresh)?;
     tx.commit()?;
+    budget.fresh.clear();
     // Counted once the transaction commits: a batch rolled back stored nothing.
     stats.transactions += 1;
     for msg in msgs {
@@ -144,6 +160,7 @@ pub(super) fn write_msg(tx: &Transaction<'_>, session_id: i64, msg: &StoreMsg) -
         StoreMsg::SystemSamples(rows) => write_system_samples(tx, session_id, rows),
         StoreMsg::Gemms(rows) => super::gemms::write_gemms(tx, session_id, rows),
         StoreMsg::StepGemms(sums) => super::gemms::write_step_gemms(tx, session_id, sums),
+        StoreMsg::StepGemmsSoFar(sums) => super::gemms::write_step_sums(tx, session_id, sums),
         StoreMsg::Finish(..) | StoreMsg::EndProcess(..) => Ok(()),
     }
 }
@@ -375,7 +392,7 @@ fn rows_in(msgs: &[StoreMsg]) -> u64 {
             StoreMsg::RaplSamples(r) => r.len() as u64,
             StoreMsg::SystemSamples(r) => r.len() as u64,
             StoreMsg::Gemms(r) => r.len() as u64,
-            StoreMsg::StepGemms(r) => r.len() as u64,
+            StoreMsg::StepGemms(r) | StoreMsg::StepGemmsSoFar(r) => r.len() as u64,
             StoreMsg::ProbedFile(_) | StoreMsg::Capability(_) | StoreMsg::Process(_) => 1,
             StoreMsg::ForProcess(_, inner) => rows_in(std::slice::from_ref(inner)),
             StoreMsg::Finish(..) | StoreMsg::EndProcess(..) => 0,
@@ -389,19 +406,27 @@ pub(super) fn write_loop(
     mut conn: Connection,
     session_id: i64,
     rx: Receiver<StoreMsg>,
+    mut budget: Budget,
 ) -> Result<WriterStats, StoreError> {
     let mut stats = WriterStats::default();
     let mut end: Option<(SessionEnd, Vec<AtFinish>)> = None;
     // The job's other processes that ended: derived at the end (see `job`).
     let mut ended = Vec::new();
     let mut batch: Vec<StoreMsg> = Vec::new();
+    // A transaction's pages are all in the `-wal` until it commits: batches
+    // stay well under the size it is truncated back to.
+    let batch_bytes = budget.wal_limit() / 4;
     while end.is_none() {
         let Ok(first) = rx.recv() else { break };
+        let mut bytes = RowKind::of(&first).bytes();
         batch.push(first);
         // Everything already queued goes into the same transaction.
-        while batch.len() < 1024 {
+        while batch.len() < 1024 && bytes < batch_bytes {
             match rx.try_recv() {
-                Ok(m) => batch.push(m),
+                Ok(m) => {
+                    bytes += RowKind::of(&m).bytes();
+                    batch.push(m);
+                }
                 Err(_) => break,
             }
         }
@@ -411,11 +436,18 @@ pub(super) fn write_loop(
             end = Some((e, work));
         }
         super::job::take_ended(&mut batch, &mut ended);
-        if let Err(e) = write_batch(&mut conn, session_id, &batch, &mut stats) {
+        batch.retain(|m| budget.admit(m));
+        if let Err(e) = write_batch(&mut conn, session_id, &batch, &mut budget, &mut stats) {
             stats.failed_rows += rows_in(&batch);
-            stats.first_error.get_or_insert_with(|| e.to_string());
+            if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DiskFull) {
+                budget.disk_full(&e.to_string());
+            } else {
+                stats.first_error.get_or_insert_with(|| e.to_string());
+            }
         }
         batch.clear();
+        super::budget::keep_wal_small(&conn, &budget);
+        budget.remeasure();
     }
     let (end, work) = end.unwrap_or_else(|| {
         let end = SessionEnd {
@@ -427,6 +459,9 @@ pub(super) fn write_loop(
         };
         (end, Vec::new())
     });
+    if let Err(e) = super::budget::record_at_finish(&mut conn, session_id, &budget) {
+        stats.first_error.get_or_insert_with(|| format!("recording the size budget: {e}"));
+    }
     super::job::finish_processes(&mut conn, session_id, &end, &work, ended, &mut stats);
     super::finish::finish_session(&mut conn, session_id, &end, &work, &mut stats)?;
     Ok(stats)

@@ -162,6 +162,11 @@ fn render_session(o: &mut String, r: &Report) {
         int(s.lost_events)
     );
     rows.push(("launches", launches));
+    // What stopped and when, then why (the whole line is in `sessions.budget_reason`).
+    if let Some((what, why)) = s.budget.as_deref().and_then(|b| b.split_once(": ")) {
+        rows.push(("budget", what.to_owned()));
+        rows.push(("", why.to_owned()));
+    }
     let rows = rows.into_iter().map(|(k, v)| vec![k.to_owned(), fit(&v, VALUE_WIDTH)]).collect();
     block(o, &[KEY, Col(None, LEFT, 0)], rows, 1);
 }
@@ -427,6 +432,7 @@ mod tests {
                 mode: "attach".into(),
                 launch_mode: "all".into(),
                 step_symbol: Some("python:train.py:train_step".into()),
+                budget: None,
                 started_utc: Some("2025-06-01 12:00:03".into()),
                 started_unix_s: 0.0,
                 duration_s: None,

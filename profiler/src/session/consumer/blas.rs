@@ -124,6 +124,9 @@ pub(in crate::session) struct GemmState {
     lt: LtDescriptors,
     rows: Vec<GemmRow>,
     per_step: HashMap<(&'static str, u64), StepSums>,
+    /// Steps ended since the last flush: their sums go to the store after
+    /// their rows, and leave `per_step` (a step takes no GEMM after its end).
+    ended: Vec<(&'static str, u64)>,
     /// `cublasLtMatmul` calls whose descriptors were not seen created (made
     /// before the session began): not counted.
     unknown_shapes: u64,
@@ -371,6 +374,20 @@ impl Consumer {
         if !self.gemms.rows.is_empty() {
             self.writer.send(StoreMsg::Gemms(std::mem::take(&mut self.gemms.rows)));
         }
+        let ended = std::mem::take(&mut self.gemms.ended);
+        let per_step = &mut self.gemms.per_step;
+        let sums: Vec<StepGemms> =
+            ended.into_iter().filter_map(|k| per_step.remove(&k).map(|s| step_gemms(k, s))).collect();
+        if !sums.is_empty() {
+            self.writer.send(StoreMsg::StepGemmsSoFar(sums));
+        }
+    }
+
+    /// Step (`label`, `step`) has ended (its row is among those flushed next).
+    pub(super) fn gemm_step_ended(&mut self, label: &'static str, step: u64) {
+        if self.gemms.any {
+            self.gemms.ended.push((label, step));
+        }
     }
 
     /// Sends every step's sums: once, after the last step row.
@@ -381,17 +398,14 @@ impl Consumer {
                 self.gemms.unknown_shapes
             );
         }
-        let sums: Vec<StepGemms> = self
-            .gemms
-            .per_step
-            .drain()
-            .map(|((label, step), s)| {
-                let (data_type, compute_type) = s.dominant();
-                StepGemms { label, step, flops: s.flops, calls: s.calls, data_type, compute_type }
-            })
-            .collect();
+        let sums: Vec<StepGemms> = self.gemms.per_step.drain().map(|(k, s)| step_gemms(k, s)).collect();
         self.writer.send(StoreMsg::StepGemms(sums));
     }
+}
+
+fn step_gemms((label, step): (&'static str, u64), s: StepSums) -> StepGemms {
+    let (data_type, compute_type) = s.dominant();
+    StepGemms { label, step, flops: s.flops, calls: s.calls, data_type, compute_type }
 }
 
 #[cfg(test)]
