@@ -607,6 +607,8 @@ pub mod globals {
     pub const THREAD_SLOT_MASK: &str = "THREAD_SLOT_MASK";
     /// `u32`: 1 when the scheduler programs are attached (snapshots are then taken).
     pub const SCHED_ENABLED: &str = "SCHED_ENABLED";
+    /// `u32`: byte offset of `flags` in `struct task_struct` (`PF_EXITING`).
+    pub const TASK_FLAGS_OFFSET: &str = "TASK_FLAGS_OFFSET";
 }
 
 /// Bytes of the launch ring (`maps::EVENTS`), unless the agent sets another size.

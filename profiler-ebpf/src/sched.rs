@@ -34,12 +34,16 @@ const BLOCKED: u32 = 4;
 /// `task_struct::__state` bits (include/linux/sched.h).
 const TASK_UNINTERRUPTIBLE: u32 = 0x2;
 const TASK_NOLOAD: u32 = 0x400;
-const TASK_DEAD: u32 = 0x80;
 
 /// Set by the agent: 0 with `--no-sched`, when the tracepoints are not
 /// attached and the snapshots stay zero.
 #[unsafe(no_mangle)]
 static SCHED_ENABLED: u32 = 0;
+/// Byte offset of `flags` in `struct task_struct` (from the kernel's BTF).
+#[unsafe(no_mangle)]
+static TASK_FLAGS_OFFSET: u32 = 0;
+/// `task_struct::flags`: the task is exiting (set before `sched_process_exit`).
+const PF_EXITING: u32 = 0x4;
 
 /// A thread's scheduler state, in its `ThreadSlot` (zeroed with it at exit).
 #[repr(C)]
@@ -120,6 +124,17 @@ fn task_ids(task: *const u8) -> Option<(u32, u32)> {
     }
 }
 
+/// Whether `task` is exiting: from then on the programs keep a thread's state
+/// if it has one but give none to a thread without (its exit, which releases
+/// the state, may already have run: a state made after it would never go).
+#[inline(always)]
+fn exiting(task: *const u8) -> bool {
+    // SAFETY: a plain read of a global the loader patched.
+    let at = unsafe { core::ptr::read_volatile(&TASK_FLAGS_OFFSET) };
+    // SAFETY: bpf_probe_read_kernel tolerates any address.
+    unsafe { bpf_probe_read_kernel(task.wrapping_add(at as usize).cast::<u32>()) }.is_ok_and(|f| f & PF_EXITING != 0)
+}
+
 /// Ends the thread's current off-CPU or runnable interval at `now`, adding it to its total.
 #[inline(always)]
 fn close_interval(s: &mut ThreadSched, now: u64) {
@@ -166,10 +181,8 @@ pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
         let preempt: u64 = ctx.arg(0);
         let prev_state: u64 = ctx.arg(3);
         let leaving = leaving_state(preempt & 0xff != 0, prev_state as u32);
-        // An exiting thread's last switch: its slot was released at its
-        // exit (`thread_exit`) and must not be claimed again.
-        let exiting = prev_state as u32 & TASK_DEAD != 0;
-        if let Some(slot) = thread_state(prev_tid, !exiting) {
+        let prev: *const u8 = ctx.arg(1);
+        if let Some(slot) = thread_state(prev_tid, !exiting(prev)) {
             let s = sched_of(slot);
             if s.state != RUNNING && s.state != UNSEEN {
                 mismatch(prev_tgid);
@@ -194,7 +207,7 @@ pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
     let Some((next_tid, next_tgid)) = task_ids(next) else { return 0 };
     if next_tid != 0
         && traced(next_tid, next_tgid)
-        && let Some(slot) = thread_state(next_tid, true)
+        && let Some(slot) = thread_state(next_tid, !exiting(next))
     {
         let s = sched_of(slot);
         if s.state == RUNNING {
@@ -220,7 +233,7 @@ pub fn sched_wakeup(ctx: RawTracePointContext) -> i32 {
     if tid == 0 || !traced(tid, tgid) {
         return 0;
     }
-    let Some(slot) = thread_state(tid, true) else { return 0 };
+    let Some(slot) = thread_state(tid, !exiting(task)) else { return 0 };
     let s = sched_of(slot);
     if s.state == SLEEPING || s.state == BLOCKED || s.state == UNSEEN {
         let t = now();

@@ -43,8 +43,9 @@ pub(super) fn attach_process_hooks(ebpf: &mut Ebpf, follow_children: bool) -> Re
 const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
 
 /// Byte offsets of `pid` and `tgid` in the running kernel's `struct
-/// task_struct`, from its BTF (the fork hook reads the child's there).
-pub(super) fn task_offsets() -> Result<(u32, u32), ProbeError> {
+/// task_struct`, from its BTF (the fork hook reads the child's there), and of
+/// `flags` (the scheduler programs read `PF_EXITING` there).
+pub(super) fn task_offsets() -> Result<(u32, u32, u32), ProbeError> {
     let why = |e: String| ProbeError::KernelTypes(format!("{VMLINUX_BTF}: {e}"));
     let btf = btf_rs::Btf::from_file(VMLINUX_BTF).map_err(|e| why(e.to_string()))?;
     let task = btf
@@ -64,7 +65,7 @@ pub(super) fn task_offsets() -> Result<(u32, u32), ProbeError> {
             .map(|m| m.bit_offset() / 8)
             .ok_or_else(|| why(format!("struct task_struct has no byte-aligned {field}")))
     };
-    Ok((offset("pid")?, offset("tgid")?))
+    Ok((offset("pid")?, offset("tgid")?, offset("flags")?))
 }
 
 /// Tests that load the eBPF programs: run as root by `cargo xtask test`.
@@ -147,7 +148,7 @@ mod tests {
     /// `doctor`) gives `pid` and `tgid`, adjacent `pid_t`s in `task_struct`.
     #[test]
     fn task_struct_pid_and_tgid_offsets_come_from_the_kernels_btf() {
-        let (pid, tgid) = super::task_offsets().expect("offsets from /sys/kernel/btf/vmlinux");
+        let (pid, tgid, _) = super::task_offsets().expect("offsets from /sys/kernel/btf/vmlinux");
         assert_eq!(tgid, pid + 4, "pid_t pid; pid_t tgid;");
         assert!(pid > 0);
     }

@@ -232,7 +232,7 @@ impl Probes {
         let scope =
             if pids.len() == 1 && !follow_children { UProbeScope::OneProcess(pid) } else { UProbeScope::AllProcesses };
         let follow: u32 = follow_children.into();
-        let (pid_at, tgid_at) = if follow_children || sched { job::task_offsets()? } else { (0, 0) };
+        let (pid_at, tgid_at, flags_at) = if follow_children || sched { job::task_offsets()? } else { (0, 0, 0) };
         let sched_on: u32 = sched.into();
         let emit: u32 = emit_launches.into();
         // Tests set a handful of slots so that threads share them.
@@ -250,6 +250,7 @@ impl Probes {
             .override_global(globals::EMIT_LAUNCHES, &emit, true)
             .override_global(globals::THREAD_SLOT_MASK, &slot_mask, true)
             .override_global(globals::SCHED_ENABLED, &sched_on, true)
+            .override_global(globals::TASK_FLAGS_OFFSET, &flags_at, true)
             .map_max_entries(map_names::THREAD_SLOTS, slots)
             .map_max_entries(map_names::SLOT_CLAIMS, slots)
             .map_max_entries(map_names::THREAD_FALLBACK, thread_fallback_entries(slots))
