@@ -207,7 +207,9 @@ fn every_driver_copy_form_is_counted_once_and_a_runtime_copy_reaching_the_driver
     let runtime = fx.join("libcudart.so.12");
     let trainer = ["--steps", "3", "--spin-us", "200", "--sleep-us", "0", "--driver-forms"];
     let trainer = [&trainer[..], &["--cudart", runtime.to_str().expect("utf-8")]].concat();
-    let run = run_trainer("sched_forms", &trainer, &[], &fx, &["libcudart.so.12"]);
+    // The stand-in driver that exports the copies (fixtures/copies), then the stand-in runtime.
+    let ld = PathBuf::from(format!("{}:{}", fx.join("copies").display(), fx.display()));
+    let run = run_trainer("sched_forms", &trainer, &[], &ld, &["libcudart.so.12"]);
     let (_, truth_copies) = read_truth(&run.truth);
     assert_eq!(truth_copies.len(), 73, "the trainer calls every driver form and the runtime's");
     assert_eq!(db_copies(&run.db, run.session), truth_copies, "{}", run.stderr);

@@ -170,6 +170,13 @@ fn c_fixtures() -> Result<()> {
     // probe placement moves its probes.
     std::fs::create_dir_all(dir.join("shaped"))?;
     gcc(&["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", &out("shaped/libcuda.so.1"), "shaped_cuda.S"])?;
+    // The stand-in driver with every copy and memset entry point too (the copy tests').
+    std::fs::create_dir_all(dir.join("copies"))?;
+    let mut copies: Vec<&str> = common.to_vec();
+    copies.extend(["-shared", "-fPIC", "-fvisibility=hidden", "-Wl,-soname,libcuda.so.1", "-o"]);
+    let copies_out = out("copies/libcuda.so.1");
+    copies.extend([copies_out.as_str(), "fake_cuda.c", "fake_cuda_copies.c"]);
+    gcc(&copies)?;
     // A stand-in driver whose second launch entry point the kernel refuses to probe.
     std::fs::create_dir_all(dir.join("halfway"))?;
     gcc(&["-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", &out("halfway/libcuda.so.1"), "halfway_cuda.S"])?;
