@@ -35,7 +35,8 @@ fn start(mode: &str, stamps: &Path) -> Result<Loop> {
         .arg(mode)
         .arg("--stamps")
         .arg(stamps)
-        .env("LD_LIBRARY_PATH", fixtures_dir())
+        // The stand-in driver that exports the copies, for `--copy`.
+        .env("LD_LIBRARY_PATH", format!("{}:{}", fixtures_dir().join("copies").display(), fixtures_dir().display()))
         .spawn()
         .context("start bench_loop (cargo xtask fixtures builds it)")?;
     let running = Loop(child);
