@@ -244,7 +244,9 @@ fn a_cpu_hog_on_the_trainers_core_is_runnable_time_and_the_steps_are_cpu_starved
 
 #[test]
 fn fsync_waits_are_blocked_time() {
-    let dir = workdir("sched_blocked_files");
+    // On a disk, not the temp dir: a tmpfs /tmp would make fsync return at once.
+    let dir = PathBuf::from(format!("/var/tmp/profiler-it-{}-sched-blocked", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("create the fsync dir");
     let trainer = [
         "--steps",
         "8",
@@ -258,6 +260,7 @@ fn fsync_waits_are_blocked_time() {
         dir.to_str().expect("utf-8"),
     ];
     let run = run_trainer("sched_blocked", &trainer, &[], &fixtures(), &[]);
+    let _ = std::fs::remove_dir_all(&dir);
     let steps = db_steps(&run.db, run.session, "train");
     assert_eq!(steps.len(), 8, "{}", run.stderr);
     let blocked: i64 = steps.iter().map(|s| s.blocked_ns.expect("blocked")).sum();
