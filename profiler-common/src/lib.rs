@@ -46,6 +46,9 @@ pub enum RecordKind {
     Blas = 12,
     /// A [`copies::CopyRecord`]: a host↔device copy or memset returned.
     Copy = 13,
+    /// An [`OffCpuRecord`]: a traced thread is back on a CPU after a time off
+    /// it (written only with per-call rows, in the launch ring).
+    OffCpu = 14,
     /// A [`ProcessRecord`]: a traced process forked a process (`pid`, its
     /// `parent`), now traced too (`--children`).
     ProcessFork = 20,
@@ -75,6 +78,7 @@ impl RecordKind {
             11 => Some(Self::Collective),
             12 => Some(Self::Blas),
             13 => Some(Self::Copy),
+            14 => Some(Self::OffCpu),
             20 => Some(Self::ProcessFork),
             21 => Some(Self::ProcessExec),
             22 => Some(Self::ProcessExit),
@@ -407,6 +411,35 @@ pub struct SchedTimes {
     pub process_cpu_ns: u64,
 }
 
+/// Why a thread left its CPU ([`OffCpuRecord::state`]; `sched_switch`'s
+/// `prev_state` and preemption flag).
+pub mod off_cpu_state {
+    /// Preempted or yielding: runnable all the time it was off.
+    pub const RUNNABLE: u32 = 2;
+    /// An interruptible wait (a sleep, a futex, a poll), then runnable from its wakeup.
+    pub const SLEEPING: u32 = 3;
+    /// An uninterruptible wait (disk I/O, page faults, some locks), then runnable from its wakeup.
+    pub const BLOCKED: u32 = 4;
+}
+
+/// One time a traced thread was off its CPU: it left at `left_ns` (in
+/// `state`), was woken at `woken_ns` (0: never waited, it was preempted or it
+/// yielded) and ran again at the header's `ts_ns`. The header's `tid` and
+/// `tgid` are the thread's (the record is written on the CPU it comes back
+/// to, by the scheduler, not by the thread). Its time on a CPU is the gap
+/// between one record's `ts_ns` and the next one's `left_ns`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(feature = "user", derive(FromBytes, IntoBytes, KnownLayout, Immutable))]
+pub struct OffCpuRecord {
+    pub header: RecordHeader,
+    pub left_ns: u64,
+    pub woken_ns: u64,
+    /// An [`off_cpu_state`] constant.
+    pub state: u32,
+    pub _pad: u32,
+}
+
 /// Per-process scheduler totals (`map_names::PROCESS_SCHED`, by tgid): the
 /// agent reads them for the session's context switches.
 #[repr(C)]
@@ -593,6 +626,8 @@ const _: () = assert!(core::mem::size_of::<UsdtProbeSpec>() == 32 * USDT_MAX_ARG
 const _: () = assert!(core::mem::size_of::<PyTarget>() == 2 * PY_NAME_CAP + 16);
 const _: () = assert!(core::mem::size_of::<FrameLayout>() == 32);
 const _: () = assert!(core::mem::size_of::<FrameStep>() == 8);
+// Shorter than a launch record: `profiler::events::records` tells a staged run of launches by its length.
+const _: () = assert!(core::mem::size_of::<OffCpuRecord>() == 48);
 
 /// Names of the read-only globals the agent sets at load time.
 pub mod globals {
@@ -607,6 +642,9 @@ pub mod globals {
     pub const THREAD_SLOT_MASK: &str = "THREAD_SLOT_MASK";
     /// `u32`: 1 when the scheduler programs are attached (snapshots are then taken).
     pub const SCHED_ENABLED: &str = "SCHED_ENABLED";
+    /// `u32`: 1 to write an [`super::OffCpuRecord`] each time a traced thread
+    /// comes back to a CPU (per-call rows with the scheduler programs).
+    pub const SCHED_SLICES: &str = "SCHED_SLICES";
     /// `u32`: byte offset of `flags` in `struct task_struct` (`PF_EXITING`).
     pub const TASK_FLAGS_OFFSET: &str = "TASK_FLAGS_OFFSET";
 }

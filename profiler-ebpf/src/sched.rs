@@ -20,16 +20,20 @@ use aya_ebpf::{
     maps::HashMap,
     programs::RawTracePointContext,
 };
-use profiler_common::{ProcessSched, SchedTimes};
+use profiler_common::{
+    OffCpuRecord, ProcessSched, RecordHeader, RecordKind, SchedTimes,
+    off_cpu_state::{BLOCKED, RUNNABLE, SLEEPING},
+};
 
-use crate::{BPF_NOEXIST, TASK_PID_OFFSET, TASK_TGID_OFFSET, ThreadSlot, map_failed, stopped, thread_state, traced};
+use crate::{
+    BPF_NOEXIST, EVENTS, LOST, TASK_PID_OFFSET, TASK_TGID_OFFSET, ThreadSlot, bump, map_failed, stopped, submit_flags,
+    thread_state, traced,
+};
 
-/// What a thread is doing since `ThreadSched::since_ns`.
+/// What a thread is doing since `ThreadSched::since_ns` (the off-CPU ones
+/// are `off_cpu_state`'s).
 const UNSEEN: u32 = 0;
 const RUNNING: u32 = 1;
-const RUNNABLE: u32 = 2;
-const SLEEPING: u32 = 3;
-const BLOCKED: u32 = 4;
 
 /// `task_struct::__state` bits (include/linux/sched.h).
 const TASK_UNINTERRUPTIBLE: u32 = 0x2;
@@ -39,6 +43,10 @@ const TASK_NOLOAD: u32 = 0x400;
 /// attached and the snapshots stay zero.
 #[unsafe(no_mangle)]
 static SCHED_ENABLED: u32 = 0;
+/// Set by the agent: 1 to write an `OffCpuRecord` each time a traced thread
+/// comes back to a CPU (per-call rows: `--launches all`).
+#[unsafe(no_mangle)]
+static SCHED_SLICES: u32 = 0;
 /// Byte offset of `flags` in `struct task_struct` (from the kernel's BTF).
 #[unsafe(no_mangle)]
 static TASK_FLAGS_OFFSET: u32 = 0;
@@ -56,6 +64,12 @@ pub(crate) struct ThreadSched {
     runnable_ns: u64,
     sleep_ns: u64,
     blocked_ns: u64,
+    /// Its last time off a CPU, for its `OffCpuRecord`: when it left (0: not
+    /// seen leaving), why (`off_cpu_state`), and when it was woken (0: not yet).
+    left_ns: u64,
+    woken_ns: u64,
+    left_state: u32,
+    _pad2: u32,
 }
 
 /// A switch the programs cannot square with the thread's state (a switch-in
@@ -191,6 +205,7 @@ pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
             s.cpu_ns += ran;
             s.state = leaving;
             s.since_ns = t;
+            (s.left_ns, s.left_state, s.woken_ns) = (t, leaving, 0);
             if let Some(p) = process_totals(prev_tgid) {
                 // SAFETY: valid map value fields.
                 unsafe {
@@ -216,8 +231,36 @@ pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
         close_interval(s, t);
         s.state = RUNNING;
         s.since_ns = t;
+        if s.left_ns != 0 && slices() {
+            write_off_cpu(s, next_tid, next_tgid, t);
+        }
+        s.left_ns = 0;
     }
     0
+}
+
+#[inline(always)]
+fn slices() -> bool {
+    // SAFETY: a plain read of a global the loader patched.
+    unsafe { core::ptr::read_volatile(&SCHED_SLICES) != 0 }
+}
+
+/// The thread's time off its CPU that ends now, at `t`: counted lost when the ring has no room.
+#[inline(always)]
+fn write_off_cpu(s: &ThreadSched, tid: u32, tgid: u32, t: u64) {
+    match EVENTS.reserve::<OffCpuRecord>(0) {
+        Some(mut entry) => {
+            entry.write(OffCpuRecord {
+                header: RecordHeader { kind: RecordKind::OffCpu as u32, tid, ts_ns: t, tgid, _pad: 0 },
+                left_ns: s.left_ns,
+                woken_ns: s.woken_ns,
+                state: s.left_state,
+                _pad: 0,
+            });
+            entry.submit(submit_flags());
+        }
+        None => bump(&LOST),
+    }
 }
 
 /// A waiting task (`p`, the first argument) becomes runnable, in the waker's
@@ -240,6 +283,7 @@ pub fn sched_wakeup(ctx: RawTracePointContext) -> i32 {
         close_interval(s, t);
         s.state = RUNNABLE;
         s.since_ns = t;
+        s.woken_ns = t;
     }
     0
 }
@@ -260,11 +304,13 @@ pub(crate) fn snapshot(slot: *mut ThreadSlot, tgid: u32) -> (SchedTimes, u64) {
     }
     let s = sched_of(slot);
     if s.state != RUNNING {
-        // Unseen, or a switch-in lost to a race with a wakeup: it runs now.
+        // Unseen, or a switch-in lost to a race with a wakeup: it runs now
+        // (with no off-CPU record: its switch-in was not seen).
         let t = now();
         close_interval(s, t);
         s.state = RUNNING;
         s.since_ns = t;
+        s.left_ns = 0;
     }
     let mut taken = (SchedTimes { cpu_ns: 0, runnable_ns: 0, sleep_ns: 0, blocked_ns: 0, process_cpu_ns: 0 }, 0);
     for _ in 0..3 {

@@ -6,8 +6,8 @@ use zerocopy::FromBytes;
 
 use profiler_common::{
     BLAS_STACK_ARGS, BlasCall, BlasRecord, CollectiveOp, CollectiveRecord, JitRecord, KernelNameRecord, LaunchApi,
-    LaunchRecord, OrderedRecord, ProcessRecord, REGION_NAME_CAP, RecordHeader, RecordKind, RegionRecord, SchedTimes,
-    copies::CopyRecord,
+    LaunchRecord, OffCpuRecord, OrderedRecord, ProcessRecord, REGION_NAME_CAP, RecordHeader, RecordKind, RegionRecord,
+    SchedTimes, copies::CopyRecord,
 };
 
 /// What the kernel had counted for a thread when a probe fired on it: its
@@ -96,6 +96,59 @@ pub enum Event {
     JitEnter(JitEvent),
     /// That call returned (`function` 0).
     JitExit(JitEvent),
+    /// A traced thread came back to a CPU (`--launches all` with the scheduler programs).
+    OffCpu(OffCpuEvent),
+}
+
+/// One time a thread was off its CPU (see [`OffCpuRecord`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OffCpuEvent {
+    pub tid: u32,
+    pub tgid: u32,
+    pub left_ns: u64,
+    /// None: it was preempted or yielded (runnable all the time).
+    pub woken_ns: Option<u64>,
+    /// When it ran again.
+    pub resumed_ns: u64,
+    pub state: OffCpuState,
+}
+
+/// Why a thread left its CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OffCpuState {
+    Runnable,
+    Sleeping,
+    Blocked,
+}
+
+impl OffCpuState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Runnable => "runnable",
+            Self::Sleeping => "sleeping",
+            Self::Blocked => "blocked",
+        }
+    }
+}
+
+/// Decodes an off-CPU record; one with an unknown state is malformed.
+fn off_cpu(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> {
+    use profiler_common::off_cpu_state as s;
+    let r: OffCpuRecord = exact(bytes, header.kind)?;
+    let state = match r.state {
+        s::RUNNABLE => OffCpuState::Runnable,
+        s::SLEEPING => OffCpuState::Sleeping,
+        s::BLOCKED => OffCpuState::Blocked,
+        _ => return Err(DecodeError::Kind(header.kind)),
+    };
+    Ok(Event::OffCpu(OffCpuEvent {
+        tid: header.tid,
+        tgid: header.tgid,
+        left_ns: r.left_ns,
+        woken_ns: (r.woken_ns != 0).then_some(r.woken_ns),
+        resumed_ns: header.ts_ns,
+        state,
+    }))
 }
 
 /// One copy or memset call (see [`CopyRecord`]), its direction classified.
@@ -363,6 +416,7 @@ impl Event {
             Self::Blas(b) => b.ts_ns,
             Self::Collective(c) => c.ts_ns,
             Self::Copy(c) => c.ts_ns,
+            Self::OffCpu(o) => o.resumed_ns,
             Self::Process(p) => p.ts_ns,
         }
     }
@@ -381,6 +435,7 @@ impl Event {
             Self::Blas(b) => b.tgid,
             Self::Collective(c) => c.tgid,
             Self::Copy(c) => c.tgid,
+            Self::OffCpu(o) => o.tgid,
             Self::Process(p) => p.pid,
         }
     }
@@ -487,6 +542,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         Some(RecordKind::Blas) => blas(bytes, header),
         Some(RecordKind::Collective) => collective(bytes, header),
         Some(RecordKind::Copy) => copy(bytes, header),
+        Some(RecordKind::OffCpu) => off_cpu(bytes, header),
         Some(kind @ (RecordKind::ProcessFork | RecordKind::ProcessExec | RecordKind::ProcessExit)) => {
             let r: ProcessRecord = exact(bytes, header.kind)?;
             let change = match kind {
@@ -667,6 +723,35 @@ mod tests {
                 shared_mem_bytes: 4096
             })
         );
+    }
+
+    #[test]
+    fn decodes_off_cpu_records() {
+        let header = RecordHeader { kind: RecordKind::OffCpu as u32, tid: 5, ts_ns: 900, tgid: 4, _pad: 0 };
+        let slept = OffCpuRecord {
+            header,
+            left_ns: 100,
+            woken_ns: 700,
+            state: profiler_common::off_cpu_state::SLEEPING,
+            _pad: 0,
+        };
+        let e = OffCpuEvent {
+            tid: 5,
+            tgid: 4,
+            left_ns: 100,
+            woken_ns: Some(700),
+            resumed_ns: 900,
+            state: OffCpuState::Sleeping,
+        };
+        assert_eq!(decode(&bytes_of(&slept)), Ok(Event::OffCpu(e)));
+        let preempted = OffCpuRecord { woken_ns: 0, state: profiler_common::off_cpu_state::RUNNABLE, ..slept };
+        assert_eq!(
+            decode(&bytes_of(&preempted)),
+            Ok(Event::OffCpu(OffCpuEvent { woken_ns: None, state: OffCpuState::Runnable, ..e }))
+        );
+        assert_eq!(records(&bytes_of(&slept)).count(), 1, "not taken for a run of launches");
+        let odd = OffCpuRecord { state: 9, ..slept };
+        assert_eq!(decode(&bytes_of(&odd)), Err(DecodeError::Kind(RecordKind::OffCpu as u32)));
     }
 
     #[test]

@@ -343,6 +343,7 @@ fn parse_trace(path: &Path, pid: i64) -> Vec<Ev> {
             let tid = o["tid"].as_i64().unwrap_or_else(|| panic!("tid: {e}"));
             let dur = o.get("dur").map(|d| d.as_f64().unwrap_or_else(|| panic!("dur: {e}")));
             match ph.as_str() {
+                "M" if name == "thread_sort_index" => assert!(o["args"]["sort_index"].is_i64(), "{e}"),
                 "M" => {
                     assert!(["process_name", "thread_name"].contains(&name.as_str()), "{e}");
                     assert!(o["args"]["name"].is_string(), "{e}");
@@ -373,9 +374,47 @@ fn parse_trace(path: &Path, pid: i64) -> Vec<Ev> {
 /// Per thread, slices (steps, and syncs inside them) nest properly: sorted
 /// by start, each one either ends before the next starts or contains it; an
 /// unfinished one ("B") is the thread's last.
+/// A thread's scheduler track: its tid plus this.
+const SCHED_TRACK: i64 = 1 << 31;
+
+/// Each thread with `off_cpu` rows has a scheduler track whose slices follow
+/// one another: per row a `runnable` slice (after a `sleeping` or `blocked`
+/// one for a row with a wakeup), and `running` between two rows.
+fn assert_sched_slices(events: &[Ev], conn: &rusqlite::Connection, session: i64) {
+    let want: BTreeMap<i64, (i64, i64)> = conn
+        .prepare("SELECT tid, count(*), count(woken_ns) FROM off_cpu WHERE session_id = ?1 GROUP BY tid")
+        .expect("prepare")
+        .query_map([session], |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?))))
+        .expect("query")
+        .collect::<Result<_, _>>()
+        .expect("rows");
+    assert!(!want.is_empty(), "the trainer's threads left their CPU while traced");
+    let mut tracks: BTreeMap<i64, Vec<&Ev>> = BTreeMap::new();
+    for e in events.iter().filter(|e| e.cat.as_deref() == Some("sched")) {
+        assert_eq!(e.ph, "X", "{}", e.name);
+        tracks.entry(e.tid - SCHED_TRACK).or_default().push(e);
+    }
+    assert_eq!(tracks.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
+    for (tid, slices) in &mut tracks {
+        let (rows, woken) = want[tid];
+        let by = |name: &str| slices.iter().filter(|e| e.name == name).count() as i64;
+        assert_eq!(by("runnable"), rows, "thread {tid}");
+        assert_eq!(by("sleeping") + by("blocked"), woken, "thread {tid}");
+        assert_eq!(by("running"), rows - 1, "thread {tid}");
+        slices.sort_by(|a, b| a.ts.total_cmp(&b.ts));
+        for w in slices.windows(2) {
+            let end = w[0].ts + w[0].dur.expect("dur");
+            assert!(end <= w[1].ts + 1e-3, "thread {tid}: {} overlaps the next {}", w[0].name, w[1].name);
+        }
+        let names = events.iter().filter(|e| e.tid == tid + SCHED_TRACK && e.name == "thread_name").count();
+        assert_eq!(names, 1, "thread {tid}: its scheduler track is named");
+    }
+}
+
 fn assert_nested(events: &[Ev]) {
     let mut per_thread: BTreeMap<i64, Vec<&Ev>> = BTreeMap::new();
-    for e in events.iter().filter(|e| e.ph == "X" || e.ph == "B") {
+    // Scheduler states follow one another on their own track (`assert_sched_slices`).
+    for e in events.iter().filter(|e| (e.ph == "X" || e.ph == "B") && e.cat.as_deref() != Some("sched")) {
         per_thread.entry(e.tid).or_default().push(e);
     }
     let end_of = |e: &Ev| e.dur.map_or(f64::INFINITY, |d| e.ts + d);
@@ -443,7 +482,8 @@ fn perfetto_export_is_well_formed_and_matches_the_database() {
         .expect("query")
         .collect::<Result<_, _>>()
         .expect("rows");
-    let named: BTreeSet<i64> = events.iter().filter(|e| e.name == "thread_name").map(|e| e.tid).collect();
+    let named: BTreeSet<i64> =
+        events.iter().filter(|e| e.name == "thread_name" && e.tid < SCHED_TRACK).map(|e| e.tid).collect();
     assert_eq!(named, threads);
     assert_eq!(threads.len(), 2);
     assert_eq!(events.iter().filter(|e| e.name == "process_name").count(), 1);
@@ -471,6 +511,8 @@ fn perfetto_export_is_well_formed_and_matches_the_database() {
         assert_eq!(e.args["launches"].as_u64(), st.launches);
     }
     assert_nested(&events);
+
+    assert_sched_slices(&events, &conn, s.id);
 
     // Launches: one instant per row, each inside its step's slice.
     let launches: Vec<&Ev> = events.iter().filter(|e| e.ph == "i").collect();

@@ -199,6 +199,59 @@ fn a_steps_cpu_time_sleep_and_copies_match_the_trainers_own_through_the_genuine_
     assert!(switches >= 12, "each step's sleep is a context switch: {switches}");
     let mismatches = count(&run.db, "SELECT sched_mismatches FROM sessions WHERE id = ?1", run.session);
     assert_eq!(mismatches, 0, "every switch fit the threads' states");
+    assert_sched_track_matches_the_steps(&run, &steps);
+}
+
+/// The Perfetto export's scheduler track of the stepping thread: clipped to
+/// each step, its `running`, `runnable`, `sleeping` and `blocked` slices add
+/// up to the step's four columns, and each step has its sleep as one
+/// `sleeping` slice at least as long.
+fn assert_sched_track_matches_the_steps(run: &Run, steps: &[Step]) {
+    let trace = run.db.with_file_name("trace.json");
+    let (code, err) = profiler_output(&["export", path(&run.db), "-o", path(&trace)]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("scheduler slices"), "{err}");
+    let tid = count(&run.db, "SELECT min(tid) FROM steps WHERE session_id = ?1", run.session);
+    let started_ns = count(&run.db, "SELECT started_ns FROM sessions WHERE id = ?1", run.session);
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).expect("read")).expect("JSON");
+    // (name, start ns, end ns) since the session started, from µs.
+    let slices: Vec<(String, f64, f64)> = v["traceEvents"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e["cat"] == "sched" && e["tid"].as_i64() == Some(tid + (1 << 31)))
+        .map(|e| {
+            let (ts, dur) = (e["ts"].as_f64().expect("ts") * 1e3, e["dur"].as_f64().expect("dur") * 1e3);
+            (e["name"].as_str().expect("name").to_owned(), ts, ts + dur)
+        })
+        .collect();
+    assert!(!slices.is_empty(), "the stepping thread has a scheduler track");
+    for s in steps {
+        let (start, end) = ((s.start_ns - started_ns) as f64, (s.start_ns + s.duration_ns - started_ns) as f64);
+        let within = |name: &str| -> f64 {
+            slices.iter().filter(|x| x.0 == name).map(|x| (x.2.min(end) - x.1.max(start)).max(0.0)).sum()
+        };
+        for (name, column) in
+            [("running", s.cpu_ns), ("runnable", s.runnable_ns), ("sleeping", s.sleep_ns), ("blocked", s.blocked_ns)]
+        {
+            let column = column.expect("sched column") as f64;
+            assert!(
+                (within(name) - column).abs() <= SUM_BOUND_NS as f64,
+                "{name}: {} vs {column}: {s:?}",
+                within(name)
+            );
+        }
+        let longest = slices
+            .iter()
+            .filter(|x| x.0 == "sleeping" && x.1 >= start && x.2 <= end)
+            .map(|x| x.2 - x.1)
+            .fold(0.0, f64::max);
+        assert!(longest >= (SLEEP_US * 1000) as f64, "the step's sleep is one slice: {longest} ns: {s:?}");
+    }
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("utf-8")
 }
 
 #[test]
@@ -240,6 +293,12 @@ fn a_cpu_hog_on_the_trainers_core_is_runnable_time_and_the_steps_are_cpu_starved
     assert!(steps.iter().all(|s| s.unaccounted_ns().abs() <= SUM_BOUND_NS), "{steps:?}");
     let preempted = count(&run.db, "SELECT preemptions FROM sessions WHERE id = ?1", run.session);
     assert!(preempted > 0, "the hog preempts the trainer");
+    let rows = count(
+        &run.db,
+        "SELECT count(*) FROM off_cpu WHERE session_id = ?1 AND state = 'runnable' AND woken_ns IS NULL",
+        run.session,
+    );
+    assert!(rows > 0, "each preemption is an off-CPU row, runnable throughout");
 }
 
 #[test]
@@ -275,6 +334,7 @@ fn no_sched_leaves_the_scheduler_columns_null() {
     let steps = db_steps(&run.db, run.session, "train");
     assert_eq!(steps.len(), 3, "{}", run.stderr);
     assert!(steps.iter().all(|s| s.cpu_ns.is_none() && s.runnable_ns.is_none()), "{steps:?}");
+    assert_eq!(count(&run.db, "SELECT count(*) FROM off_cpu WHERE session_id = ?1", run.session), 0);
     let switches =
         count(&run.db, "SELECT count(*) FROM sessions WHERE id = ?1 AND context_switches IS NULL", run.session);
     assert_eq!(switches, 1);

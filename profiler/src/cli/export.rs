@@ -27,6 +27,7 @@ use crate::profile::{
 };
 
 mod job;
+mod sched;
 
 #[derive(Args, Debug)]
 pub struct ExportArgs {
@@ -95,12 +96,13 @@ pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
                 None => (export_perfetto(&db, session, &mut out), format!("session {session}")),
             };
             counts.and_then(|c| {
-            out.flush()?;
-            Ok(format!(
-                "{} events ({} steps, {} regions, {} launches, {} syncs, {} NCCL calls, {} counter values) of {what}",
-                c.total, c.steps, c.regions, c.launches, c.syncs, c.collectives, c.counters
-            ))
-        })
+                out.flush()?;
+                Ok(format!(
+                    "{} events ({} steps, {} regions, {} launches, {} syncs, {} NCCL calls, {} scheduler slices, \
+                 {} counter values) of {what}",
+                    c.total, c.steps, c.regions, c.launches, c.syncs, c.collectives, c.sched, c.counters
+                ))
+            })
         }
     };
     match (written, to_file) {
@@ -124,6 +126,8 @@ pub struct EventCounts {
     pub counters: u64,
     pub regions: u64,
     pub collectives: u64,
+    /// Scheduler-state slices.
+    pub sched: u64,
 }
 
 impl std::ops::AddAssign for EventCounts {
@@ -135,6 +139,7 @@ impl std::ops::AddAssign for EventCounts {
         self.counters += c.counters;
         self.regions += c.regions;
         self.collectives += c.collectives;
+        self.sched += c.sched;
     }
 }
 
@@ -222,6 +227,22 @@ impl Timeline {
         Event { name, ph: "i", cat: Some(cat), ts: self.us(ts_ns), dur: None, pid: self.pid, tid, s: Some("t"), args }
     }
 
+    /// Metadata: where track `track` of thread `tid` goes among the
+    /// process's tracks (each thread's own, then its others, in tid order).
+    fn sort_index(self, track: i64, tid: i64, after: SortAfter) -> Event<'static, SortIndex> {
+        Event {
+            name: "thread_sort_index",
+            ph: "M",
+            cat: None,
+            ts: 0.0,
+            dur: None,
+            pid: self.pid,
+            tid: track,
+            s: None,
+            args: SortIndex { sort_index: 4 * tid + after as i64 },
+        }
+    }
+
     /// One value of the counter track `name`.
     fn counter<'a>(self, name: &'a str, unit: &'a str, ts_ns: i64, value: f64) -> Event<'a, CounterValue<'a>> {
         Event {
@@ -241,6 +262,22 @@ impl Timeline {
 #[derive(Serialize)]
 struct NameArgs<'a> {
     name: &'a str,
+}
+
+#[derive(Serialize)]
+struct SortIndex {
+    sort_index: i64,
+}
+
+/// A thread's tracks, in the order they are shown.
+#[derive(Clone, Copy)]
+enum SortAfter {
+    /// Its steps, regions, syncs, launches.
+    Thread = 0,
+    /// Regions crossing its steps' boundaries.
+    Crossing = 1,
+    /// Its scheduler states.
+    Scheduler = 2,
 }
 
 #[derive(Serialize)]
@@ -340,7 +377,8 @@ struct OtherData<'a> {
 
 /// Writes the Perfetto trace of `session`: process and thread names, steps as
 /// slices on their thread's track, launches as instants, syncs and NCCL calls
-/// as slices, and counter tracks for each GPU and for CPU/DRAM power.
+/// as slices, each thread's scheduler states on a track beside it, and counter
+/// tracks for each GPU and for CPU/DRAM power.
 /// Timestamps are µs since the session started.
 pub fn export_perfetto(db: &ProfileDb, session: i64, out: impl Write) -> anyhow::Result<EventCounts> {
     let s = TracedProcess::read(db, session)?;
@@ -422,6 +460,7 @@ fn write_session<W: Write>(
             let tid: i64 = r.get(0)?;
             let name = if tid == pid { format!("main thread {tid}") } else { format!("thread {tid}") };
             w.event(&t.meta("thread_name", tid, &name))?;
+            w.event(&t.sort_index(tid, tid, SortAfter::Thread))?;
         }
     }
 
@@ -435,6 +474,7 @@ fn write_session<W: Write>(
     counts.collectives = job::write_collectives(db, session, t, w)?;
 
     counts.launches = write_launches(db, session, t, w)?;
+    counts.sched = sched::write_sched_slices(db, session, t, w)?;
     counts.counters = write_counters(db, session, t, w)?;
     Ok(counts)
 }
@@ -514,6 +554,7 @@ fn write_regions<W: Write>(
         let track = if on_thread { tid } else { tid + CROSSING_TRACK };
         if !on_thread && crossing_tracks.insert(tid) {
             w.event(&t.meta("thread_name", track, &format!("thread {tid}: regions crossing its steps")))?;
+            w.event(&t.sort_index(track, tid, SortAfter::Crossing))?;
         }
         let label: Option<String> = r.get(4)?;
         let args =

@@ -101,8 +101,8 @@ pub struct TraceArgs {
     #[arg(long)]
     no_sched: bool,
     /// The profile's size budget (database and -wal; e.g. 500M, 4G): per-call
-    /// rows (launches, GEMMs, syncs, regions, collectives, copies, jitted calls) stop at 7/8 of it,
-    /// steps, counts and samples go on; at all of it the session ends.
+    /// rows (launches, GEMMs, syncs, regions, collectives, copies, jitted calls,
+    /// off-CPU times) stop at 7/8 of it, steps, counts and samples go on; at all of it the session ends.
     // 4G: about 45 million launch rows (15 minutes at 50 000 launches/s, a
     // day at 500/s), well under 1 % of a training node's scratch disk.
     #[arg(long, value_name = "SIZE", default_value = "4G", value_parser = crate::store::budget::parse_size)]

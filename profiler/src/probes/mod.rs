@@ -235,6 +235,8 @@ impl Probes {
         let (pid_at, tgid_at, flags_at) = if follow_children || sched { job::task_offsets()? } else { (0, 0, 0) };
         let sched_on: u32 = sched.into();
         let emit: u32 = emit_launches.into();
+        // Off-CPU intervals are per-call rows: kept where launches are.
+        let slices: u32 = (sched && emit_launches).into();
         // Tests set a handful of slots so that threads share them.
         let slots = thread_slots(
             std::env::var(THREAD_SLOTS_ENV)
@@ -250,6 +252,7 @@ impl Probes {
             .override_global(globals::EMIT_LAUNCHES, &emit, true)
             .override_global(globals::THREAD_SLOT_MASK, &slot_mask, true)
             .override_global(globals::SCHED_ENABLED, &sched_on, true)
+            .override_global(globals::SCHED_SLICES, &slices, true)
             .override_global(globals::TASK_FLAGS_OFFSET, &flags_at, true)
             .map_max_entries(map_names::THREAD_SLOTS, slots)
             .map_max_entries(map_names::SLOT_CLAIMS, slots)

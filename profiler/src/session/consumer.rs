@@ -58,6 +58,8 @@ pub(super) struct Consumer {
     copies: copies::CopyState,
     /// JAX's jitted calls in flight and rows not yet sent.
     jax: jax::JaxState,
+    /// Off-CPU rows not yet sent (the kernel writes their records only with per-call rows).
+    off_cpu: Vec<crate::store::OffCpuRow>,
 }
 
 /// What the consumer counted, for the summary line, once it is closed.
@@ -93,6 +95,7 @@ impl Consumer {
             gemms: blas::GemmState::default(),
             copies: copies::CopyState::default(),
             jax: jax::JaxState::default(),
+            off_cpu: Vec::new(),
         }
     }
 
@@ -121,6 +124,13 @@ impl Consumer {
             Ok(Event::Collective(c)) => self.collective(&c),
             Ok(Event::Blas(b)) => self.blas(&b),
             Ok(Event::Copy(c)) => self.copy(&c),
+            Ok(Event::OffCpu(o)) => self.off_cpu.push(crate::store::OffCpuRow {
+                tid: o.tid,
+                state: o.state.as_str(),
+                left_ns: o.left_ns,
+                woken_ns: o.woken_ns,
+                resumed_ns: o.resumed_ns,
+            }),
             Ok(Event::JitEnter(j)) => self.jit_event(j, true),
             Ok(Event::JitExit(j)) => self.jit_event(j, false),
             Ok(Event::SyncEnter(e)) => {
@@ -284,6 +294,9 @@ impl Consumer {
         self.flush_collectives();
         self.flush_gemms();
         self.flush_copies();
+        if !self.off_cpu.is_empty() {
+            self.writer.send(StoreMsg::OffCpu(std::mem::take(&mut self.off_cpu)));
+        }
     }
 
     /// (steps stored as incomplete so far, step ends seen without a start),

@@ -4,8 +4,8 @@
 //! budget within the session's expected length. Every message passes one gate
 //! ([`Budget::admit`]); what a message is for the budget is [`RowKind::of`].
 //!
-//! Per-call rows (launches, GEMMs, syncs, regions, collectives, copies, jitted calls) grow with the
-//! target's call rate, the rest (steps, samples, kernel names) with time: once a
+//! Per-call rows (launches, GEMMs, syncs, regions, collectives, copies, jitted
+//! calls, off-CPU times) grow with the target's call rate, the rest (steps, samples, kernel names) with time: once a
 //! limit is near, new per-call rows are dropped and those written are kept. Keeping the
 //! newest would mean deleting old rows, which frees pages inside the file but not
 //! on the disk, and rewrites the indexes while the job runs; the first hours of a
@@ -127,6 +127,7 @@ pub enum PerCall {
     Collectives,
     Copies,
     JitCalls,
+    OffCpu,
 }
 
 impl PerCall {
@@ -138,6 +139,7 @@ impl PerCall {
             Self::Gemms => 96,
             Self::Syncs => 56,
             Self::Regions | Self::Collectives | Self::Copies | Self::JitCalls => 80,
+            Self::OffCpu => 56,
         }
     }
 
@@ -169,6 +171,7 @@ impl RowKind {
             StoreMsg::Collectives(r) => Self::PerCall(PerCall::Collectives, n(r.len())),
             StoreMsg::Copies(r) => Self::PerCall(PerCall::Copies, n(r.len())),
             StoreMsg::JitCalls(r) => Self::PerCall(PerCall::JitCalls, n(r.len())),
+            StoreMsg::OffCpu(r) => Self::PerCall(PerCall::OffCpu, n(r.len())),
             StoreMsg::Steps(r) => Self::Timed(n(r.len()) * 128),
             StoreMsg::StepGemms(r) | StoreMsg::StepGemmsSoFar(r) => Self::Timed(n(r.len()) * 64),
             StoreMsg::Kernels(r) => Self::Timed(r.iter().map(|k| 64 + 2 * n(k.name.len())).sum()),
@@ -497,7 +500,7 @@ impl Budget {
         let line = match what {
             Stopped::Launches => "--launches auto: launch and GEMM rows stop here, per-step counts go on",
             Stopped::PerCall => {
-                "per-call rows (launches, GEMMs, syncs, regions, collectives, copies, jitted calls) stop here; steps, counts, samples and energy go on"
+                "per-call rows (launches, GEMMs, syncs, regions, collectives, copies, jitted calls, off-CPU times) stop here; steps, counts, samples and energy go on"
             }
             Stopped::Everything => "no more rows are stored; the session ends with what was committed",
         };

@@ -12,6 +12,7 @@ mod gemms;
 mod jax;
 mod job;
 mod merge;
+mod off_cpu;
 pub mod rows;
 mod schema;
 mod step_flops;
@@ -31,8 +32,8 @@ pub use self::{
     merge::{MergeInput, MergeSummary, merge_into},
     rows::{
         AtFinish, Capability, CollectiveRow, CopyRow, GpmReadings, GpuRow, GpuSampleRow, JitCallRow, KernelRow,
-        LaunchRow, Losses, ProbedFileRow, RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepRow, SyncRow,
-        SystemSampleRow,
+        LaunchRow, Losses, OffCpuRow, ProbedFileRow, RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepRow,
+        SyncRow, SystemSampleRow,
     },
     schema::{SCHEMA_VERSION, quoted},
     writer::{RowSender, StoreWriter},
@@ -214,6 +215,8 @@ pub enum StoreMsg {
     Copies(Vec<CopyRow>),
     /// Calls of `jax.jit` functions.
     JitCalls(Vec<JitCallRow>),
+    /// Times traced threads were off their CPU (`--launches all`).
+    OffCpu(Vec<OffCpuRow>),
     Kernels(Vec<KernelRow>),
     ProbedFile(ProbedFileRow),
     /// The sampled GPUs, once at the start.

@@ -110,6 +110,17 @@ pub struct CopyRow {
     pub step: Option<(&'static str, u64)>,
 }
 
+/// One time a thread was off its CPU (an `off_cpu` row, `--launches all`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OffCpuRow {
+    pub tid: u32,
+    /// `runnable`, `sleeping` or `blocked`.
+    pub state: &'static str,
+    pub left_ns: u64,
+    pub woken_ns: Option<u64>,
+    pub resumed_ns: u64,
+}
+
 /// One PyTorch `record_function` region (a `regions` row).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RegionRow {

@@ -38,6 +38,7 @@ pub(super) const MIGRATIONS: &[Migration] = &[
     Migration::Sql(include_str!("migrations/0013_sched_and_copies.sql")),
     Migration::Sql(include_str!("migrations/0014_jax.sql")),
     Migration::Sql(include_str!("migrations/0015_budget.sql")),
+    Migration::Sql(include_str!("migrations/0016_off_cpu.sql")),
 ];
 
 /// One schema change.

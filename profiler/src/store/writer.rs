@@ -134,6 +134,7 @@ pub(super) fn write_msg(tx: &Transaction<'_>, session_id: i64, msg: &StoreMsg) -
         StoreMsg::Collectives(rows) => super::collectives::write_collectives(tx, session_id, rows),
         StoreMsg::Copies(rows) => super::copies::write_copies(tx, session_id, rows),
         StoreMsg::JitCalls(rows) => super::jax::write_jit_calls(tx, session_id, rows),
+        StoreMsg::OffCpu(rows) => super::off_cpu::write_off_cpu(tx, session_id, rows),
         StoreMsg::Capability(c) => tx
             .execute(
                 "INSERT OR IGNORE INTO capabilities(session_id, source, metric, available, reason)
@@ -385,6 +386,7 @@ fn rows_in(msgs: &[StoreMsg]) -> u64 {
             StoreMsg::Collectives(r) => r.len() as u64,
             StoreMsg::Copies(r) => r.len() as u64,
             StoreMsg::JitCalls(r) => r.len() as u64,
+            StoreMsg::OffCpu(r) => r.len() as u64,
             StoreMsg::Kernels(r) => r.len() as u64,
             StoreMsg::Gpus(r) => r.len() as u64,
             StoreMsg::GpusUsedByTarget(r) => r.len() as u64,

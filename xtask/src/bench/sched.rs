@@ -111,8 +111,10 @@ pub fn sched_table(work: &Path) -> Result<()> {
     ));
     let switch_stamps = work.join("switch.txt");
     let switcher = start("--switch", &switch_stamps)?;
-    say("bench: context switches of a traced thread");
+    say("bench: context switches of a traced thread (with its off-CPU records)");
     let (switch_ns, traced) = rounds(&switch_stamps, switcher.0.id(), &[], &work)?;
+    say("bench: context switches of a traced thread, --launches count (no off-CPU records)");
+    let (_, counted) = rounds(&switch_stamps, switcher.0.id(), &["--launches", "count"], &work)?;
     say("bench: context switches of a traced thread, --no-sched");
     let (_, untraced_off) = rounds(&switch_stamps, switcher.0.id(), &["--no-sched"], &work)?;
     let idle = start("--idle", &work.join("idle.txt"))?;
@@ -141,6 +143,7 @@ pub fn sched_table(work: &Path) -> Result<()> {
     let rows = [
         ("context switch, detached (ns)", format!("{:.0}", switch_ns / 2.0), String::new()),
         ("+ per switch of a traced thread (ns)", format!("{:.0}", per_switch(&traced)), range(&traced, 2.0)),
+        ("+ per switch, traced, --launches count (ns)", format!("{:.0}", per_switch(&counted)), range(&counted, 2.0)),
         ("+ per switch of an untraced thread (ns)", format!("{:.0}", per_switch(&untraced)), range(&untraced, 2.0)),
         (
             "+ per switch, traced, with --no-sched (ns)",
@@ -153,7 +156,8 @@ pub fn sched_table(work: &Path) -> Result<()> {
     for (k, v, r) in rows {
         println!("| {k:<52} | {v:>10} | {r:>14} |");
     }
-    println!("(an untraced thread's switch: the profiler attached to another, idle process; the programs run on every");
-    println!("switch of the machine and return after the traced check)");
+    println!("(a traced thread's switch writes an off-CPU record for the Perfetto scheduler track, except with");
+    println!("--launches count; an untraced thread's switch: the profiler attached to another, idle process; the");
+    println!("programs run on every switch of the machine and return after the traced check)");
     Ok(())
 }

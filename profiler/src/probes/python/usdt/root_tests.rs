@@ -281,6 +281,7 @@ fn run_traced(args: &[&str], specs: &[&str]) -> Traced {
             | Event::Collective(_)
             | Event::Blas(_)
             | Event::Copy(_)
+            | Event::OffCpu(_)
             | Event::JitEnter(_)
             | Event::JitExit(_)
             | Event::LoaderChange { .. }
