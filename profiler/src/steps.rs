@@ -161,6 +161,9 @@ pub struct StepTracker {
     pub steps_without_start: u64,
     /// The scheduler programs are attached: the counters' snapshots mean something.
     pub sched: bool,
+    /// When a CUDA driver's launch probes last went in for this process: a
+    /// step begun before missed the launches made until then (`incomplete`).
+    pub driver_probed_ns: u64,
 }
 
 impl StepTracker {
@@ -176,6 +179,7 @@ impl StepTracker {
             gaps: 0,
             steps_without_start: 0,
             sched: false,
+            driver_probed_ns: 0,
         }
     }
 
@@ -304,7 +308,7 @@ impl StepTracker {
     /// Return of a step function. Returns the step when this closes an
     /// outermost call.
     pub fn exit(&mut self, tid: u32, probe: u32, ts_ns: u64, at: ThreadCounters) -> Option<CompletedStep> {
-        let traced_sched = self.sched;
+        let (traced_sched, probed_ns) = (self.sched, self.driver_probed_ns);
         let Some(s) = self.per_source.get_mut(&(tid, probe)).filter(|s| s.depth > 0) else {
             self.unmatched_returns += 1;
             return None;
@@ -323,7 +327,8 @@ impl StepTracker {
         s.last_end_ns = Some(ts_ns);
         let sync_wait_ns = s.sync_wait_ns;
         let copies = s.copies;
-        let incomplete = std::mem::take(&mut s.incomplete);
+        // Records lost, or launches made before the driver's probes were in.
+        let incomplete = std::mem::take(&mut s.incomplete) || start_ns < probed_ns;
         if let Some(stack) = self.open_by_thread.get_mut(&tid) {
             stack.retain(|&(p, st)| !(p == probe && st == step));
         }
@@ -400,6 +405,18 @@ mod tests {
 
     fn tracker() -> StepTracker {
         StepTracker::new(vec!["train", "validate", "train"])
+    }
+
+    /// A step open when the driver's launch probes went in missed the launches
+    /// before: it is incomplete; the next one is not.
+    #[test]
+    fn a_step_begun_before_the_drivers_probes_is_incomplete() {
+        let mut t = tracker();
+        t.enter(1, 0, 100, at(0));
+        t.driver_probed_ns = 150;
+        assert!(t.exit(1, 0, 200, at(3)).expect("closes").incomplete);
+        t.enter(1, 0, 250, at(3));
+        assert!(!t.exit(1, 0, 300, at(9)).expect("closes").incomplete);
     }
 
     #[test]

@@ -83,7 +83,8 @@ struct Member {
     watcher: LibraryWatcher,
     cvd: Option<String>,
     /// (the drain it was seen in, when) its exit was seen: its session ends
-    /// after one more drain, which brings its threads' last records.
+    /// after one more drain, which brings its threads' last records (those
+    /// the ring had with the exit are held for one drain, see `OrderedQueue`).
     exited: Option<(u64, u64)>,
 }
 
@@ -107,6 +108,9 @@ pub(super) struct Job {
     pub frame_hook: Option<FrameHookMembers>,
     /// Scheduler totals taken out of the kernel for sessions about to end.
     sched_totals: HashMap<u32, profiler_common::ProcessSched>,
+    /// Records that came for a process whose session had already ended,
+    /// dropped (counted with the lost events; 0 expected).
+    pub late_records: u64,
 }
 
 impl Job {
@@ -124,6 +128,7 @@ impl Job {
             cutoff_ns: None,
             frame_hook: None,
             sched_totals: HashMap::new(),
+            late_records: 0,
         }
     }
 
@@ -284,7 +289,11 @@ impl Job {
             }
             ProcessChange::Exited => {
                 if let Some(m) = self.members.get_mut(&pid) {
-                    m.exited.get_or_insert((self.drains, e.ts_ns));
+                    match &mut m.exited {
+                        // Found gone by a maps scan first: this is the exact moment.
+                        Some((_, at)) => *at = (*at).min(e.ts_ns),
+                        None => m.exited = Some((self.drains, e.ts_ns)),
+                    }
                 }
             }
         }
@@ -320,23 +329,23 @@ impl Job {
         say!(self.ctx.cfg.quiet, "PID {pid}{rank} ended ({reason}): {} steps", totals.completed_steps);
     }
 
-    /// Looks at every live process's maps for new CUDA libraries; a process
-    /// gone without its exit seen (a lost record) ends here.
+    /// Looks at every live process's maps for new CUDA libraries. A process
+    /// found gone before its exit record was read (the agent behind the
+    /// rings, or the record lost) ends as if its exit had been read now:
+    /// after the drains that bring the records its threads wrote before they
+    /// went. Ending it at once dropped a loaded machine's last steps.
     pub fn scan_maps(&mut self, probes: &mut Probes) {
         let quiet = self.ctx.cfg.quiet;
         self.watcher.scan(probes, &mut self.first, quiet, "maps");
-        let mut gone = Vec::new();
+        // As a record read by the next drain would have it (`process_event`).
+        let seen = self.drains + 1;
         for (pid, m) in &mut self.members {
             let Some(c) = m.consumer.as_mut() else { continue };
             if m.exited.is_none() && !Path::new(&format!("/proc/{pid}")).exists() {
-                gone.push(*pid);
+                m.exited = Some((seen, clock::monotonic_ns()));
                 continue;
             }
             m.watcher.scan(probes, c, quiet, "maps");
-        }
-        for pid in gone {
-            self.take_sched(probes, pid);
-            self.end_member(pid, "target-exited", clock::monotonic_ns());
         }
     }
 
@@ -457,8 +466,12 @@ impl Sink for Router<'_> {
         if !self.job.members.contains_key(&tgid) {
             self.job.adopt(tgid, None, "child");
         }
-        if let Some(c) = self.job.members.get_mut(&tgid).and_then(|m| m.consumer.as_mut()) {
-            c.take(event);
+        match self.job.members.get_mut(&tgid).and_then(|m| m.consumer.as_mut()) {
+            Some(c) => c.take(event),
+            // A process's threads killed by its exit_group may exit, and be
+            // switched to, after its main thread: that loses nothing.
+            None if matches!(event, Ok(Event::ThreadExit(_) | Event::OffCpu(_))) => {}
+            None => self.job.late_records += 1,
         }
     }
 }

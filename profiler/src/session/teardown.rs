@@ -85,6 +85,7 @@ pub(super) async fn finish(
     let kc = traced.probes.counters();
     let first_sched = traced.job.take_all_sched(&mut traced.probes);
     let job = detach_and_drain(traced.probes, traced.rings, traced.python, traced.job, ended_ns);
+    let late_records = job.late_records;
     // The job's other processes end first: their rows go before the first session's end.
     let consumer = job.into_first(&end_reason, ended_ns);
     let mut consumer = consumer;
@@ -98,7 +99,7 @@ pub(super) async fn finish(
     let end = SessionEnd {
         ended_ns,
         end_reason: end_reason.clone(),
-        lost_events: kc.lost,
+        lost_events: kc.lost + late_records,
         total_launches: kc.launches,
         unmatched_returns: 0,
     };
@@ -106,6 +107,12 @@ pub(super) async fn finish(
     let secs = (ended_ns - session.started_ns) as f64 / 1e9;
     let (id, output) = (session.id, &session.output);
     say!(cfg.quiet, "session {id} ended ({end_reason}) after {secs:.1} s: {} → {}", report, output.display());
+    if late_records > 0 {
+        eprintln!(
+            "profiler: warning: {late_records} records came after their process's session had ended and were \
+             dropped (counted in lost_events): that process's last steps may have no end"
+        );
+    }
     for warning in super::loss::loss_warnings(&kc, marked_steps, steps_without_start) {
         eprintln!("profiler: warning: {warning}");
     }

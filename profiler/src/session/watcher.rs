@@ -55,6 +55,9 @@ impl LibraryWatcher {
         if let Some(maps) = self.scan_into(probes, &mut rows, quiet, how) {
             consumer.kernels.remember_maps(maps);
         }
+        if let Some(at) = rows.iter().filter(|r| r.kind == "driver" && r.probes > 0).map(|r| r.attached_ns).max() {
+            consumer.driver_probed(at);
+        }
         consumer.store_libraries(rows);
     }
 
