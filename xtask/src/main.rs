@@ -48,14 +48,16 @@ enum Task {
     FuzzCorpus,
     /// rustfmt check, and clippy with warnings denied for the host crates and the eBPF crate.
     Lint,
-    /// Print the overhead and throughput tables (`torch`, `frame-hook`, `flops` or `jobs`: only that table).
+    /// Print the overhead and throughput tables (`torch`, `sched`, `frame-hook`, `flops` or `jobs`: only that table).
     Bench {
-        /// `torch`: only the PyTorch steps table; `frame-hook`: only the PEP 523 frame hook's
+        /// `torch`: only the PyTorch steps table; `sched`: only the scheduler and copy programs' cost
+        /// per context switch and per copy call; `frame-hook`: only the PEP 523 frame hook's
         /// (ns per Python call, step boundary error); `flops`: only the cost per traced GEMM call;
         /// `jobs`: only the 8-rank job (attach time, agent CPU, events/s, lost).
         only: Option<String>,
     },
-    /// Leave the profiler running on a churning genuine-driver job with a small --max-size; a table row a minute.
+    /// Leave the profiler running on a churning job (the stand-in driver with the genuine one's entry
+    /// shape) with a small --max-size; a table row a minute.
     Soak {
         /// How long (seconds, or 90s, 5m, 1h).
         #[arg(default_value = "20m", value_parser = soak::parse_duration)]

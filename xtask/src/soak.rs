@@ -238,5 +238,9 @@ pub fn main(duration: Duration) -> Result<()> {
         e.total,
         e.total - e.exact - e.marked,
     );
+    println!(
+        "(unmarked: steps of threads held inexactly with no step marked incomplete or endless; a job's processes' \
+         marks are written at the job's end, so only this line's figure is final)"
+    );
     Ok(())
 }

@@ -95,6 +95,10 @@ pub(super) struct Job {
     pub first: Consumer,
     pub watcher: LibraryWatcher,
     members: HashMap<u32, Member>,
+    /// The processes whose sessions ended, by pid, with when: all that is
+    /// kept of them (a member is large; a job that forks for hours ends
+    /// thousands), to tell a late record of one from a new process's.
+    ended: HashMap<u32, u64>,
     drain: RingDrain,
     /// Process events of the current drain, handled after it.
     pending: Vec<ProcessEvent>,
@@ -121,6 +125,7 @@ impl Job {
             first,
             watcher,
             members: HashMap::new(),
+            ended: HashMap::new(),
             drain: RingDrain::default(),
             pending: Vec::new(),
             drains: 0,
@@ -247,23 +252,23 @@ impl Job {
             return;
         }
         match e.change {
-            ProcessChange::Forked { parent } => match self.members.get_mut(&pid) {
+            ProcessChange::Forked { parent } => {
                 // A pid the job had before, whose process ended: a new process, a new session.
-                Some(m) if m.consumer.is_none() => {
-                    self.members.remove(&pid);
-                    self.adopt(pid, Some(parent), "child");
+                self.ended.remove(&pid);
+                match self.members.get_mut(&pid) {
+                    // Its records came before the fork's: adopted already, parent unknown then.
+                    Some(m) => {
+                        m.start.parent_pid = Some(parent);
+                        self.ctx.sender.send(StoreMsg::Process(Box::new(m.start.clone())));
+                    }
+                    None => self.adopt(pid, Some(parent), "child"),
                 }
-                // Its records came before the fork's: adopted already, parent unknown then.
-                Some(m) => {
-                    m.start.parent_pid = Some(parent);
-                    self.ctx.sender.send(StoreMsg::Process(Box::new(m.start.clone())));
-                }
-                None => self.adopt(pid, Some(parent), "child"),
-            },
+            }
             ProcessChange::Exec => {
                 // First seen at its exec: adopted as the program it is now (the frame hook's look too).
                 let adopted_now = !self.members.contains_key(&pid);
                 if adopted_now {
+                    self.ended.remove(&pid);
                     self.adopt(pid, None, "child");
                 }
                 let ctx = &self.ctx;
@@ -302,7 +307,8 @@ impl Job {
     /// Ends process `pid`'s session: its open steps stored, its rows flushed,
     /// its end and per-step work sent (derived at the job's end).
     fn end_member(&mut self, pid: u32, reason: &str, ended_ns: u64) {
-        let Some(m) = self.members.get_mut(&pid) else { return };
+        let Some(mut m) = self.members.remove(&pid) else { return };
+        self.ended.insert(pid, ended_ns);
         let Some(mut consumer) = m.consumer.take() else { return };
         if let Some(hook) = &self.frame_hook {
             hook.remove(pid);
@@ -461,17 +467,29 @@ impl Sink for Router<'_> {
         if tgid == self.job.first_pid || tgid == 0 {
             return self.job.first.take(event);
         }
+        if let Some(&ended_ns) = self.job.ended.get(&tgid) {
+            match &event {
+                // A process's threads killed by its exit_group may exit, and
+                // be switched to, after its main thread: that loses nothing.
+                Ok(Event::ThreadExit(_) | Event::OffCpu(_)) => return,
+                // Its session ended before this record was read: dropped, counted.
+                Ok(e) if e.ts_ns() <= ended_ns => {
+                    self.job.late_records += 1;
+                    return;
+                }
+                // A new process with that pid, its records before its fork's.
+                _ => {
+                    self.job.ended.remove(&tgid);
+                }
+            }
+        }
         // A child's records can come before its fork's (another ring, or the
         // parent not yet back from `kernel_clone`): it is adopted now.
         if !self.job.members.contains_key(&tgid) {
             self.job.adopt(tgid, None, "child");
         }
-        match self.job.members.get_mut(&tgid).and_then(|m| m.consumer.as_mut()) {
-            Some(c) => c.take(event),
-            // A process's threads killed by its exit_group may exit, and be
-            // switched to, after its main thread: that loses nothing.
-            None if matches!(event, Ok(Event::ThreadExit(_) | Event::OffCpu(_))) => {}
-            None => self.job.late_records += 1,
+        if let Some(c) = self.job.members.get_mut(&tgid).and_then(|m| m.consumer.as_mut()) {
+            c.take(event);
         }
     }
 }

@@ -2,6 +2,8 @@
 //! by `StoreMsg::Process`, fed by `ForProcess`, ended by `EndProcess`, and finished at the job's
 //! end with per-step figures from the first session's samples (GPUs, RAPL: sampled once per
 //! machine, stored once).
+use std::collections::HashMap;
+
 use rusqlite::{Connection, OptionalExtension, Transaction, params};
 
 use super::{
@@ -108,8 +110,16 @@ pub(super) fn finish_processes(
     ended: Vec<Ended>,
     stats: &mut WriterStats,
 ) {
-    let mut result = Ok(());
+    // Each session's stored launches in one pass: the launch index is built
+    // after this, and a count per session would scan every launch row each.
+    let (stored, mut result) = match stored_launches(conn, first) {
+        Ok(stored) => (stored, Ok(())),
+        Err(e) => (HashMap::new(), Err(e)),
+    };
     for (pid, end, work) in ended {
+        if result.is_err() {
+            break;
+        }
         // The oldest unended session with that pid: its process ended first.
         let id: rusqlite::Result<Option<i64>> = conn
             .query_row(
@@ -120,20 +130,28 @@ pub(super) fn finish_processes(
             )
             .optional();
         result = match id {
-            Ok(Some(id)) => finish_one(conn, first, id, &end, &process_work(job_work, work), stats),
+            Ok(Some(id)) => finish_one(conn, first, id, &end, &process_work(job_work, work), &stored, stats),
             Ok(None) => Ok(()),
             Err(e) => Err(e.into()),
         };
-        if result.is_err() {
-            break;
-        }
     }
     if result.is_ok() {
-        result = finish_unended(conn, first, job_end, job_work, stats);
+        result = finish_unended(conn, first, job_end, job_work, &stored, stats);
     }
     if let Err(e) = result {
         stats.first_error.get_or_insert_with(|| format!("finishing the job's sessions: {e}"));
     }
+}
+
+/// Launch rows of each of the job's other sessions.
+fn stored_launches(conn: &Connection, first: i64) -> Result<HashMap<i64, i64>, StoreError> {
+    let mut q = conn.prepare(
+        "SELECT session_id, count(*) FROM launches WHERE session_id IN
+             (SELECT id FROM sessions WHERE job = (SELECT job FROM sessions WHERE id = ?1) AND id != ?1)
+         GROUP BY session_id",
+    )?;
+    let counts = q.query_map([first], |r| Ok((r.get(0)?, r.get(1)?)))?.collect::<rusqlite::Result<_>>()?;
+    Ok(counts)
 }
 
 /// Sessions of the job no `EndProcess` came for: the job's end is theirs.
@@ -142,6 +160,7 @@ fn finish_unended(
     first: i64,
     end: &SessionEnd,
     work: &[AtFinish],
+    stored: &HashMap<i64, i64>,
     stats: &mut WriterStats,
 ) -> Result<(), StoreError> {
     let ids: Vec<i64> = conn
@@ -152,7 +171,7 @@ fn finish_unended(
         .query_map([first], |r| r.get(0))?
         .collect::<rusqlite::Result<_>>()?;
     for id in ids {
-        finish_one(conn, first, id, end, &process_work(work, Vec::new()), stats)?;
+        finish_one(conn, first, id, end, &process_work(work, Vec::new()), stored, stats)?;
     }
     Ok(())
 }
@@ -193,11 +212,12 @@ fn finish_one(
     id: i64,
     end: &SessionEnd,
     work: &[AtFinish],
+    stored: &HashMap<i64, i64>,
     stats: &mut WriterStats,
 ) -> Result<(), StoreError> {
     let mut tx = conn.transaction()?;
     derive_all(&mut tx, id, first, work, stats)?;
-    let stored: i64 = tx.query_row("SELECT count(*) FROM launches WHERE session_id = ?1", [id], |r| r.get(0))?;
+    let stored = stored.get(&id).copied().unwrap_or(0);
     tx.execute(
         "UPDATE sessions SET ended_ns = ?2, end_reason = ?3, lost_events = NULL, total_launches = NULL,
                              stored_launches = ?4, unmatched_returns = ?5, lost_step_records = NULL,
