@@ -672,6 +672,8 @@ pub mod maps {
     pub const LOST: &str = "LOST";
     /// `PerCpuArray<u64>[1]`: reservations in `ORDERED_EVENTS` that failed.
     pub const LOST_ORDERED: &str = "LOST_ORDERED";
+    /// `PerCpuArray<u64>[1]`: of the `LOST` reservations, [`super::OffCpuRecord`]s.
+    pub const LOST_OFF_CPU: &str = "LOST_OFF_CPU";
     /// `HashMap<u32, ProcessSched>`: scheduler totals per traced tgid; the agent removes an exited one's.
     pub const PROCESS_SCHED: &str = "PROCESS_SCHED";
     /// `PerCpuArray<u64>[1]`: map updates that failed (a map full): each one

@@ -96,6 +96,11 @@ static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 #[map]
 static LOST_ORDERED: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
+/// Of the `LOST` ones, off-CPU records (`sched`), per CPU: they cost the
+/// scheduler track a slice, not a launch row.
+#[map]
+static LOST_OFF_CPU: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
 /// Map updates that failed and lost something (a map full, or a bucket
 /// lock not taken), per CPU: a thread's state that could not be kept (its
 /// launches go uncounted, its runtime launches may count twice, its steps

@@ -26,8 +26,8 @@ use profiler_common::{
 };
 
 use crate::{
-    BPF_NOEXIST, EVENTS, LOST, TASK_PID_OFFSET, TASK_TGID_OFFSET, ThreadSlot, bump, map_failed, stopped, submit_flags,
-    thread_state, traced,
+    BPF_NOEXIST, EVENTS, LOST, LOST_OFF_CPU, TASK_PID_OFFSET, TASK_TGID_OFFSET, ThreadSlot, bump, map_failed, stopped,
+    submit_flags, thread_state, traced,
 };
 
 /// What a thread is doing since `ThreadSched::since_ns` (the off-CPU ones
@@ -259,7 +259,10 @@ fn write_off_cpu(s: &ThreadSched, tid: u32, tgid: u32, t: u64) {
             });
             entry.submit(submit_flags());
         }
-        None => bump(&LOST),
+        None => {
+            bump(&LOST);
+            bump(&LOST_OFF_CPU);
+        }
     }
 }
 

@@ -56,7 +56,7 @@ fn ended_steps_are_counted_and_open_ones_are_not() {
 fn kernel_counters_are_published_as_increments() {
     let (f, registry) = families();
     let mut m = SessionMetrics::new(f, &labels(Some(3)), &[]);
-    let kc = |launches, lost| KernelCounters { lost, lost_step_records: 0, map_failures: 0, launches };
+    let kc = |launches, lost| KernelCounters { lost, lost_step_records: 0, lost_off_cpu: 0, map_failures: 0, launches };
     m.kernel_counters(&kc(100, 0));
     m.kernel_counters(&kc(250, 2));
     m.kernel_counters(&kc(250, 2));

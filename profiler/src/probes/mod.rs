@@ -106,6 +106,8 @@ pub struct KernelCounters {
     /// Of those, ordered-ring records (steps, syncs, thread exits, loader
     /// changes); named after the `sessions` column it fills.
     pub lost_step_records: u64,
+    /// Of those, off-CPU records (launch ring): `sessions.lost_off_cpu_records`.
+    pub lost_off_cpu: u64,
     /// Map updates that failed (see `profiler_common::maps::MAP_FAILURES`).
     pub map_failures: u64,
     /// Launches seen, each counted once, whether a record was kept or not.
@@ -134,7 +136,7 @@ pub struct Probes {
     kernel: Option<placement::KernelVersion>,
     /// (st_dev, st_ino) of files already probed.
     probed: HashSet<(u64, u64)>,
-    counters: [PerCpuArray<MapData, u64>; 4],
+    counters: [PerCpuArray<MapData, u64>; 5],
     stages: StagedLaunches,
     /// Every uprobe attached, owned here so that `detach` closes them all at once.
     links: Vec<UProbeLink>,
@@ -297,6 +299,7 @@ impl Probes {
             counter(map_names::LOST_ORDERED)?,
             counter(map_names::MAP_FAILURES)?,
             counter(map_names::LAUNCHES)?,
+            counter(map_names::LOST_OFF_CPU)?,
         ];
         let stages = Array::try_from(take_map(&mut ebpf, map_names::LAUNCH_STAGES)?)
             .map_err(|source| ProbeError::Map { name: map_names::LAUNCH_STAGES, source })?;
@@ -387,11 +390,12 @@ impl Probes {
 
     pub fn counters(&self) -> KernelCounters {
         let sum = |m: &PerCpuArray<MapData, u64>| m.get(&0, 0).map(|v| v.iter().sum::<u64>()).unwrap_or(0);
-        let [lost, lost_ordered, map_failures, launches] = &self.counters;
+        let [lost, lost_ordered, map_failures, launches, lost_off_cpu] = &self.counters;
         let lost_step_records = sum(lost_ordered);
         KernelCounters {
             lost: sum(lost) + lost_step_records,
             lost_step_records,
+            lost_off_cpu: sum(lost_off_cpu),
             map_failures: sum(map_failures),
             launches: sum(launches),
         }

@@ -327,7 +327,7 @@ impl Job {
             total_launches: 0,
             unmatched_returns: totals.unmatched_returns,
         };
-        let losses = Losses { lost_step_records: 0, map_failures: 0, incomplete };
+        let losses = Losses { lost_step_records: 0, lost_off_cpu_records: 0, map_failures: 0, incomplete };
         let mut work = vec![AtFinish::Losses(losses), AtFinish::RankGpus(gpus)];
         work.extend(self.sched_totals.remove(&pid).map(AtFinish::ContextSwitches));
         self.ctx.sender.send(StoreMsg::EndProcess(pid, end, work));

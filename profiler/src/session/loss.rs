@@ -7,7 +7,7 @@ use crate::probes::KernelCounters;
 /// `without_start`: steps whose entry was lost, which have no row.
 pub fn loss_warnings(kc: &KernelCounters, marked: u64, without_start: u64) -> Vec<String> {
     let mut lines = Vec::new();
-    let launch_ring = kc.lost.saturating_sub(kc.lost_step_records);
+    let launch_ring = kc.lost.saturating_sub(kc.lost_step_records).saturating_sub(kc.lost_off_cpu);
     if launch_ring > 0 {
         lines.push(format!(
             "{launch_ring} launch or kernel-name records were lost (launch ring full): those launches have no \
@@ -28,6 +28,14 @@ pub fn loss_warnings(kc: &KernelCounters, marked: u64, without_start: u64) -> Ve
         }
         lines.push(line);
     }
+    if kc.lost_off_cpu > 0 {
+        lines.push(format!(
+            "{} off-CPU records were lost (launch ring full): each thread's scheduler track in the Perfetto export \
+             misses those times off its CPU (a `running` slice spans them); the steps' scheduler columns are \
+             still exact, counted in the kernel",
+            kc.lost_off_cpu
+        ));
+    }
     if kc.map_failures > 0 {
         lines.push(format!(
             "{} kernel map updates failed (maps full): threads that got no state have their launches uncounted \
@@ -45,7 +53,13 @@ mod tests {
 
     #[test]
     fn loss_lines_say_what_each_loss_cost() {
-        let kc = |lost, steps, maps| KernelCounters { lost, lost_step_records: steps, map_failures: maps, launches: 0 };
+        let kc = |lost, steps, maps| KernelCounters {
+            lost,
+            lost_step_records: steps,
+            lost_off_cpu: 0,
+            map_failures: maps,
+            launches: 0,
+        };
         assert!(loss_warnings(&kc(0, 0, 0), 0, 0).is_empty());
         let l = loss_warnings(&kc(7, 0, 0), 0, 0);
         assert_eq!(l.len(), 1);

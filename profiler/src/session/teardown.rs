@@ -182,6 +182,7 @@ fn finish_store(
     let incomplete = consumer.take_incomplete_steps();
     at_finish.push(AtFinish::Losses(Losses {
         lost_step_records: kc.lost_step_records,
+        lost_off_cpu_records: kc.lost_off_cpu,
         map_failures: kc.map_failures,
         incomplete,
     }));

@@ -303,8 +303,8 @@ fn write_step_system(conn: &Connection, session_id: i64, steps: &[StepSpan]) -> 
 fn write_losses(conn: &Connection, session: i64, losses: &Losses) -> rusqlite::Result<()> {
     let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
     conn.execute(
-        "UPDATE sessions SET lost_step_records = ?2, map_failures = ?3 WHERE id = ?1",
-        params![session, n(losses.lost_step_records), n(losses.map_failures)],
+        "UPDATE sessions SET lost_step_records = ?2, map_failures = ?3, lost_off_cpu_records = ?4 WHERE id = ?1",
+        params![session, n(losses.lost_step_records), n(losses.map_failures), n(losses.lost_off_cpu_records)],
     )?;
     let mut mark =
         conn.prepare("UPDATE steps SET incomplete = 1 WHERE session_id = ?1 AND label = ?2 AND step = ?3")?;

@@ -220,7 +220,7 @@ fn finish_one(
     let stored = stored.get(&id).copied().unwrap_or(0);
     tx.execute(
         "UPDATE sessions SET ended_ns = ?2, end_reason = ?3, lost_events = NULL, total_launches = NULL,
-                             stored_launches = ?4, unmatched_returns = ?5, lost_step_records = NULL,
+                             stored_launches = ?4, unmatched_returns = ?5, lost_step_records = NULL, lost_off_cpu_records = NULL,
                              map_failures = NULL
          WHERE id = ?1",
         params![id, i(end.ended_ns), end.end_reason, stored, i(end.unmatched_returns)],

@@ -296,6 +296,8 @@ pub struct SystemSampleRow {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Losses {
     pub lost_step_records: u64,
+    /// Off-CPU records lost (the scheduler track's gaps).
+    pub lost_off_cpu_records: u64,
     pub map_failures: u64,
     /// (label, step) of each incomplete step.
     pub incomplete: Vec<(&'static str, u64)>,

@@ -14,3 +14,8 @@ CREATE TABLE off_cpu (
     woken_ns   INTEGER,
     resumed_ns INTEGER NOT NULL
 );
+-- Of `sessions.lost_events`, the off-CPU records the launch ring had no room
+-- for (each a gap in a thread's scheduler track; the steps' scheduler columns
+-- are counted in the kernel and stay exact). NULL for a job's later processes
+-- (the kernel's counters are the job's, on its first session).
+ALTER TABLE sessions ADD COLUMN lost_off_cpu_records INTEGER;
