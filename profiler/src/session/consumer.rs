@@ -259,13 +259,13 @@ impl Consumer {
         });
     }
 
-    /// Hands `libraries` rows to the store.
     /// A CUDA driver's launch probes went in at `at_ns`: the steps open then
     /// missed its launches until then, and are stored `incomplete`.
     pub fn driver_probed(&mut self, at_ns: u64) {
         self.tracker.driver_probed_ns = self.tracker.driver_probed_ns.max(at_ns);
     }
 
+    /// Hands `libraries` rows to the store.
     pub fn store_libraries(&self, rows: Vec<ProbedFileRow>) {
         for r in rows {
             self.writer.send(StoreMsg::ProbedFile(r));
