@@ -78,8 +78,7 @@ impl JobContext {
 /// A traced process other than the first.
 struct Member {
     start: SessionStart,
-    /// None once its session has ended.
-    consumer: Option<Consumer>,
+    consumer: Consumer,
     watcher: LibraryWatcher,
     cvd: Option<String>,
     /// (the drain it was seen in, when) its exit was seen: its session ends
@@ -152,10 +151,8 @@ impl Job {
     pub fn add_named(&mut self, pids: &[(u32, Option<u32>)], probes: &mut Probes) -> usize {
         for &(pid, parent) in pids {
             self.adopt(pid, parent, if parent.is_some() { "child" } else { "attach" });
-            if let Some(m) = self.members.get_mut(&pid)
-                && let Some(c) = m.consumer.as_mut()
-            {
-                m.watcher.scan(probes, c, self.ctx.cfg.quiet, "maps");
+            if let Some(m) = self.members.get_mut(&pid) {
+                m.watcher.scan(probes, &mut m.consumer, self.ctx.cfg.quiet, "maps");
             }
         }
         pids.len()
@@ -179,7 +176,7 @@ impl Job {
         watcher.loader_hooked = self.watcher.loader_hooked;
         let rank = start.rank.map_or(String::new(), |r| format!(" (rank {r})"));
         say!(self.ctx.cfg.quiet, "tracing PID {pid}{rank}: {}", start.command);
-        self.members.insert(pid, Member { start, consumer: Some(consumer), watcher, cvd, exited: None });
+        self.members.insert(pid, Member { start, consumer, watcher, cvd, exited: None });
         if let Some(hook) = &self.frame_hook {
             hook.add(pid);
         }
@@ -212,7 +209,7 @@ impl Job {
         let drains = self.drains;
         let mut ended = Vec::new();
         for (pid, m) in &mut self.members {
-            let Some(c) = m.consumer.as_mut() else { continue };
+            let c = &mut m.consumer;
             if std::mem::take(&mut c.loader_changed) {
                 m.watcher.scan(probes, c, quiet, "dlopen");
             }
@@ -238,7 +235,7 @@ impl Job {
 
     /// Before the probes go: every live session's scheduler totals; returns the first process's.
     pub fn take_all_sched(&mut self, probes: &mut Probes) -> Option<profiler_common::ProcessSched> {
-        let pids: Vec<u32> = self.members.iter().filter(|(_, m)| m.consumer.is_some()).map(|(p, _)| *p).collect();
+        let pids: Vec<u32> = self.members.keys().copied().collect();
         for pid in pids {
             self.take_sched(probes, pid);
         }
@@ -282,11 +279,9 @@ impl Job {
                     let loader_hooked = m.watcher.loader_hooked;
                     m.watcher = LibraryWatcher::new(pid, TorchWatch::new(&ctx.cfg, &ctx.regions));
                     m.watcher.loader_hooked = loader_hooked;
-                    if let Some(c) = m.consumer.as_mut() {
-                        // Its rank is known from the new program's environment.
-                        c.live = ctx.live_for(&m.start, m.start.local_rank, m.cvd.clone());
-                        m.watcher.scan(probes, c, quiet, "exec");
-                    }
+                    // Its rank is known from the new program's environment.
+                    m.consumer.live = ctx.live_for(&m.start, m.start.local_rank, m.cvd.clone());
+                    m.watcher.scan(probes, &mut m.consumer, quiet, "exec");
                 }
                 if let Some(hook) = self.frame_hook.as_ref().filter(|_| !adopted_now) {
                     hook.add(pid);
@@ -307,9 +302,9 @@ impl Job {
     /// Ends process `pid`'s session: its open steps stored, its rows flushed,
     /// its end and per-step work sent (derived at the job's end).
     fn end_member(&mut self, pid: u32, reason: &str, ended_ns: u64) {
-        let Some(mut m) = self.members.remove(&pid) else { return };
+        let Some(m) = self.members.remove(&pid) else { return };
         self.ended.insert(pid, ended_ns);
-        let Some(mut consumer) = m.consumer.take() else { return };
+        let mut consumer = m.consumer;
         if let Some(hook) = &self.frame_hook {
             hook.remove(pid);
         }
@@ -346,25 +341,24 @@ impl Job {
         // As a record read by the next drain would have it (`process_event`).
         let seen = self.drains + 1;
         for (pid, m) in &mut self.members {
-            let Some(c) = m.consumer.as_mut() else { continue };
             if m.exited.is_none() && !Path::new(&format!("/proc/{pid}")).exists() {
                 m.exited = Some((seen, clock::monotonic_ns()));
                 continue;
             }
-            m.watcher.scan(probes, c, quiet, "maps");
+            m.watcher.scan(probes, &mut m.consumer, quiet, "maps");
         }
     }
 
     /// Processes other than the first whose sessions are still open.
     pub fn live_members(&self) -> usize {
-        self.members.values().filter(|m| m.consumer.is_some()).count()
+        self.members.len()
     }
 
     /// From `ns` on, records are dropped (see `teardown`).
     pub fn set_cutoff(&mut self, ns: u64) {
         self.cutoff_ns = Some(ns);
         self.first.cutoff_ns = Some(ns);
-        for c in self.members.values_mut().filter_map(|m| m.consumer.as_mut()) {
+        for c in self.members.values_mut().map(|m| &mut m.consumer) {
             c.cutoff_ns = Some(ns);
         }
     }
@@ -401,8 +395,7 @@ impl Job {
 
     /// Steps completed so far, all processes together.
     pub fn completed_steps(&self) -> u64 {
-        self.first.completed_steps
-            + self.members.values().filter_map(|m| m.consumer.as_ref()).map(|c| c.completed_steps).sum::<u64>()
+        self.first.completed_steps + self.members.values().map(|m| m.consumer.completed_steps).sum::<u64>()
     }
 
     /// For the status line, when the job has more than one process: the
@@ -415,10 +408,8 @@ impl Job {
         let mut counts: HashMap<u32, u64> = HashMap::from([(self.first_pid, self.first.completed_steps)]);
         let mut ranks: HashMap<u32, Option<i64>> = HashMap::from([(self.first_pid, self.ctx.template.rank)]);
         for (pid, m) in &self.members {
-            if let Some(c) = &m.consumer {
-                counts.insert(*pid, c.completed_steps);
-                ranks.insert(*pid, m.start.rank);
-            }
+            counts.insert(*pid, m.consumer.completed_steps);
+            ranks.insert(*pid, m.start.rank);
         }
         let slowest = match &self.last_status {
             Some((t, last)) => slowest_rate(&counts, last, (now - *t).as_secs_f64()),
@@ -488,8 +479,8 @@ impl Sink for Router<'_> {
         if !self.job.members.contains_key(&tgid) {
             self.job.adopt(tgid, None, "child");
         }
-        if let Some(c) = self.job.members.get_mut(&tgid).and_then(|m| m.consumer.as_mut()) {
-            c.take(event);
+        if let Some(m) = self.job.members.get_mut(&tgid) {
+            m.consumer.take(event);
         }
     }
 }
