@@ -35,36 +35,36 @@ fn apt_update() -> Result<()> {
     run(crate::root::command("apt-get", &[], "apt-get update")?.args(["update", "-qq"]))
 }
 
-/// Debian 12 has no LLVM 22; Debian 13 (trixie) does. Its packages are added
-/// at a low pin priority, so nothing else on the machine moves to trixie
-/// except what llvm-22-dev needs.
+/// Debian 12 had no LLVM 22 (its security suite has one now); Debian 13
+/// (trixie) does. Where no configured suite has it, trixie is added at a low
+/// pin priority, so nothing else on the machine moves to trixie except what
+/// llvm-22-dev needs.
 fn ensure_llvm22() -> Result<()> {
     if Path::new(LLVM_PREFIX).join("bin/llvm-config").exists() {
         return Ok(());
     }
-    if apt_candidate("llvm-22-dev").is_none() {
-        say("adding Debian trixie (pinned low) to apt sources for llvm-22-dev");
-        write_if_absent(
-            "/etc/apt/sources.list.d/profiler-trixie.sources",
-            "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: trixie\nComponents: main\n\
-             Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n",
-        )?;
-        write_if_absent(
-            "/etc/apt/preferences.d/profiler-trixie",
-            "Package: *\nPin: release n=trixie\nPin-Priority: 100\n",
-        )?;
-        apt_update()?;
+    let mut args = vec!["install", "-y", "-q"];
+    match apt_candidate("llvm-22-dev") {
+        Some(version) => say(format!("installing llvm-22-dev {version} (needed to build bpf-linker)")),
+        None => {
+            say("adding Debian trixie (pinned low) to apt sources for llvm-22-dev");
+            write_if_absent(
+                "/etc/apt/sources.list.d/profiler-trixie.sources",
+                "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: trixie\nComponents: main\n\
+                 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n",
+            )?;
+            write_if_absent(
+                "/etc/apt/preferences.d/profiler-trixie",
+                "Package: *\nPin: release n=trixie\nPin-Priority: 100\n",
+            )?;
+            apt_update()?;
+            say("installing llvm-22-dev from Debian trixie (needed to build bpf-linker)");
+            args.extend(["-t", "trixie"]);
+        }
     }
-    say("installing llvm-22-dev from Debian trixie (needed to build bpf-linker)");
+    args.push("llvm-22-dev");
     let noninteractive = [("DEBIAN_FRONTEND", std::ffi::OsStr::new("noninteractive"))];
-    run(crate::root::command("apt-get", &noninteractive, "apt-get install")?.args([
-        "install",
-        "-y",
-        "-q",
-        "-t",
-        "trixie",
-        "llvm-22-dev",
-    ]))
+    run(crate::root::command("apt-get", &noninteractive, "apt-get install")?.args(args))
 }
 
 /// rust-src for nightly, and bpf-linker built against LLVM 22.
