@@ -332,6 +332,21 @@ fn busiest_session_matches(db: &Path, truth: &Path, context: &str) -> usize {
         let want: Vec<TruthStep> = t.steps.iter().filter(|x| x.label == label).cloned().collect();
         let got: Vec<DbStep> = all.iter().filter(|x| x.label == label).cloned().collect();
         assert!(!want.is_empty(), "the trainer ran {label} steps");
+        if got.len() != want.len() {
+            // Which sessions hold how many steps, and what the agent said: where a step went.
+            let by_session: Vec<(i64, i64, i64)> = open(db)
+                .prepare("SELECT session_id, count(*), ifnull(sum(incomplete), 0) FROM steps GROUP BY 1")
+                .expect("prepare")
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+                .expect("query")
+                .map(|r| r.expect("row"))
+                .collect();
+            panic!(
+                "{label}: {} steps stored, {} run; (session, steps, incomplete): {by_session:?}\n{context}",
+                got.len(),
+                want.len()
+            );
+        }
         assert_steps_match(&want, &got, STEP_TOLERANCE_NS);
     }
     all.len()

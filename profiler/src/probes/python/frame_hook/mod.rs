@@ -11,6 +11,7 @@ use std::{
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
+    time::{Duration, Instant},
 };
 
 use aya::{
@@ -180,6 +181,24 @@ impl FrameHookMembers {
         let old = self.writes.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(pid, write);
         if let Some(old) = old {
             old.abandon();
+        }
+    }
+
+    /// Waits, up to `timeout`, until every process given the write so far has
+    /// had its first look at the field (normally milliseconds: the
+    /// interpreter of a process already running is there to be found);
+    /// returns those that have not, whose first calls may go unseen.
+    pub fn wait_first_looks(&self, timeout: Duration) -> Vec<u32> {
+        let t0 = Instant::now();
+        loop {
+            let pending: Vec<u32> = {
+                let writes = self.writes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                writes.iter().filter(|(_, w)| !w.first_look_done()).map(|(&pid, _)| pid).collect()
+            };
+            if pending.is_empty() || t0.elapsed() >= timeout {
+                return pending;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 

@@ -332,6 +332,10 @@ struct Watched {
     /// process it was forked from, or written by an earlier look) is this
     /// session's to take back too.
     claim: bool,
+    /// The watcher has looked at the field once (written it, found it
+    /// otherwise, failed to), or has found the process is not this CPython
+    /// or gone: what [`FrameHookWrite::first_look_done`] reports.
+    looked: AtomicBool,
 }
 
 impl Watched {
@@ -424,6 +428,7 @@ impl Watched {
                 }
                 Err(_) => {}
             }
+            self.looked.store(true, Ordering::Release);
             if let Ok(Some(state)) = written {
                 last_state = Some(state);
             }
@@ -487,9 +492,17 @@ impl FrameHookWrite {
             if runs_cpython() {
                 s.watch(&locator);
             }
+            // Not this CPython, or its watch ended (gone, stopped): nothing more to wait for.
+            s.looked.store(true, Ordering::Release);
         };
         let watcher = std::thread::Builder::new().name("frame-hook".into()).spawn(watch).ok();
         Self { shared, watcher }
+    }
+
+    /// Whether the watcher has had its first look at the field (see
+    /// `Watched::looked`): a job's process named at attach is traced once it has.
+    pub fn first_look_done(&self) -> bool {
+        self.shared.looked.load(Ordering::Acquire) || self.watcher.as_ref().is_none_or(|w| w.is_finished())
     }
 
     /// How often the field was found NULL again and re-written.
