@@ -73,8 +73,9 @@ pub(crate) struct ThreadSched {
 }
 
 /// A switch the programs cannot square with the thread's state (a switch-in
-/// of a thread already running, a switch-out of one not running): the
-/// interval since its state last changed is lost, and counted here.
+/// of a thread already running, a switch-out of one not running, a probe on
+/// a thread they have off its CPU): the interval since its state last changed
+/// is lost, or its off-CPU record is, and counted here.
 #[inline(always)]
 fn mismatch(tgid: u32) {
     if let Some(p) = process_totals(tgid) {
@@ -307,8 +308,12 @@ pub(crate) fn snapshot(slot: *mut ThreadSlot, tgid: u32) -> (SchedTimes, u64) {
     }
     let s = sched_of(slot);
     if s.state != RUNNING {
-        // Unseen, or a switch-in lost to a race with a wakeup: it runs now
-        // (with no off-CPU record: its switch-in was not seen).
+        // Unseen, or off a CPU for the programs though it runs: a switch-in
+        // they did not see (rare, on a loaded machine), whose off-CPU record
+        // is missing, so counted. It runs from now on.
+        if s.state != UNSEEN {
+            mismatch(tgid);
+        }
         let t = now();
         close_interval(s, t);
         s.state = RUNNING;

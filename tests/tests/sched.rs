@@ -67,6 +67,25 @@ impl Step {
     }
 }
 
+/// How many context switches a run may have that the scheduler programs
+/// could not square with a thread's state (a switch they did not see: on a
+/// 2-core VM loaded with four CPU hogs, about one in a thousand; none seen
+/// on a quiet one).
+const MAX_MISMATCHES: i64 = 3;
+
+/// The four scheduler columns add up to each step's duration, but for a step
+/// per counted mismatch (each loses one interval of its thread), and the
+/// agent said so when there were any.
+fn assert_accounted(db: &Path, steps: &[Step], stderr: &str) {
+    let mismatches = count(db, "SELECT sched_mismatches FROM sessions WHERE id = ?1", last_session(db).id);
+    assert!(mismatches <= MAX_MISMATCHES, "switches that did not fit the threads' states: {mismatches}\n{stderr}");
+    let off: Vec<&Step> = steps.iter().filter(|s| s.unaccounted_ns().abs() > SUM_BOUND_NS).collect();
+    assert!(off.len() as i64 <= mismatches, "the four add up to the duration ({mismatches} mismatches): {off:?}");
+    if mismatches > 0 {
+        assert!(stderr.contains("context switches did not fit"), "the mismatches are reported: {stderr}");
+    }
+}
+
 fn db_steps(db: &Path, session: i64, label: &str) -> Vec<Step> {
     open(db)
         .prepare(
@@ -186,8 +205,15 @@ fn a_steps_cpu_time_sleep_and_copies_match_the_trainers_own_through_the_genuine_
     let (truth, truth_copies) = read_truth(&run.truth);
     let steps = db_steps(&run.db, run.session, "train");
     assert_eq!(steps.len(), truth.len(), "{}", run.stderr);
+    assert_accounted(&run.db, &steps, &run.stderr);
     for (t, s) in truth.iter().zip(&steps) {
         assert!((s.start_ns - t.start_ns).abs() < 1_000_000, "step boundaries line up: {t:?} {s:?}");
+        // (h2d, d2h, d2d, calls): cudaMemcpy h2d 4096 + cudaMemcpy2D 64 x 8; cudaMemcpyAsync d2h 1000;
+        // cudaMemcpy d2d 333; a memset.
+        assert_eq!((s.h2d, s.d2h, s.d2d, s.copy_calls), (Some(4096 + 512), Some(1000), Some(333), Some(5)), "{s:?}");
+        if s.unaccounted_ns().abs() > SUM_BOUND_NS {
+            continue; // An interval lost to a counted mismatch (`assert_accounted`).
+        }
         let cpu = s.cpu_ns.expect("cpu_ns");
         let bound = t.cpu_ns / 10;
         assert!(
@@ -197,23 +223,18 @@ fn a_steps_cpu_time_sleep_and_copies_match_the_trainers_own_through_the_genuine_
         );
         let slept = s.sleep_ns.expect("sleep_ns") - SLEEP_US * 1000;
         assert!((0..500_000).contains(&slept), "sleep_ns within 0.5 ms of the {SLEEP_US} µs sleep: {s:?}");
-        assert!(s.unaccounted_ns().abs() <= SUM_BOUND_NS, "the four add up to the duration: {s:?}");
-        // cudaMemcpy h2d 4096 + cudaMemcpy2D 64 x 8; cudaMemcpyAsync d2h 1000; cudaMemcpy d2d 333; a memset.
-        assert_eq!((s.h2d, s.d2h, s.d2d, s.copy_calls), (Some(4096 + 512), Some(1000), Some(333), Some(5)), "{s:?}");
     }
     // Every call once, as the runtime call (the runtime's calls fail before any driver copy).
     assert_eq!(db_copies(&run.db, run.session), truth_copies);
     let switches = count(&run.db, "SELECT context_switches FROM sessions WHERE id = ?1", run.session);
     assert!(switches >= 12, "each step's sleep is a context switch: {switches}");
-    let mismatches = count(&run.db, "SELECT sched_mismatches FROM sessions WHERE id = ?1", run.session);
-    assert_eq!(mismatches, 0, "every switch fit the threads' states");
     assert_sched_track_matches_the_steps(&run, &steps);
 }
 
 /// The Perfetto export's scheduler track of the stepping thread: clipped to
 /// each step, its `running`, `runnable`, `sleeping` and `blocked` slices add
 /// up to the step's four columns, and each step has its sleep as one
-/// `sleeping` slice at least as long.
+/// `sleeping` slice at least as long; but for a step per counted mismatch.
 fn assert_sched_track_matches_the_steps(run: &Run, steps: &[Step]) {
     let trace = run.db.with_file_name("trace.json");
     let (code, err) = profiler_output(&["export", path(&run.db), "-o", path(&trace)]);
@@ -234,28 +255,33 @@ fn assert_sched_track_matches_the_steps(run: &Run, steps: &[Step]) {
         })
         .collect();
     assert!(!slices.is_empty(), "the stepping thread has a scheduler track");
+    // Steps whose track is not their columns: none, but for one per counted
+    // mismatch (a switch-in not seen leaves no row for that time off the CPU).
+    let mut differ = Vec::new();
     for s in steps {
         let (start, end) = ((s.start_ns - started_ns) as f64, (s.start_ns + s.duration_ns - started_ns) as f64);
         let within = |name: &str| -> f64 {
             slices.iter().filter(|x| x.0 == name).map(|x| (x.2.min(end) - x.1.max(start)).max(0.0)).sum()
         };
-        for (name, column) in
-            [("running", s.cpu_ns), ("runnable", s.runnable_ns), ("sleeping", s.sleep_ns), ("blocked", s.blocked_ns)]
-        {
-            let column = column.expect("sched column") as f64;
-            assert!(
-                (within(name) - column).abs() <= SUM_BOUND_NS as f64,
-                "{name}: {} vs {column}: {s:?}",
-                within(name)
-            );
-        }
+        let columns =
+            [("running", s.cpu_ns), ("runnable", s.runnable_ns), ("sleeping", s.sleep_ns), ("blocked", s.blocked_ns)];
+        let off: Vec<(&str, f64, i64)> = columns
+            .into_iter()
+            .map(|(name, column)| (name, within(name), column.expect("sched column")))
+            .filter(|&(_, drawn, column)| (drawn - column as f64).abs() > SUM_BOUND_NS as f64)
+            .collect();
         let longest = slices
             .iter()
             .filter(|x| x.0 == "sleeping" && x.1 >= start && x.2 <= end)
             .map(|x| x.2 - x.1)
             .fold(0.0, f64::max);
-        assert!(longest >= (SLEEP_US * 1000) as f64, "the step's sleep is one slice: {longest} ns: {s:?}");
+        // The step's sleep is one slice.
+        if !off.is_empty() || longest < (SLEEP_US * 1000) as f64 {
+            differ.push(format!("{off:?} (longest sleep {longest} ns): {s:?}"));
+        }
     }
+    let mismatches = count(&run.db, "SELECT sched_mismatches FROM sessions WHERE id = ?1", run.session);
+    assert!(differ.len() as i64 <= mismatches, "(slice, drawn, column) of {mismatches} mismatches: {differ:#?}");
 }
 
 /// The machine's steal time so far (`/proc/stat`), ns: 0 off a VM.
@@ -309,7 +335,7 @@ fn a_cpu_hog_on_the_trainers_core_is_runnable_time_and_the_steps_are_cpu_starved
     assert!((0.5..2.0).contains(&median), "runnable ≈ on-CPU time with a hog sharing the core: {shares:?}");
     let starved = steps.iter().filter(|s| s.bound.as_deref() == Some("cpu-starved")).count();
     assert!(starved * 10 >= steps.len() * 8, "most steps are cpu-starved: {steps:?}");
-    assert!(steps.iter().all(|s| s.unaccounted_ns().abs() <= SUM_BOUND_NS), "{steps:?}");
+    assert_accounted(&run.db, &steps, &run.stderr);
     let preempted = count(&run.db, "SELECT preemptions FROM sessions WHERE id = ?1", run.session);
     assert!(preempted > 0, "the hog preempts the trainer");
     let rows = count(
@@ -343,7 +369,7 @@ fn fsync_waits_are_blocked_time() {
     assert_eq!(steps.len(), 8, "{}", run.stderr);
     let blocked: i64 = steps.iter().map(|s| s.blocked_ns.expect("blocked")).sum();
     assert!(blocked > 0, "fsync waits uninterruptibly: {steps:?}");
-    assert!(steps.iter().all(|s| s.unaccounted_ns().abs() <= SUM_BOUND_NS), "accounted: {steps:?}");
+    assert_accounted(&run.db, &steps, &run.stderr);
 }
 
 #[test]
@@ -398,7 +424,7 @@ fn a_pytorch_loop_with_a_slow_dataloader_is_data_bound() {
     assert!(steps.len() >= 20, "{stderr}");
     let data = steps.iter().filter(|s| s.bound.as_deref() == Some("data")).count();
     assert!(data * 10 >= steps.len() * 9, "a 30 ms sleep per batch: data-bound steps: {steps:?}");
-    assert!(steps.iter().all(|s| s.unaccounted_ns().abs() <= SUM_BOUND_NS), "{steps:?}");
+    assert_accounted(&db, &steps, &stderr);
 }
 
 #[test]
@@ -409,5 +435,5 @@ fn a_pytorch_loop_sharing_its_core_with_a_hog_is_cpu_starved() {
     assert!(steps.len() >= 20, "{stderr}");
     let starved = steps.iter().filter(|s| s.bound.as_deref() == Some("cpu-starved")).count();
     assert!(starved * 10 >= steps.len() * 8, "most steps cpu-starved: {steps:?}");
-    assert!(steps.iter().all(|s| s.unaccounted_ns().abs() <= SUM_BOUND_NS), "{steps:?}");
+    assert_accounted(&db, &steps, &stderr);
 }

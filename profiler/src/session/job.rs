@@ -8,7 +8,7 @@ use std::{
     ffi::{OsStr, OsString},
     path::Path,
     sync::Arc,
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use super::{
@@ -26,6 +26,10 @@ use crate::{
     regions::RegionSteps,
     store::{AtFinish, Losses, RowSender, SessionEnd, SessionStart, StoreMsg},
 };
+
+/// How long `attach` waits for the frame hook's first look into each
+/// process it names before it says it is tracing (milliseconds, normally).
+const FIRST_LOOK_WAIT: Duration = Duration::from_secs(2);
 
 /// What every process's session shares with the first one's.
 pub(super) struct JobContext {
@@ -111,6 +115,9 @@ pub(super) struct Job {
     pub frame_hook: Option<FrameHookMembers>,
     /// Scheduler totals taken out of the kernel for sessions about to end.
     sched_totals: HashMap<u32, profiler_common::ProcessSched>,
+    /// Scheduler switches that did not fit a thread's state, over every
+    /// process of the job taken so far (`ProcessSched::mismatches`).
+    pub sched_mismatches: u64,
     /// Records that came for a process whose session had already ended,
     /// dropped (counted with the lost events; 0 expected).
     pub late_records: u64,
@@ -132,6 +139,7 @@ impl Job {
             cutoff_ns: None,
             frame_hook: None,
             sched_totals: HashMap::new(),
+            sched_mismatches: 0,
             late_records: 0,
         }
     }
@@ -153,6 +161,17 @@ impl Job {
             self.adopt(pid, parent, if parent.is_some() { "child" } else { "attach" });
             if let Some(m) = self.members.get_mut(&pid) {
                 m.watcher.scan(probes, &mut m.consumer, self.ctx.cfg.quiet, "maps");
+            }
+        }
+        // Tracing means tracing: a process named now that runs the CPython of
+        // the frame hook has the write before the session says it has begun.
+        if let Some(hook) = &self.frame_hook {
+            for pid in hook.wait_first_looks(FIRST_LOOK_WAIT) {
+                eprintln!(
+                    "profiler: PID {pid}: the frame hook is not written yet ({} s): its first Python steps may go \
+                     unseen",
+                    FIRST_LOOK_WAIT.as_secs()
+                );
             }
         }
         pids.len()
@@ -229,6 +248,7 @@ impl Job {
     /// Takes process `pid`'s scheduler totals out of the kernel, for its session's end.
     fn take_sched(&mut self, probes: &mut Probes, pid: u32) {
         if let Some(t) = probes.take_process_sched(pid) {
+            self.sched_mismatches += t.mismatches;
             self.sched_totals.insert(pid, t);
         }
     }
@@ -239,7 +259,9 @@ impl Job {
         for pid in pids {
             self.take_sched(probes, pid);
         }
-        probes.take_process_sched(self.first_pid)
+        let first = probes.take_process_sched(self.first_pid);
+        self.sched_mismatches += first.map_or(0, |t| t.mismatches);
+        first
     }
 
     fn process_event(&mut self, e: ProcessEvent, probes: &mut Probes) {

@@ -84,6 +84,7 @@ pub(super) async fn finish(
     let ended_ns = clock::monotonic_ns();
     let kc = traced.probes.counters();
     let first_sched = traced.job.take_all_sched(&mut traced.probes);
+    let sched_mismatches = traced.job.sched_mismatches;
     let job = detach_and_drain(traced.probes, traced.rings, traced.python, traced.job, ended_ns);
     let late_records = job.late_records;
     // The job's other processes end first: their rows go before the first session's end.
@@ -115,6 +116,14 @@ pub(super) async fn finish(
     }
     for warning in super::loss::loss_warnings(&kc, marked_steps, steps_without_start) {
         eprintln!("profiler: warning: {warning}");
+    }
+    if sched_mismatches > 0 {
+        eprintln!(
+            "profiler: warning: {sched_mismatches} context switches did not fit a thread's state as the scheduler \
+             programs kept it (one they did not see; a loaded machine): each loses that thread's time since its \
+             last switch from its step's scheduler columns, or one time off its CPU from its scheduler track \
+             (sessions.sched_mismatches)"
+        );
     }
     if end_reason.starts_with("error") {
         bail!("the session ended with an error; what was collected is in {}", output.display());
