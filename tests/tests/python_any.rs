@@ -409,7 +409,9 @@ fn attach_wrapper_of(python: &Interp) {
     let name = python.python.display().to_string();
     let dir = workdir(&format!("python-any-attach-wrapper{}", name.replace('/', "_")));
     let (db, truth, go) = (dir.join("p.db"), dir.join("truth.txt"), dir.join("go"));
-    let args = child_trainer_args(python, "40").join(" ");
+    // No `--wait-hook`: the trainer starts once the profiler says it is
+    // tracing, which for the frame hook means the child's field is written.
+    let args = trainer_args("40").join(" ");
     let script = format!(
         "{} {} {args} --truth {} --wait-file {}; echo done",
         python.python.display(),

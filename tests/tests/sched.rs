@@ -75,8 +75,8 @@ const MAX_MISMATCHES: i64 = 3;
 
 /// The four scheduler columns add up to each step's duration, but for a step
 /// per counted mismatch (each loses one interval of its thread), and the
-/// agent said so when there were any.
-fn assert_accounted(db: &Path, steps: &[Step], stderr: &str) {
+/// agent said so when there were any. Returns how many there were.
+fn assert_accounted(db: &Path, steps: &[Step], stderr: &str) -> i64 {
     let mismatches = count(db, "SELECT sched_mismatches FROM sessions WHERE id = ?1", last_session(db).id);
     assert!(mismatches <= MAX_MISMATCHES, "switches that did not fit the threads' states: {mismatches}\n{stderr}");
     let off: Vec<&Step> = steps.iter().filter(|s| s.unaccounted_ns().abs() > SUM_BOUND_NS).collect();
@@ -84,6 +84,7 @@ fn assert_accounted(db: &Path, steps: &[Step], stderr: &str) {
     if mismatches > 0 {
         assert!(stderr.contains("context switches did not fit"), "the mismatches are reported: {stderr}");
     }
+    mismatches
 }
 
 fn db_steps(db: &Path, session: i64, label: &str) -> Vec<Step> {
@@ -205,7 +206,7 @@ fn a_steps_cpu_time_sleep_and_copies_match_the_trainers_own_through_the_genuine_
     let (truth, truth_copies) = read_truth(&run.truth);
     let steps = db_steps(&run.db, run.session, "train");
     assert_eq!(steps.len(), truth.len(), "{}", run.stderr);
-    assert_accounted(&run.db, &steps, &run.stderr);
+    let mismatches = assert_accounted(&run.db, &steps, &run.stderr);
     for (t, s) in truth.iter().zip(&steps) {
         assert!((s.start_ns - t.start_ns).abs() < 1_000_000, "step boundaries line up: {t:?} {s:?}");
         // (h2d, d2h, d2d, calls): cudaMemcpy h2d 4096 + cudaMemcpy2D 64 x 8; cudaMemcpyAsync d2h 1000;
@@ -228,14 +229,14 @@ fn a_steps_cpu_time_sleep_and_copies_match_the_trainers_own_through_the_genuine_
     assert_eq!(db_copies(&run.db, run.session), truth_copies);
     let switches = count(&run.db, "SELECT context_switches FROM sessions WHERE id = ?1", run.session);
     assert!(switches >= 12, "each step's sleep is a context switch: {switches}");
-    assert_sched_track_matches_the_steps(&run, &steps);
+    assert_sched_track_matches_the_steps(&run, &steps, mismatches);
 }
 
 /// The Perfetto export's scheduler track of the stepping thread: clipped to
 /// each step, its `running`, `runnable`, `sleeping` and `blocked` slices add
 /// up to the step's four columns, and each step has its sleep as one
 /// `sleeping` slice at least as long; but for a step per counted mismatch.
-fn assert_sched_track_matches_the_steps(run: &Run, steps: &[Step]) {
+fn assert_sched_track_matches_the_steps(run: &Run, steps: &[Step], mismatches: i64) {
     let trace = run.db.with_file_name("trace.json");
     let (code, err) = profiler_output(&["export", path(&run.db), "-o", path(&trace)]);
     assert_eq!(code, Some(0), "{err}");
@@ -280,7 +281,6 @@ fn assert_sched_track_matches_the_steps(run: &Run, steps: &[Step]) {
             differ.push(format!("{off:?} (longest sleep {longest} ns): {s:?}"));
         }
     }
-    let mismatches = count(&run.db, "SELECT sched_mismatches FROM sessions WHERE id = ?1", run.session);
     assert!(differ.len() as i64 <= mismatches, "(slice, drawn, column) of {mismatches} mismatches: {differ:#?}");
 }
 

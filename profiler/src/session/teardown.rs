@@ -114,16 +114,8 @@ pub(super) async fn finish(
              dropped (counted in lost_events): that process's last steps may have no end"
         );
     }
-    for warning in super::loss::loss_warnings(&kc, marked_steps, steps_without_start) {
+    for warning in super::loss::loss_warnings(&kc, marked_steps, steps_without_start, sched_mismatches) {
         eprintln!("profiler: warning: {warning}");
-    }
-    if sched_mismatches > 0 {
-        eprintln!(
-            "profiler: warning: {sched_mismatches} context switches did not fit a thread's state as the scheduler \
-             programs kept it (one they did not see; a loaded machine): each loses that thread's time since its \
-             last switch from its step's scheduler columns, or one time off its CPU from its scheduler track \
-             (sessions.sched_mismatches)"
-        );
     }
     if end_reason.starts_with("error") {
         bail!("the session ended with an error; what was collected is in {}", output.display());
