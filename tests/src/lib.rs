@@ -308,7 +308,8 @@ impl Agent {
         });
         let agent = Agent { child, stderr, stderr_ended };
         if ready {
-            agent.wait_for("tracing PID", Duration::from_secs(30));
+            // The session's own line, which comes after every named process's (theirs say "tracing PID" too).
+            agent.wait_for("(Ctrl-C to stop)", Duration::from_secs(30));
         }
         agent
     }
