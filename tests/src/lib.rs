@@ -289,6 +289,15 @@ impl Agent {
     pub fn start_with_env(args: &[String], env: &[(&str, &str)], ready: bool) -> Agent {
         // After a run that did not go through `finish` (a raw `Command`).
         wait_for_probe_removal();
+        let agent = Self::spawn(args, env);
+        if ready {
+            // The session's own line, which comes after every named process's (theirs say "tracing PID" too).
+            agent.wait_for("(Ctrl-C to stop)", Duration::from_secs(30));
+        }
+        agent
+    }
+
+    fn spawn(args: &[String], env: &[(&str, &str)]) -> Agent {
         let mut child = Command::new(profiler_bin())
             .args(args)
             .envs(env.iter().copied())
@@ -306,12 +315,13 @@ impl Agent {
             }
             ended.store(true, std::sync::atomic::Ordering::Release);
         });
-        let agent = Agent { child, stderr, stderr_ended };
-        if ready {
-            // The session's own line, which comes after every named process's (theirs say "tracing PID" too).
-            agent.wait_for("(Ctrl-C to stop)", Duration::from_secs(30));
-        }
-        agent
+        Agent { child, stderr, stderr_ended }
+    }
+
+    /// Starts `profiler ARGS` at once: no wait for an earlier session's
+    /// probes to come off, none for this one's tracing line.
+    pub fn start_now(args: &[String], env: &[(&str, &str)]) -> Agent {
+        Self::spawn(args, env)
     }
 
     pub fn attach(pid: u32, db: &Path, extra: &[&str]) -> Agent {
@@ -346,9 +356,15 @@ impl Agent {
 
     /// Waits for exit, and for the kernel to finish removing its probes;
     /// returns the status and everything it printed.
-    pub fn finish(mut self) -> (ExitStatus, String) {
-        let status = self.child.wait().expect("wait profiler");
+    pub fn finish(self) -> (ExitStatus, String) {
+        let r = self.finish_now();
         wait_for_probe_removal();
+        r
+    }
+
+    /// As [`Agent::finish`], without waiting for the probes to come off.
+    pub fn finish_now(mut self) -> (ExitStatus, String) {
+        let status = self.child.wait().expect("wait profiler");
         // Every line read: the pipe ends once no process holds it (a target
         // `run` started, or a rank, may hold it longer: 5 s at most then).
         let t0 = Instant::now();
@@ -536,6 +552,23 @@ pub fn jax_pythons() -> Vec<(String, PathBuf)> {
 }
 
 /// The `site-packages` directories of the virtual environment at `venv`.
+/// The genuine CUDA runtime from the PyTorch wheels (`libcudart.so.13` or
+/// `.12`), or None, said as a visible skip.
+pub fn genuine_cudart() -> Option<PathBuf> {
+    for (_, python) in torch_pythons() {
+        let Some(venv) = python.parent().and_then(Path::parent) else { continue };
+        for packages in site_packages(venv) {
+            for rel in ["nvidia/cu13/lib/libcudart.so.13", "nvidia/cuda_runtime/lib/libcudart.so.12"] {
+                if packages.join(rel).exists() {
+                    return Some(packages.join(rel));
+                }
+            }
+        }
+    }
+    skip("no PyTorch environment with the CUDA runtime's libcudart (see `cargo xtask torch-env`)");
+    None
+}
+
 pub fn site_packages(venv: &Path) -> Vec<PathBuf> {
     let lib = std::fs::read_dir(venv.join("lib")).into_iter().flatten().flatten();
     lib.map(|e| e.path().join("site-packages")).filter(|p| p.is_dir()).collect()

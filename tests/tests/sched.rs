@@ -172,22 +172,6 @@ impl Drop for Go {
     }
 }
 
-/// The CUDA runtime from the PyTorch wheels (`libcudart.so.13` or `.12`).
-fn genuine_cudart() -> Option<PathBuf> {
-    for (_, python) in torch_pythons() {
-        let Some(venv) = python.parent().and_then(Path::parent) else { continue };
-        for packages in site_packages(venv) {
-            for rel in ["nvidia/cu13/lib/libcudart.so.13", "nvidia/cuda_runtime/lib/libcudart.so.12"] {
-                if packages.join(rel).exists() {
-                    return Some(packages.join(rel));
-                }
-            }
-        }
-    }
-    skip("no PyTorch environment with the CUDA runtime's libcudart (see `cargo xtask torch-env`)");
-    None
-}
-
 const SPIN_US: i64 = 3000;
 const SLEEP_US: i64 = 2000;
 

@@ -218,6 +218,9 @@ fn bpf_checks(privileged: bool, cap_fix: &str) -> Vec<Check> {
     }
     checks.push(uprobe_pmu_check());
     if bpf_ok {
+        checks.push(attach_mode_check());
+    }
+    if bpf_ok {
         checks.push(match is_map_supported(MapType::RingBuf) {
             Ok(true) => Check::pass("ring buffer", "a BPF ring buffer map can be created"),
             Ok(false) => {
@@ -258,6 +261,27 @@ fn btf_check() -> Check {
             "BTF",
             format!("{BTF_VMLINUX}: {e}"),
             "boot a kernel built with CONFIG_DEBUG_INFO_BTF=y (distribution kernels since 2021 are)",
+        ),
+    }
+}
+
+/// How the uprobes will be attached: uprobe-multi links, or one perf-event
+/// link per probe, which attaches and detaches far slower under load.
+fn attach_mode_check() -> Check {
+    use crate::probes::{AttachMode, attach_mode, multi};
+    match attach_mode() {
+        AttachMode::Multi => Check::pass(
+            "uprobe attach",
+            "uprobe-multi links: one link per program and library, attached and detached at once",
+        ),
+        AttachMode::PerProbe if multi::kernel_has_multi() => {
+            Check::info("uprobe attach", format!("one perf-event link per probe ({}=0 is set)", multi::MULTI_ENV))
+        }
+        AttachMode::PerProbe => Check::warn(
+            "uprobe attach",
+            "this kernel has no uprobe-multi links: one perf-event link per probe (attach takes seconds right \
+             after another session's detach)",
+            "use Linux 6.6 or later for uprobe-multi links",
         ),
     }
 }

@@ -5,7 +5,7 @@ use std::{os::unix::fs::MetadataExt, path::Path};
 
 use profiler_common::{BLAS_TEXTS, BlasCall, blas_programs};
 
-use super::{PlacedProbe, ProbeError, ProbePoint, Probes, elf, map_file};
+use super::{PlacedProbe, ProbeError, ProbePoint, ProbeSite, Probes, elf, map_file};
 
 /// A BLAS library, by file name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,22 +80,23 @@ impl Probes {
         let data = map_file(path).map_err(|source| ProbeError::Read { path: path.to_owned(), source })?;
         let symbols =
             elf::function_symbols(&data).map_err(|source| ProbeError::Elf { path: path.to_owned(), source })?;
-        let mut placed = Vec::new();
+        let (mut placed, mut sites) = (Vec::new(), Vec::new());
         for call in library.calls() {
             let Some(sym) = symbols.iter().find(|s| s.name == call.symbol()) else { continue };
             let ProbePoint { offset, stack_adjust, reason } = self.probe_point(&data, sym);
             let cookie = call as u64 | (stack_adjust << 32);
             if call.creates() {
                 // The return first: an entry is never left waiting for a return unprobed.
-                self.attach(blas_programs::CREATE_RETURN, path, sym.file_offset, call as u64)?;
-                self.attach(blas_programs::CREATE, path, sym.file_offset + offset, cookie)?;
+                sites.push(ProbeSite::new(blas_programs::CREATE_RETURN, sym.file_offset, call as u64));
+                sites.push(ProbeSite::new(blas_programs::CREATE, sym.file_offset + offset, cookie));
                 let reason = format!("{reason}; and its return (reads the handle)");
                 placed.push(PlacedProbe { symbol: call.symbol(), offset, reason });
             } else {
-                self.attach(blas_programs::CALL, path, sym.file_offset + offset, cookie)?;
+                sites.push(ProbeSite::new(blas_programs::CALL, sym.file_offset + offset, cookie));
                 placed.push(PlacedProbe { symbol: call.symbol(), offset, reason });
             }
         }
+        self.attach_sites(path, &sites)?;
         Ok(placed)
     }
 

@@ -6,7 +6,7 @@ use std::{os::unix::fs::MetadataExt, path::Path};
 use aya::maps::{Array, MapData};
 use profiler_common::{ApiLayer, LaunchApi, RUNTIME_TEXTS, SyncApi, maps as map_names, name_call, programs};
 
-use super::{PlacedProbe, ProbeError, ProbePoint, Probes, elf, map_file, maps::LibraryKind};
+use super::{PlacedProbe, ProbeError, ProbePoint, ProbeSite, Probes, elf, map_file, maps::LibraryKind};
 
 impl Probes {
     /// Probes the launch entry points, host synchronisation calls and (for
@@ -73,7 +73,7 @@ impl Probes {
                 Array::try_from(map).map_err(|source| ProbeError::Map { name: map_names::RUNTIME_PROBED, source })?;
             flag.set(0, 1, 0).map_err(|source| ProbeError::Map { name: map_names::RUNTIME_PROBED, source })?;
         }
-        let mut placed = Vec::new();
+        let (mut placed, mut sites) = (Vec::new(), Vec::new());
         for api in LaunchApi::ALL.into_iter().filter(|a| a.layer() == layer) {
             let Some(sym) = symbols.iter().find(|s| s.name == api.symbol()) else {
                 continue;
@@ -83,7 +83,7 @@ impl Probes {
             // pushes ran before the probe; the shared program that does takes
             // it from the cookie.
             let cookie = api as u64 | (stack_adjust << 32);
-            self.attach(api.program(stack_adjust), path, sym.file_offset + offset, cookie)?;
+            sites.push(ProbeSite::new(api.program(stack_adjust), sym.file_offset + offset, cookie));
             placed.push(PlacedProbe { symbol: api.symbol(), offset, reason });
         }
         // Host synchronisation calls: not hot, so at their entry; the return
@@ -93,11 +93,10 @@ impl Probes {
             let Some(sym) = symbols.iter().find(|s| s.name == api.symbol()) else {
                 continue;
             };
-            self.attach(programs::SYNC_EXIT, path, sym.file_offset, api as u64)?;
-            self.attach(programs::SYNC_ENTER, path, sym.file_offset, api as u64)?;
+            sites.push(ProbeSite::new(programs::SYNC_EXIT, sym.file_offset, api as u64));
+            sites.push(ProbeSite::new(programs::SYNC_ENTER, sym.file_offset, api as u64));
             placed.push(PlacedProbe { symbol: api.symbol(), offset: 0, reason: "sync entry and return".into() });
         }
-        placed.extend(self.attach_copies(path, &symbols, layer)?);
         // The calls that name kernels (driver only; rare: entry and return).
         if layer == ApiLayer::Driver {
             for (symbol, which) in [
@@ -106,11 +105,17 @@ impl Probes {
                 ("cuKernelGetFunction", name_call::KERNEL_GET_FUNCTION),
             ] {
                 let Some(sym) = symbols.iter().find(|s| s.name == symbol) else { continue };
-                self.attach(programs::NAME_EXIT, path, sym.file_offset, which.into())?;
-                self.attach(programs::NAME_ENTER, path, sym.file_offset, which.into())?;
+                sites.push(ProbeSite::new(programs::NAME_EXIT, sym.file_offset, which.into()));
+                sites.push(ProbeSite::new(programs::NAME_ENTER, sym.file_offset, which.into()));
                 placed.push(PlacedProbe { symbol, offset: 0, reason: "kernel name entry and return".into() });
             }
         }
+        self.attach_sites(path, &sites)?;
+        // The copies last: the most probes (98 entry points in a driver), and
+        // the launch and sync probes are what steps are counted by.
+        let mut copies = Vec::new();
+        placed.extend(Self::copy_sites(&symbols, layer, &mut copies));
+        self.attach_sites(path, &copies)?;
         Ok(placed)
     }
 

@@ -20,7 +20,7 @@ use std::{collections::HashMap, os::unix::fs::FileExt, path::Path};
 use object::{Object, ObjectSymbol, SymbolKind};
 use profiler_common::jax_programs;
 
-use super::{ProbeError, Probes, elf};
+use super::{ProbeError, ProbeSite, Probes, elf};
 
 /// `jax::(anonymous namespace)::PjitFunction::Call(nanobind::handle, _object* const*, unsigned long, _object*)`.
 pub const CALL_SYMBOL: &str = "_ZN3jax12_GLOBAL__N_112PjitFunction4CallEN8nanobind6handleEPKP7_objectmS5_";
@@ -57,15 +57,12 @@ impl Probes {
             (jax_programs::EXIT, "return: the call is dispatched"),
             (jax_programs::ENTER, "entry: reads this (rsi) and the object called (rdx)"),
         ];
-        let mut placed = Vec::new();
-        for (program, why) in points {
-            if let Err(e) = self.attach(program, path, call, 0) {
-                self.links.truncate(before);
-                return Err(e);
-            }
-            placed.push((CALL.to_string(), 0, why.to_string()));
+        let sites = points.map(|(program, _)| ProbeSite::new(program, call, 0));
+        if let Err(e) = self.attach_sites(path, &sites) {
+            self.links.truncate(before);
+            return Err(e);
         }
-        Ok(placed)
+        Ok(points.iter().map(|(_, why)| (CALL.to_string(), 0, why.to_string())).collect())
     }
 }
 

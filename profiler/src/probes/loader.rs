@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use profiler_common::programs;
 
-use super::{ProbeError, Probes, elf, map_file, open_in_target};
+use super::{ProbeError, ProbeSite, Probes, elf, map_file, open_in_target};
 
 /// The function glibc's and musl's dynamic loaders call before and after each
 /// change to the loaded objects, for debuggers (`r_debug.r_brk`).
@@ -30,7 +30,7 @@ impl Probes {
             return Ok(None);
         };
         // At the entry: it runs a few times per dlopen, never on a hot path.
-        self.attach(programs::LOADER, path, hook.file_offset, 0)?;
+        self.attach_sites(path, &[ProbeSite::new(programs::LOADER, hook.file_offset, 0)])?;
         Ok(Some(hook.file_offset))
     }
 }

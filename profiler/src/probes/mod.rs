@@ -13,6 +13,7 @@ pub mod jax;
 mod job;
 pub mod loader;
 pub mod maps;
+pub mod multi;
 pub mod nccl;
 pub mod placement;
 pub mod python;
@@ -52,6 +53,9 @@ pub enum ProbeError {
     Load(#[from] aya::EbpfError),
     #[error("eBPF program {name}: {source}")]
     Program { name: &'static str, source: aya::programs::ProgramError },
+    /// A uprobe-multi link (see [`multi`]) the kernel refused.
+    #[error("eBPF program {name}: uprobe-multi link on {path}: {source}")]
+    MultiLink { name: &'static str, path: PathBuf, source: std::io::Error },
     #[error("eBPF object has no {0}; rebuild with `cargo xtask build`")]
     Missing(&'static str),
     #[error("map {name}: {source}")]
@@ -65,6 +69,38 @@ pub enum ProbeError {
         "cannot follow child processes: {0} (without --children, or with --no-children, the named processes are traced)"
     )]
     KernelTypes(String),
+}
+
+/// One probe to attach: a program, a file offset, the cookie it reads.
+#[derive(Clone, Copy, Debug)]
+pub struct ProbeSite {
+    pub program: &'static str,
+    pub offset: u64,
+    pub cookie: u64,
+}
+
+impl ProbeSite {
+    pub fn new(program: &'static str, offset: u64, cookie: u64) -> Self {
+        Self { program, offset, cookie }
+    }
+}
+
+/// How the probes of a session are attached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttachMode {
+    /// One uprobe-multi link per program and file (Linux ≥ 6.6).
+    Multi,
+    /// One perf-event link per probe: older kernels, or `PROFILER_UPROBE_MULTI=0`.
+    PerProbe,
+}
+
+/// One attachment: a perf-event uprobe, or a multi link of many.
+enum Link {
+    // Held for its drop, which detaches.
+    #[expect(dead_code, reason = "held only so that dropping it detaches the probe")]
+    Perf(UProbeLink),
+    #[expect(dead_code, reason = "held only so that dropping it detaches the probes")]
+    Multi(std::os::fd::OwnedFd),
 }
 
 /// Where one probe went in a library, and why.
@@ -138,8 +174,11 @@ pub struct Probes {
     probed: HashSet<(u64, u64)>,
     counters: [PerCpuArray<MapData, u64>; 5],
     stages: StagedLaunches,
-    /// Every uprobe attached, owned here so that `detach` closes them all at once.
-    links: Vec<UProbeLink>,
+    /// Every uprobe attached, owned here so that `detach` closes them all at
+    /// once, each link with the number of probes it holds.
+    links: Vec<(Link, usize)>,
+    /// The programs for multi links, where the kernel makes them.
+    multi: Option<multi::MultiPrograms>,
 }
 
 /// The launch records threads have staged in the kernel and not yet written
@@ -262,13 +301,19 @@ impl Probes {
             .map_max_entries(map_names::EVENTS, ring_bytes(RING_BYTES_ENV, EVENTS_BYTES))
             .map_max_entries(map_names::ORDERED_EVENTS, ring_bytes(ORDERED_RING_BYTES_ENV, ORDERED_EVENTS_BYTES))
             .load(EBPF_OBJECT)?;
-        for name in program_names() {
-            let prog: &mut UProbe = ebpf
-                .program_mut(name)
-                .ok_or(ProbeError::Missing(name))?
-                .try_into()
-                .map_err(|source| ProbeError::Program { name, source })?;
-            prog.load().map_err(|source| ProbeError::Program { name, source })?;
+        let multi = match attach_mode() {
+            AttachMode::Multi => multi::MultiPrograms::prepare(&ebpf, EBPF_OBJECT)
+                .inspect_err(|e| log::warn!("uprobe-multi links unavailable ({e}): one link per probe"))
+                .ok(),
+            AttachMode::PerProbe => None,
+        };
+        // Without multi links every uprobe program is loaded now (a verifier
+        // error shows before any probe goes in); with them, aya's copy of a
+        // program is loaded only if a multi link is refused.
+        if multi.is_none() {
+            for name in program_names() {
+                load_uprobe(&mut ebpf, name)?;
+            }
         }
         // Released when a target thread exits: before any probe, so that no
         // thread's state outlives it.
@@ -305,17 +350,69 @@ impl Probes {
             .map_err(|source| ProbeError::Map { name: map_names::LAUNCH_STAGES, source })?;
         let kernel = if place_probes { placement::running_kernel_version() } else { None };
         let stages = StagedLaunches(stages);
-        let probes = Self { ebpf, pid, scope, kernel, probed: HashSet::new(), counters, stages, links: Vec::new() };
+        let probes =
+            Self { ebpf, pid, scope, kernel, probed: HashSet::new(), counters, stages, links: Vec::new(), multi };
         Ok((probes, rings))
     }
 
+    /// How many uprobes are attached.
+    pub fn attached(&self) -> usize {
+        self.links.iter().map(|(_, n)| n).sum()
+    }
+
+    /// How this session's probes are attached.
+    pub fn attach_mode(&self) -> AttachMode {
+        if self.multi.is_some() { AttachMode::Multi } else { AttachMode::PerProbe }
+    }
+
+    /// Attaches `sites` in `path`. With multi links, one link per program,
+    /// made in the order the programs first appear in `sites` (so a return
+    /// probe listed before its entry probe is in place first); a link the
+    /// kernel refuses is retried one probe at a time, which names the probe
+    /// it refuses. Without, one probe at a time in the order given. On an
+    /// error the links made so far stay: callers that want all or nothing
+    /// truncate `links`.
+    fn attach_sites(&mut self, path: &Path, sites: &[ProbeSite]) -> Result<(), ProbeError> {
+        if self.multi.is_none() {
+            return sites.iter().try_for_each(|s| self.attach(s.program, path, s.offset, s.cookie));
+        }
+        let mut programs: Vec<&'static str> = Vec::new();
+        for s in sites {
+            if !programs.contains(&s.program) {
+                programs.push(s.program);
+            }
+        }
+        let pid = match self.scope {
+            UProbeScope::OneProcess(pid) => Some(pid.get()),
+            _ => None,
+        };
+        for program in programs {
+            let group: Vec<&ProbeSite> = sites.iter().filter(|s| s.program == program).collect();
+            let offsets: Vec<u64> = group.iter().map(|s| s.offset).collect();
+            let cookies: Vec<u64> = group.iter().map(|s| s.cookie).collect();
+            let Some(multi) = self.multi.as_mut() else { break };
+            match multi.link(program, path, &offsets, &cookies, pid) {
+                Ok(fd) => {
+                    self.links.push((Link::Multi(fd), group.len()));
+                }
+                // The target is gone: no other way will attach either.
+                Err(source) if source.raw_os_error() == Some(libc::ESRCH) => {
+                    return Err(ProbeError::MultiLink { name: program, path: path.to_owned(), source });
+                }
+                Err(e) => {
+                    log::info!("{program}: uprobe-multi link on {} refused ({e}); one probe at a time", path.display());
+                    for s in group {
+                        self.attach(s.program, path, s.offset, s.cookie)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One probe on its own perf-event link.
     fn attach(&mut self, program: &'static str, path: &Path, offset: u64, cookie: u64) -> Result<(), ProbeError> {
-        let prog: &mut UProbe = self
-            .ebpf
-            .program_mut(program)
-            .ok_or(ProbeError::Missing(program))?
-            .try_into()
-            .map_err(|source| ProbeError::Program { name: program, source })?;
+        let prog = load_uprobe(&mut self.ebpf, program)?;
         let point = UProbeAttachPoint { location: UProbeAttachLocation::AbsoluteOffset(offset), cookie: Some(cookie) };
         // OneProcess: the kernel installs the breakpoints only in the target's
         // address space (all its threads), so other processes using the same
@@ -323,7 +420,7 @@ impl Probes {
         let id =
             prog.attach(point, path, self.scope).map_err(|source| ProbeError::Program { name: program, source })?;
         let link = prog.take_link(id).map_err(|source| ProbeError::Program { name: program, source })?;
-        self.links.push(link);
+        self.links.push((Link::Perf(link), 1));
         Ok(())
     }
 
@@ -385,7 +482,7 @@ impl Probes {
 
     /// The benchmark's floor: an empty program on `file_offset` of `path`.
     pub fn attach_bare(&mut self, path: &Path, file_offset: u64) -> Result<(), ProbeError> {
-        self.attach(programs::BARE, path, file_offset, 0)
+        self.attach_sites(path, &[ProbeSite::new(programs::BARE, file_offset, 0)])
     }
 
     pub fn counters(&self) -> KernelCounters {
@@ -414,8 +511,8 @@ impl Probes {
     /// to the probes go with a child process (see [`release_elsewhere`]),
     /// which leaves the target's probes, idle, for the kernel to remove.
     pub fn detach(self) -> StagedLaunches {
-        let Self { mut ebpf, stages, links, .. } = self;
-        let (count, t0) = (links.len(), std::time::Instant::now());
+        let (count, t0) = (self.attached(), std::time::Instant::now());
+        let Self { mut ebpf, stages, links, multi, .. } = self;
         let releaser = match stop_programs(&mut ebpf) {
             Ok(()) => {
                 // Programs already past the check finish within microseconds.
@@ -431,6 +528,7 @@ impl Probes {
         };
         // Reference drops when the grandchild holds copies; else the slow closes, here.
         drop(links);
+        drop(multi);
         drop(ebpf);
         // Lets the grandchild go: it closes the last references.
         drop(releaser);
@@ -438,6 +536,25 @@ impl Probes {
         log::info!("detached {count} uprobes in {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
         stages
     }
+}
+
+/// Multi links where the kernel makes them, unless `PROFILER_UPROBE_MULTI=0`.
+pub fn attach_mode() -> AttachMode {
+    let wanted = std::env::var(multi::MULTI_ENV).map_or(true, |v| v.trim() != "0");
+    if wanted && multi::kernel_has_multi() { AttachMode::Multi } else { AttachMode::PerProbe }
+}
+
+/// `name`, aya's copy, loaded if it is not yet.
+fn load_uprobe<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut UProbe, ProbeError> {
+    let prog: &mut UProbe = ebpf
+        .program_mut(name)
+        .ok_or(ProbeError::Missing(name))?
+        .try_into()
+        .map_err(|source| ProbeError::Program { name, source })?;
+    if prog.fd().is_err() {
+        prog.load().map_err(|source| ProbeError::Program { name, source })?;
+    }
+    Ok(prog)
 }
 
 /// Sets `STOPPED`: every program returns at once from now on.

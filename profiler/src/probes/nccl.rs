@@ -8,7 +8,7 @@ use std::path::Path;
 
 use profiler_common::{CollectiveOp, nccl_programs};
 
-use super::{PlacedProbe, ProbeError, Probes, elf};
+use super::{PlacedProbe, ProbeError, ProbeSite, Probes, elf};
 
 /// Whether `path` is NCCL's library (`libnccl.so`, `libnccl.so.2`, `libnccl.so.2.30.3`).
 pub fn is_libnccl(path: &Path) -> bool {
@@ -37,18 +37,17 @@ impl Probes {
         entries: &[(CollectiveOp, u64)],
     ) -> Result<Vec<PlacedProbe>, ProbeError> {
         let before = self.links.len();
-        let mut placed = Vec::new();
+        let (mut placed, mut sites) = (Vec::new(), Vec::new());
         for &(op, file_offset) in entries {
             // The return probe first: a call caught between the two has no
             // entry kept, and its return writes nothing.
-            let attached = self
-                .attach(nccl_programs::EXIT, path, file_offset, op as u64)
-                .and_then(|()| self.attach(nccl_programs::ENTER, path, file_offset, op as u64));
-            if let Err(e) = attached {
-                self.links.truncate(before);
-                return Err(e);
-            }
+            sites.push(ProbeSite::new(nccl_programs::EXIT, file_offset, op as u64));
+            sites.push(ProbeSite::new(nccl_programs::ENTER, file_offset, op as u64));
             placed.push(PlacedProbe { symbol: op.symbol(), offset: 0, reason: PLACEMENT.into() });
+        }
+        if let Err(e) = self.attach_sites(path, &sites) {
+            self.links.truncate(before);
+            return Err(e);
         }
         Ok(placed)
     }

@@ -8,7 +8,7 @@ use profiler_common::programs;
 use crate::step_label;
 
 use super::{
-    ProbeError, Probes,
+    ProbeError, ProbeSite, Probes,
     elf::{self, FunctionSymbol},
 };
 
@@ -153,8 +153,14 @@ pub fn resolve<B: AsRef<[u8]>>(
 impl Probes {
     /// Entry and return probes on the step function.
     pub fn attach_step(&mut self, path: &Path, file_offset: u64, probe_id: u32) -> Result<(), ProbeError> {
-        self.attach(programs::STEP_ENTER, path, file_offset, probe_id.into())?;
-        self.attach(programs::STEP_EXIT, path, file_offset, probe_id.into())
+        let cookie = probe_id.into();
+        self.attach_sites(
+            path,
+            &[
+                ProbeSite::new(programs::STEP_ENTER, file_offset, cookie),
+                ProbeSite::new(programs::STEP_EXIT, file_offset, cookie),
+            ],
+        )
     }
 }
 

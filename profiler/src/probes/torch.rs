@@ -13,7 +13,7 @@ use std::path::Path;
 use object::{Object, ObjectSymbol, SymbolKind};
 use profiler_common::torch_programs;
 
-use super::{ProbeError, Probes, elf};
+use super::{ProbeError, ProbeSite, Probes, elf};
 
 const ENTER: &str = "torch::autograd::profiler::record_function_enter_new";
 const EXIT: &str = "torch::autograd::profiler::record_function_exit_new";
@@ -126,15 +126,15 @@ impl Probes {
                 (torch_programs::ENTER, enter("entry: reads the name"), syms.enter, 0)
             },
         ]);
-        let mut placed = Vec::new();
-        for (program, row, file_offset, cookie) in points {
-            if let Err(e) = self.attach(program, path, file_offset, cookie) {
-                self.links.truncate(before);
-                return Err(e);
-            }
-            placed.push(row);
+        let sites: Vec<ProbeSite> = points
+            .iter()
+            .map(|&(program, _, file_offset, cookie)| ProbeSite::new(program, file_offset, cookie))
+            .collect();
+        if let Err(e) = self.attach_sites(path, &sites) {
+            self.links.truncate(before);
+            return Err(e);
         }
-        Ok(placed)
+        Ok(points.into_iter().map(|(_, row, _, _)| row).collect())
     }
 
     /// The exit's probe: on its `jmp` where the body is the one

@@ -35,9 +35,11 @@ pub(super) fn attach_all(
     }
     attach_loader(target, probes, watcher, &mut libraries);
     attach_predicted_driver(target, probes, watcher, &mut libraries);
+    pause_for_tests(target.pid);
     // The step probes go in last, so that every step they see has the launch
     // probes of the libraries known now in place for its whole span.
     attach_step_symbols(cfg, target.pid, probes, steps, &mut libraries)?;
+    log::info!("{} uprobes attached ({:?})", probes.attached(), probes.attach_mode());
     let python_steps = match &steps.python {
         Some(py) => Some(attach_python(cfg, probes, py, steps.symbols.len(), &mut libraries)?),
         None => None,
@@ -50,6 +52,20 @@ pub(super) fn attach_all(
         );
     }
     Ok((libraries, python_steps))
+}
+
+/// Tests only: `PROFILER_TEST_ATTACH_PAUSE_MS=N` holds the attach between
+/// the library probes and the step probes for up to N ms, or until the target
+/// exits, so that a test can end its target while attach is under way.
+const TEST_PAUSE_ENV: &str = "PROFILER_TEST_ATTACH_PAUSE_MS";
+
+fn pause_for_tests(pid: u32) {
+    let Some(ms) = std::env::var(TEST_PAUSE_ENV).ok().and_then(|v| v.trim().parse::<u64>().ok()) else { return };
+    eprintln!("profiler: {TEST_PAUSE_ENV}: pausing before the step probes");
+    let until = std::time::Instant::now() + std::time::Duration::from_millis(ms);
+    while std::time::Instant::now() < until && probes::is_alive(pid) {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }
 
 /// The loader's hook: libraries loaded from now on are looked for as soon

@@ -123,6 +123,14 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
             status.clear();
             r
         }
+        // The target ended while its probes went in: not an error. What the
+        // probes in place saw is in the rings, and teardown takes it.
+        Err(e) if !crate::probes::is_alive(target.pid) => {
+            log::info!("attach stopped by the target's exit: {e:#}");
+            let pid = target.pid;
+            say!(cfg.quiet, "PID {pid} exited while the probes were going in; the session ends with what they saw");
+            Ok(("target-exited".into(), None))
+        }
         Err(e) => Err(e),
     };
     let traced = teardown::Traced { probes, rings, python, job, samplers, writer };
