@@ -48,9 +48,10 @@ enum Task {
     FuzzCorpus,
     /// rustfmt check, and clippy with warnings denied for the host crates and the eBPF crate.
     Lint,
-    /// Print the overhead and throughput tables (`torch`, `sched`, `frame-hook`, `flops` or `jobs`: only that table).
+    /// Print the overhead and throughput tables (`attach`, `torch`, `sched`, `frame-hook`, `flops` or `jobs`: only that table).
     Bench {
-        /// `torch`: only the PyTorch steps table; `sched`: only the scheduler and copy programs' cost
+        /// `attach`: only attach and detach times, per-probe links against uprobe-multi links, with the
+        /// genuine driver and runtime; `torch`: only the PyTorch steps table; `sched`: only the scheduler and copy programs' cost
         /// per context switch and per copy call; `frame-hook`: only the PEP 523 frame hook's
         /// (ns per Python call, step boundary error); `flops`: only the cost per traced GEMM call;
         /// `jobs`: only the 8-rank job (attach time, agent CPU, events/s, lost).

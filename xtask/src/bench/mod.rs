@@ -3,6 +3,7 @@
 //! table and asserts nothing. The shared pieces (attaching, the clock, the
 //! median) are in [`harness`]; each table is a module of its own.
 mod agent;
+mod attach;
 mod flops;
 mod frame_hook;
 mod fuzz;
@@ -21,7 +22,8 @@ use anyhow::{Result, bail};
 type Table = fn(&Path) -> Result<()>;
 
 /// The tables that run alone by name (`cargo xtask bench NAME`).
-const PARTS: [(&str, Table); 5] = [
+const PARTS: [(&str, Table); 6] = [
+    ("attach", attach::attach_table),
     ("torch", torch::torch_table),
     ("sched", sched::sched_table),
     ("frame-hook", frame_hook::frame_hook_table),
