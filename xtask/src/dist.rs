@@ -114,6 +114,29 @@ pub fn dist() -> Result<PathBuf> {
     Ok(out)
 }
 
+/// The synthetic trainer and the stand-in libcuda built against glibc
+/// [`GLIBC`] (zig's C compiler), into `target/dist/fixtures/`: the install
+/// tests run them beside the dist binary in a Debian 11 root, whose glibc
+/// is older than the host's (which `cargo xtask fixtures` builds against).
+pub fn old_glibc_fixtures() -> Result<PathBuf> {
+    let tools = zig_tools()?;
+    let dir = root().join("target/dist/fixtures");
+    std::fs::create_dir_all(&dir)?;
+    let src = root().join("tests/fixtures");
+    let zig_cc = |args: &[&str]| -> Result<()> {
+        run(Command::new(tools.join("python"))
+            .current_dir(&src)
+            .args(["-m", "ziglang", "cc", "-target", &format!("x86_64-linux-gnu.{GLIBC}"), "-O2", "-g", "-Wall"])
+            .args(args))
+    };
+    say(format!("building the trainer and the stand-in libcuda for glibc {GLIBC} into {}", dir.display()));
+    let lib = dir.join("libcuda.so.1").display().to_string();
+    zig_cc(&["-shared", "-fPIC", "-fvisibility=hidden", "-Wl,-soname,libcuda.so.1", "-o", &lib, "fake_cuda.c"])?;
+    let trainer = dir.join("trainer").display().to_string();
+    zig_cc(&["-rdynamic", "-o", &trainer, "trainer.c", "-ldl", "-lpthread"])?;
+    Ok(dir)
+}
+
 /// `2.31` → (2, 31, 0); anything unparsable sorts first.
 fn version_key(v: &str) -> (u32, u32, u32) {
     let mut p = v.split('.').map(|x| x.parse::<u32>().unwrap_or(0));

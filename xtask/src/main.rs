@@ -288,7 +288,13 @@ fn run_task(task: Task) -> Result<()> {
         Task::Test { args } => {
             build()?;
             fixtures()?;
-            suite::test(&args)
+            // The install tests run the dist binary; where it cannot be
+            // built here (no PyPI, no python3 venv), they say SKIPPED and why.
+            let dist = dist::dist().and_then(|bin| Ok((bin, dist::old_glibc_fixtures()?)));
+            if let Err(e) = &dist {
+                say(format!("no dist binary for the install tests: {e:#}"));
+            }
+            suite::test(&args, dist.map_err(|e| format!("{e:#}")))
         }
         Task::FuzzCorpus => suite::fuzz_corpus(),
         Task::Bench { only } => {

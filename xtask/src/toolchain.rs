@@ -142,7 +142,9 @@ pub fn ensure_ebpf_toolchain() -> Result<()> {
     // `no-llvm-linking`: llvm-sys links no LLVM of its own; the library is
     // named on the link line, and the rpath finds it where rustup keeps it.
     let rustflags = format!("-C link-arg={} -C link-arg=-Wl,-rpath,{}", llvm.display(), dir.display());
-    run(cargo().current_dir(crate::root()).env("RUSTFLAGS", rustflags).args([
+    // From `/`: no rust-toolchain.toml picks the compiler (the workspace's
+    // root may not exist where setup runs, as in the install test's root).
+    run(cargo().current_dir("/").env("RUSTFLAGS", rustflags).args([
         "install",
         "bpf-linker",
         "--version",
