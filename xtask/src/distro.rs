@@ -260,11 +260,11 @@ mod tests {
         // What `-t trixie llvm-22-dev` did to a Debian 12 host.
         let trixie = "Inst libc6 [2.36-9+deb12u10] (2.41-12 Debian:13.1/stable [amd64]) []\n\
                       Inst llvm-22-dev (1:22.1.8-1 Debian:13.1/stable [amd64])\n";
-        let err = check_plan(&parse_apt_simulation(trixie), &BOOKWORM).unwrap_err();
+        let err = check_plan(&parse_apt_simulation(trixie), &BOOKWORM).expect_err("refused");
         assert!(err.contains("libc6 2.36-9+deb12u10 → 2.41-12"), "{err}");
         // New packages, but from Debian 13's archive.
         let foreign = "Inst llvm-22-dev (1:22.1.8-1 Debian:13.1/stable [amd64])\n";
-        let err = check_plan(&parse_apt_simulation(foreign), &BOOKWORM).unwrap_err();
+        let err = check_plan(&parse_apt_simulation(foreign), &BOOKWORM).expect_err("refused");
         assert!(err.contains("outside Debian 12 (bookworm)'s archive") && err.contains("llvm-22-dev"), "{err}");
         // 12 is not a prefix of 120, nor is Debian Ubuntu.
         assert!(!origin_is_release("Debian:120/stable", &BOOKWORM));
