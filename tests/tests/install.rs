@@ -276,6 +276,13 @@ fn setup_changes_only_what_it_names() {
         std::os::unix::fs::symlink("rustup", root.path(&format!("/opt/rustup-bin/{proxy}"))).expect("proxy link");
     }
     root.copy_in(Path::new(&xtask), &format!("{IN_ROOT_BIN}/xtask"));
+    // cargo reaches crates.io with the host's CA bundle (a minbase root has
+    // none, and this network may present its own CA), as a file in /tmp: no
+    // package, nothing under /etc.
+    let host_ca = Path::new("/etc/ssl/certs/ca-certificates.crt");
+    if host_ca.exists() {
+        root.copy_in(host_ca, "/tmp/host-ca.crt");
+    }
 
     let before = root.packages();
     let apt_before = root.files("/etc/apt");
@@ -288,6 +295,7 @@ fn setup_changes_only_what_it_names() {
             .env("HOME", "/root")
             .env("RUSTUP_HOME", &rustup_inside)
             .env("CARGO_HOME", "/root/.cargo")
+            .env("CARGO_HTTP_CAINFO", "/tmp/host-ca.crt")
             .output()
             .expect("run xtask setup in the root");
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
