@@ -229,6 +229,18 @@ impl Trainer {
         Trainer { child, truth, go, probed }
     }
 
+    /// Starts the trainer at `trainer` inside `root` through chroot(8) (which
+    /// execs it: its PID is the trainer's), with `lib_dir` (a path inside the
+    /// root) as LD_LIBRARY_PATH; its files live in the root's /tmp.
+    pub fn spawn_in_root(root: &Path, trainer: &str, lib_dir: &str, args: &[&str]) -> Trainer {
+        let mut c = Command::new("chroot");
+        c.arg(root).arg(trainer).args(args);
+        c.args(["--truth", "/tmp/truth.txt", "--wait-file", "/tmp/go", "--probed-file", "/tmp/probed"]);
+        let child = c.env("LD_LIBRARY_PATH", lib_dir).spawn().expect("start chroot trainer");
+        let tmp = root.join("tmp");
+        Trainer { child, truth: tmp.join("truth.txt"), go: tmp.join("go"), probed: tmp.join("probed") }
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
@@ -287,9 +299,17 @@ impl Agent {
 
     /// As [`Agent::start`], with extra environment variables for the profiler.
     pub fn start_with_env(args: &[String], env: &[(&str, &str)], ready: bool) -> Agent {
+        let mut command = Command::new(profiler_bin());
+        command.args(args).envs(env.iter().copied());
+        Self::spawn(command, ready)
+    }
+
+    /// Starts `command`, a profiler however it is reached (through chroot(8),
+    /// say), as [`Agent::start`] does.
+    pub fn spawn(command: Command, ready: bool) -> Agent {
         // After a run that did not go through `finish` (a raw `Command`).
         wait_for_probe_removal();
-        let agent = Self::spawn(args, env);
+        let agent = Self::launch(command);
         if ready {
             // The session's own line, which comes after every named process's (theirs say "tracing PID" too).
             agent.wait_for("(Ctrl-C to stop)", Duration::from_secs(30));
@@ -297,14 +317,9 @@ impl Agent {
         agent
     }
 
-    fn spawn(args: &[String], env: &[(&str, &str)]) -> Agent {
-        let mut child = Command::new(profiler_bin())
-            .args(args)
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start profiler");
+    /// Starts `command` with its stderr collected; waits for nothing.
+    fn launch(mut command: Command) -> Agent {
+        let mut child = command.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("start profiler");
         let stderr = Arc::new(Mutex::new(Vec::new()));
         let stderr_ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (sink, ended) = (stderr.clone(), stderr_ended.clone());
@@ -321,7 +336,9 @@ impl Agent {
     /// Starts `profiler ARGS` at once: no wait for an earlier session's
     /// probes to come off, none for this one's tracing line.
     pub fn start_now(args: &[String], env: &[(&str, &str)]) -> Agent {
-        Self::spawn(args, env)
+        let mut command = Command::new(profiler_bin());
+        command.args(args).envs(env.iter().copied());
+        Self::launch(command)
     }
 
     pub fn attach(pid: u32, db: &Path, extra: &[&str]) -> Agent {

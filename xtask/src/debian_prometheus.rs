@@ -18,7 +18,12 @@ pub fn fetch(fixtures: &Path) -> Result<()> {
     let dir = cache.join(SUITE);
     if !dir.join("root/usr/bin/prometheus").exists() {
         say(format!("fetching Debian {SUITE}'s prometheus (a test fixture, not installed)"));
-        let fetched = crate::debian_debs::fetch_and_unpack(&dir, SUITE, &["prometheus".to_string()]).and_then(|root| {
+        let fetched = crate::debian_debs::fetch_and_unpack(
+            &dir,
+            &crate::debian_debs::Source::main(SUITE),
+            &["prometheus".to_string()],
+        )
+        .and_then(|root| {
             if !root.join("usr/bin/prometheus").exists() {
                 bail!("the prometheus package left no usr/bin/prometheus");
             }

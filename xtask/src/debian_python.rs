@@ -45,7 +45,7 @@ fn fetch_suite(dir: &Path, suite: &str, version: &str) -> Result<()> {
         "libexpat1".into(),
         "zlib1g".into(),
     ];
-    let root = crate::debian_debs::fetch_and_unpack(dir, suite, &packages)?;
+    let root = crate::debian_debs::fetch_and_unpack(dir, &crate::debian_debs::Source::main(suite), &packages)?;
     if !root.join(format!("usr/bin/python{version}")).exists() {
         bail!("python{version}-minimal left no usr/bin/python{version}");
     }

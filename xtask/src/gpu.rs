@@ -24,7 +24,7 @@ const EXIT_PARTIAL: i32 = 4;
 
 /// Shared libraries the profiler may need on the GPU machine: glibc's own,
 /// present on any glibc system. Anything else would have to travel.
-const SYSTEM_LIBS: [&str; 8] = [
+pub(crate) const SYSTEM_LIBS: [&str; 8] = [
     "linux-vdso.so",
     "libc.so",
     "libm.so",
@@ -178,7 +178,7 @@ fn verdict(code: i32, out: &Path) -> Result<()> {
 }
 
 /// `DT_NEEDED` entries of an executable, as `ldd` resolves them here.
-fn dynamic_needs(bin: &Path) -> Result<Vec<String>> {
+pub(crate) fn dynamic_needs(bin: &Path) -> Result<Vec<String>> {
     let o = Command::new("ldd").arg(bin).output().context("cannot run ldd")?;
     let text = String::from_utf8_lossy(&o.stdout);
     if text.contains("not a dynamic executable") || text.contains("statically linked") {
@@ -193,9 +193,9 @@ fn dynamic_needs(bin: &Path) -> Result<Vec<String>> {
 
 /// A version an executable needs from a library (`.gnu.version_r`).
 #[derive(Debug)]
-struct VersionNeed {
-    name: String,
-    weak: bool,
+pub(crate) struct VersionNeed {
+    pub name: String,
+    pub weak: bool,
 }
 
 const SHT_DYNSYM: u32 = 11;
@@ -224,7 +224,7 @@ fn u64_at(b: &[u8], at: usize) -> Result<usize> {
 /// on this machine's glibc 2.41 would not start on glibc < 2.39 (Ubuntu 22.04,
 /// RHEL 9), although nothing else needs more than 2.34. With the flag, the
 /// loader leaves those symbols null there, as std expects.
-fn weaken_optional_glibc_versions(elf: &mut [u8]) -> Result<Vec<VersionNeed>> {
+pub(crate) fn weaken_optional_glibc_versions(elf: &mut [u8]) -> Result<Vec<VersionNeed>> {
     if elf.get(..6) != Some(b"\x7fELF\x02\x01".as_slice()) {
         bail!("not a little-endian 64-bit ELF file");
     }
@@ -284,7 +284,7 @@ fn weaken_optional_glibc_versions(elf: &mut [u8]) -> Result<Vec<VersionNeed>> {
 }
 
 /// The newest hard `GLIBC_2.N[.M]` need: the oldest glibc the binary loads on.
-fn glibc_floor(needs: &[VersionNeed]) -> Option<String> {
+pub(crate) fn glibc_floor(needs: &[VersionNeed]) -> Option<String> {
     let key = |n: &str| -> Option<(u32, u32)> {
         let mut p = n.strip_prefix("GLIBC_2.")?.split('.').map(|x| x.parse::<u32>().unwrap_or(0));
         Some((p.next()?, p.next().unwrap_or(0)))
@@ -297,7 +297,7 @@ fn glibc_floor(needs: &[VersionNeed]) -> Option<String> {
         .map(|(_, n)| n[6..].to_owned())
 }
 
-fn human(bytes: u64) -> String {
+pub(crate) fn human(bytes: u64) -> String {
     if bytes >= 1 << 20 {
         format!("{:.1} MiB", bytes as f64 / (1 << 20) as f64)
     } else {

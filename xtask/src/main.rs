@@ -1,11 +1,14 @@
 //! Build, test, benchmark and demo tasks: `cargo xtask <task>`.
 //!
-//! Installs what a fresh machine lacks (rust-src for nightly, Debian's
-//! llvm-22-dev, bpf-linker built against it) and says what it is doing.
+//! Installs what a fresh machine lacks (rust-src for nightly, bpf-linker
+//! linked against nightly's own LLVM, gcc from the host release's archive)
+//! and says what it is doing; nothing else on the host changes.
 mod bench;
 mod debian_debs;
 mod debian_prometheus;
 mod debian_python;
+mod dist;
+mod distro;
 mod gpu;
 mod jax_env;
 mod root;
@@ -31,7 +34,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Install what is missing: rust-src (nightly), llvm-22-dev, bpf-linker, Debian non-free access.
+    /// Install what is missing: gcc (the host release's own), rust-src (nightly), bpf-linker; nothing else.
     Setup,
     /// Build the eBPF object (installs the toolchain first if needed).
     BuildEbpf,
@@ -68,6 +71,8 @@ enum Task {
     TorchEnv,
     /// Build everything and profile the bundled synthetic trainer into demo.db.
     Demo,
+    /// Build target/dist/profiler-x86_64-linux-gnu: one binary, eBPF object inside, glibc 2.31 or newer.
+    Dist,
     /// Make the JAX environments the tests use (cached; downloads only what is missing).
     JaxEnv,
     /// Build target/gpu-bundle/: the profiler, the GPU check and its PyTorch loop, for a GPU machine.
@@ -125,7 +130,7 @@ pub fn cargo() -> Command {
     c
 }
 
-fn build_ebpf() -> Result<()> {
+pub(crate) fn build_ebpf() -> Result<()> {
     toolchain::ensure_ebpf_toolchain()?;
     say("building the eBPF object (nightly, bpfel-unknown-none, build-std=core)");
     run(cargo().current_dir(root().join("profiler-ebpf")).args(["+nightly", "build", "--release"]))
@@ -276,17 +281,21 @@ fn main() -> std::process::ExitCode {
 
 fn run_task(task: Task) -> Result<()> {
     match task {
-        Task::Setup => {
-            toolchain::ensure_ebpf_toolchain()?;
-            toolchain::ensure_nonfree()
-        }
+        Task::Setup => toolchain::setup(),
+        Task::Dist => dist::dist().map(drop),
         Task::BuildEbpf => build_ebpf(),
         Task::Build => build(),
         Task::Fixtures => fixtures(),
         Task::Test { args } => {
             build()?;
             fixtures()?;
-            suite::test(&args)
+            // The install tests run the dist binary; where it cannot be
+            // built here (no PyPI, no python3 venv), they say SKIPPED and why.
+            let dist = dist::dist().and_then(|bin| Ok((bin, dist::old_glibc_fixtures()?)));
+            if let Err(e) = &dist {
+                say(format!("no dist binary for the install tests: {e:#}"));
+            }
+            suite::test(&args, dist.map_err(|e| format!("{e:#}")))
         }
         Task::FuzzCorpus => suite::fuzz_corpus(),
         Task::Bench { only } => {

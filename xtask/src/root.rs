@@ -6,7 +6,6 @@
 //! cargo: sudo's `secure_path` replaces the user's PATH.)
 use std::{
     ffi::OsStr,
-    io::Write,
     path::{Path, PathBuf},
     process::{Command, Stdio},
 };
@@ -43,24 +42,6 @@ pub fn command(program: impl AsRef<OsStr>, env: &[(&str, &OsStr)], why: &str) ->
     }
     c.arg(program);
     Ok(c)
-}
-
-/// Writes `contents` to `path` as root (apt's configuration).
-pub fn write_file(path: &str, contents: &str) -> Result<()> {
-    if is_root() {
-        return std::fs::write(path, contents).with_context(|| format!("cannot write {path}"));
-    }
-    let mut tee = command("tee", &[], &format!("writing {path}"))?
-        .arg(path)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .context("cannot start sudo tee")?;
-    tee.stdin.take().context("tee's stdin")?.write_all(contents.as_bytes())?;
-    if !tee.wait()?.success() {
-        bail!("could not write {path} as root");
-    }
-    Ok(())
 }
 
 /// The test executables `cargo test --no-run` builds for `package` (release),

@@ -2,7 +2,7 @@
 //! tests, the root integration tests), what their output leaves to say at
 //! the end, and `cargo xtask fuzz-corpus`, the one ignored test run only
 //! when asked.
-use std::{ffi::OsString, process::Command};
+use std::{ffi::OsString, path::PathBuf, process::Command};
 
 use anyhow::{Context, Result, bail};
 
@@ -16,9 +16,10 @@ const ROOT_TESTS: &str = "root_tests";
 const ASKED_ONLY: [(&str, &str); 1] = [("fuzz_tests::regenerate_corpus", "cargo xtask fuzz-corpus")];
 
 /// Runs the test phases (the fixtures are built) and prints the tally last.
-pub fn test(args: &[String]) -> Result<()> {
+/// `dist`: the dist binary and its old-glibc fixtures, or why there are none.
+pub fn test(args: &[String], dist: std::result::Result<(PathBuf, PathBuf), String>) -> Result<()> {
     let mut tally = Tally::default();
-    let result = test_phases(args, &mut tally);
+    let result = test_phases(args, &dist, &mut tally);
     tally.print();
     result
 }
@@ -98,7 +99,11 @@ impl Tally {
     }
 }
 
-fn test_phases(args: &[String], tally: &mut Tally) -> Result<()> {
+fn test_phases(
+    args: &[String],
+    dist: &std::result::Result<(PathBuf, PathBuf), String>,
+    tally: &mut Tally,
+) -> Result<()> {
     // A failed test's message, not a backtrace of the test harness, is what a
     // log's tail should end with: backtraces stay off unless asked for here.
     let backtrace = std::env::var_os("PROFILER_TEST_BACKTRACE").unwrap_or_else(|| "0".into());
@@ -110,18 +115,28 @@ fn test_phases(args: &[String], tally: &mut Tally) -> Result<()> {
     let jax = jax_env::ensure_all().iter().map(|(v, p)| format!("{v}={}", p.display())).collect::<Vec<_>>();
     let jax = OsString::from(jax.join(";"));
     let (bin, fx) = (profiler_bin(), fixtures_dir());
-    let env = [
-        ("PROFILER_BIN", bin.as_os_str()),
-        ("PROFILER_FIXTURES", fx.as_os_str()),
-        ("PROFILER_TORCH_PYTHONS", pythons.as_os_str()),
-        ("PROFILER_JAX_PYTHONS", jax.as_os_str()),
-        ("RUST_BACKTRACE", backtrace.as_os_str()),
+    let mut env = vec![
+        ("PROFILER_BIN", bin.into_os_string()),
+        ("PROFILER_FIXTURES", fx.into_os_string()),
+        ("PROFILER_TORCH_PYTHONS", pythons),
+        ("PROFILER_JAX_PYTHONS", jax),
+        ("RUST_BACKTRACE", backtrace),
     ];
+    // The install tests: the dist binary, and what setup runs with in their Debian 12 root.
+    match dist {
+        Ok((dist_bin, dist_fixtures)) => {
+            env.push(("PROFILER_DIST_BIN", dist_bin.clone().into_os_string()));
+            env.push(("PROFILER_DIST_FIXTURES", dist_fixtures.clone().into_os_string()));
+        }
+        Err(why) => env.push(("PROFILER_DIST_UNAVAILABLE", why.into())),
+    }
+    env.extend(install_test_env()?);
+    let env: Vec<(&str, &std::ffi::OsStr)> = env.iter().map(|(k, v)| (*k, v.as_os_str())).collect();
     // Release, like the root runs below: the profiler's test binary built here
     // is the one the root run reuses, so nothing is compiled twice.
     say("unit tests (host crates, release, no root needed)");
     run_tests(
-        cargo().current_dir(root()).envs(env).args([
+        cargo().current_dir(root()).envs(env.iter().copied()).args([
             "test",
             "--release",
             "--workspace",
@@ -153,6 +168,18 @@ fn test_phases(args: &[String], tally: &mut Tally) -> Result<()> {
         bail!("integration tests failed in {}", failed.join(", "));
     }
     Ok(())
+}
+
+/// The xtask binary itself, rustup's home and cargo's (where rustup's own
+/// binary is): the setup test runs `xtask setup` in a Debian 12 root with them.
+fn install_test_env() -> Result<Vec<(&'static str, OsString)>> {
+    let mut env = vec![("PROFILER_XTASK_BIN", std::env::current_exe().context("xtask's own path")?.into_os_string())];
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+    let rustup_home = std::env::var_os("RUSTUP_HOME").map(PathBuf::from).unwrap_or_else(|| home.join(".rustup"));
+    let cargo_home = std::env::var_os("CARGO_HOME").map(PathBuf::from).unwrap_or_else(|| home.join(".cargo"));
+    env.push(("PROFILER_RUSTUP_HOME", rustup_home.into_os_string()));
+    env.push(("PROFILER_CARGO_HOME", cargo_home.into_os_string()));
+    Ok(env)
 }
 
 /// Says which ignored tests of `exe` no phase runs: neither in a
