@@ -31,6 +31,11 @@ impl StopSignal {
         if self.signal == SIGTERM { "sigterm" } else { "sigint" }
     }
 
+    /// `SIGINT` or `SIGTERM`, for the user's lines.
+    pub fn name(self) -> &'static str {
+        if self.signal == SIGTERM { "SIGTERM" } else { "SIGINT" }
+    }
+
     /// Whether a `run` command in process group `child_pgid` needs this
     /// signal passed on: not when the terminal sent it to the profiler's own
     /// group (`own_pgid`) and the command is still in that group.
@@ -39,9 +44,12 @@ impl StopSignal {
     }
 }
 
+/// The stop signals that arrived, in order.
+pub type Stops = mpsc::UnboundedReceiver<StopSignal>;
+
 /// Stop signals from now on. A thread of its own reads them with their
 /// origin (tokio's signal streams do not keep it) and hands them over.
-pub fn listen() -> std::io::Result<mpsc::UnboundedReceiver<StopSignal>> {
+pub fn listen() -> std::io::Result<Stops> {
     let mut signals = SignalsInfo::<WithOrigin>::new([SIGINT, SIGTERM])?;
     let (tx, rx) = mpsc::unbounded_channel();
     std::thread::Builder::new().name("stop-signals".into()).spawn(move || {

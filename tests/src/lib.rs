@@ -12,6 +12,7 @@ use std::{
 };
 
 pub fn profiler_bin() -> PathBuf {
+    adopt_orphans();
     PathBuf::from(
         std::env::var_os("PROFILER_BIN").expect("PROFILER_BIN is not set: run these tests with `cargo xtask test`"),
     )
@@ -392,36 +393,67 @@ impl Agent {
     }
 }
 
-/// Waits (up to 60 s, else fails) until no `profiler` process other than
-/// this test's own children is alive: the orphan a finished session leaves
-/// removing its probes. The profiler hands that removal (≈90 ms a probe,
-/// under a kernel-wide lock) to a process of its own and exits; a test that
-/// attached again at once would find its own attaches queued behind it, and
-/// late-loaded libraries probed too late.
+/// Makes this test process a child subreaper (once): an orphan of a
+/// profiler it started, such as the process a finished session leaves
+/// removing its probes, becomes this process's child rather than init's, so
+/// [`wait_for_probe_removal`] can tell its own from another test's.
+fn adopt_orphans() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: prctl on this process with plain integer arguments.
+        let r = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1) };
+        assert_eq!(r, 0, "PR_SET_CHILD_SUBREAPER: {}", std::io::Error::last_os_error());
+    });
+}
+
+/// The name (`comm`) of the process a finished session leaves removing its
+/// probes (the profiler's `probes::RELEASER_NAME`).
+const RELEASER: &str = "profiler-detach";
+
+/// Waits (up to 60 s, else fails) until no probe remover this test started
+/// is alive, and reaps those that have exited. The profiler hands the
+/// removal of its probes (slow under a kernel-wide lock on older kernels,
+/// one RCU grace period per link) to an orphaned process of its own, named
+/// [`RELEASER`], and exits; a test that attached again at once would find its
+/// own attaches queued behind it, and late-loaded libraries probed too late.
+/// The orphans come to this process ([`adopt_orphans`]): another test
+/// binary's, running alongside, are not waited for.
 pub fn wait_for_probe_removal() {
-    let me = std::process::id().to_string();
     let t0 = Instant::now();
     loop {
-        let busy: Vec<String> = std::fs::read_dir("/proc")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| {
-                let pid = e.file_name().to_string_lossy().into_owned();
-                let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
-                // "PID (comm) STATE PPID …": alive, not a zombie, not ours.
-                let rest = stat.strip_prefix(&format!("{pid} (profiler) "))?;
-                let mut fields = rest.split_whitespace();
-                let (state, ppid) = (fields.next()?, fields.next()?);
-                (state != "Z" && ppid != me).then_some(pid)
-            })
-            .collect();
+        let busy = probe_removers();
         if busy.is_empty() {
             return;
         }
-        assert!(t0.elapsed() < Duration::from_secs(60), "profiler processes {busy:?} still removing probes after 60 s");
+        assert!(t0.elapsed() < Duration::from_secs(60), "probe removers {busy:?} still running after 60 s");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The probe removers ([`RELEASER`]) this test started that are still
+/// running; those that have exited are reaped.
+pub fn probe_removers() -> Vec<u32> {
+    adopt_orphans();
+    let me = std::process::id().to_string();
+    let mut running = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
+        // "PID (comm) STATE PPID …": a remover adopted by this process.
+        let Some(rest) = stat.strip_prefix(&format!("{pid} ({RELEASER}) ")) else { continue };
+        let mut fields = rest.split_whitespace();
+        if fields.nth(1) != Some(me.as_str()) {
+            continue;
+        }
+        if rest.starts_with('Z') {
+            // SAFETY: reaping an exited child of this process that no
+            // `Child` handle owns (it was adopted, not spawned).
+            unsafe { libc::waitpid(pid as libc::pid_t, std::ptr::null_mut(), libc::WNOHANG) };
+        } else {
+            running.push(pid);
+        }
+    }
+    running
 }
 
 /// Runs `profiler ARGS` to completion; returns (exit code, stderr).

@@ -135,3 +135,33 @@ fn a_target_that_exits_while_attach_goes_on_ends_the_session_as_target_exited() 
     assert_eq!(s.total_launches, Some(2000), "{stderr}");
     assert_eq!(count(&db, "SELECT count(*) FROM launches WHERE session_id = ?1", s.id), 2000);
 }
+
+/// A Ctrl-C while the probes go in stops the session there: the profiler
+/// says so, the probes come off again, the session ends `sigint` with what
+/// the probes in place saw, and the profiler exits 0; the target runs on,
+/// undisturbed, to its last step.
+#[test]
+fn a_sigint_during_attach_detaches_cleanly_and_says_so() {
+    let dir = workdir("sigint-during-attach");
+    let db = dir.join("p.db");
+    let mut trainer = Trainer::spawn(&dir, &["--steps", "20", "--launches", "100"]);
+    let args: Vec<String> = ["attach", &trainer.pid().to_string(), "-o", db.to_str().expect("utf-8")]
+        .into_iter()
+        .map(String::from)
+        .chain(["--step-symbol".into(), "train_step".into()])
+        .collect();
+    let agent = Agent::start_now(&args, &[(PAUSE_ENV, "1000")]);
+    agent.wait_for("pausing before the step probes", Duration::from_secs(30));
+    agent.signal(libc::SIGINT);
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "a Ctrl-C during attach is a clean stop: {stderr}");
+    assert!(!stderr.contains("error:"), "{stderr}");
+    assert!(stderr.contains("SIGINT while the probes went in"), "{stderr}");
+    assert!(!stderr.contains("(Ctrl-C to stop)"), "it did not go on to trace: {stderr}");
+    let s = last_session(&db);
+    assert_eq!(s.end_reason.as_deref(), Some("sigint"), "{stderr}");
+    assert_eq!(s.total_launches, Some(0), "the trainer had not launched yet: {stderr}");
+    trainer.go();
+    assert!(trainer.wait().success(), "the target runs on after the probes came off");
+    assert_eq!(trainer.truth().total, 2000);
+}

@@ -239,3 +239,58 @@ fn files_written_under_sudo_belong_to_the_user_who_ran_it() {
     wait_for_probe_removal();
     assert_eq!(std::fs::metadata(&plain).expect("db").uid(), 0);
 }
+
+/// A stop signal while the profiler waits for a `run` command that outlived
+/// the profiling window goes on to the command; one that ignores it does not
+/// keep the profiler: it exits at once (within a second) as 128 + SIGTERM,
+/// everything stored. The process it leaves removing the probes ends on
+/// SIGTERM too: no handler, nothing blocked, out of the terminal's session.
+#[test]
+fn sigterm_ends_every_profiler_process() {
+    let dir = workdir("sigterm-ends");
+    let db = dir.join("p.db");
+    let trainer = Trainer::spawn(&dir, &["--steps", "1000000", "--launches", "10", "--step-sleep-us", "1000"]);
+    // One link a probe: the remover takes ≈90 ms each, long enough to look at it.
+    let agent =
+        Agent::attach_with_env(trainer.pid(), &db, &["--step-symbol", "train_step"], &[("PROFILER_UPROBE_MULTI", "0")]);
+    trainer.go();
+    agent.signal(libc::SIGINT);
+    let (status, stderr) = agent.finish_now();
+    assert!(status.success(), "{stderr}");
+    let removers = probe_removers();
+    assert_eq!(removers.len(), 1, "one process removes the session's probes: {stderr}");
+    let remover = removers[0];
+    let proc_status = std::fs::read_to_string(format!("/proc/{remover}/status")).expect("the remover's status");
+    // The standard signals, 1 to 31 (the bits above are glibc's and real-time signals).
+    for field in ["SigBlk:", "SigIgn:", "SigCgt:"] {
+        let line = proc_status.lines().find(|l| l.starts_with(field)).expect(field);
+        let mask = u64::from_str_radix(line[field.len()..].trim(), 16).expect("a hex signal mask");
+        assert_eq!(mask & 0x7fff_ffff, 0, "the remover has no signal blocked, ignored or caught: {line}");
+    }
+    let stat = std::fs::read_to_string(format!("/proc/{remover}/stat")).expect("the remover's stat");
+    let session: u32 =
+        stat.rsplit(") ").next().and_then(|r| r.split_whitespace().nth(3)).expect("sid").parse().expect("sid");
+    assert_eq!(session, remover, "the remover leads a session of its own (a terminal's Ctrl-C is not its)");
+    send_signal(remover, libc::SIGTERM);
+    wait_for_probe_removal();
+
+    // A command that ignores SIGTERM, still running when the window ends.
+    let pid_file = dir.join("command.pid");
+    let script = format!("echo $$ > {}; trap '' TERM INT; exec sleep 30", pid_file.display());
+    let agent = Agent::start(&run_args(&db, &["--duration", "0.3"], &["sh", "-c", &script]), false);
+    agent.wait_for("waiting for the command to exit", Duration::from_secs(30));
+    let t0 = Instant::now();
+    agent.signal(libc::SIGTERM);
+    let (status, stderr) = agent.finish();
+    let took = t0.elapsed();
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{stderr}");
+    assert!(stderr.contains("did not exit on SIGTERM; not waiting for it"), "{stderr}");
+    assert!(took < Duration::from_secs(10), "the profiler waited {took:?} for a command that ignores SIGTERM");
+    assert_eq!(last_session(&db).end_reason.as_deref(), Some("duration"), "{stderr}");
+    // The command runs on, as it chose, adopted by this process: not to be left behind.
+    let pid: i32 = std::fs::read_to_string(&pid_file).expect("the command's PID").trim().parse().expect("a PID");
+    assert!(std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim_end() == "sleep"));
+    send_signal(pid as u32, libc::SIGKILL);
+    // SAFETY: reaping an adopted child of this process, which no `Child` owns.
+    unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
+}

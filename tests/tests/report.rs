@@ -593,7 +593,8 @@ fn perfetto_export_is_well_formed_and_matches_the_database() {
 /// from when it exec'd (exec keeps the old address space's high-water mark),
 /// so spawned from here it would count this test too. A small shell starts
 /// the profiler in the background and exits; the orphan comes to this
-/// process, a subreaper for the while, which reaps it with wait4.
+/// process, a subreaper (as every test process is: `adopt_orphans`),
+/// which reaps it with wait4.
 fn peak_rss_kib(args: &[&str]) -> (i64, Duration) {
     let t0 = Instant::now();
     // SAFETY: prctl on this process with plain integer arguments.
@@ -611,8 +612,6 @@ fn peak_rss_kib(args: &[&str]) -> (i64, Duration) {
     // SAFETY: waiting for our own (adopted) child; rusage is plain data the kernel fills in.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
-    // SAFETY: as above.
-    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 0) };
     assert_eq!(r, pid, "wait4: {}", std::io::Error::last_os_error());
     assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "profiler {args:?} failed: status {status}");
     (usage.ru_maxrss, t0.elapsed())

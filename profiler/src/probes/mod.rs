@@ -566,26 +566,42 @@ fn stop_programs(ebpf: &mut Ebpf) -> Result<(), ProbeError> {
     stopped.set(0, 1, 0).map_err(|source| ProbeError::Map { name, source })
 }
 
+/// The releaser's process name (`comm`, at most 15 bytes).
+const RELEASER_NAME: &std::ffi::CStr = c"profiler-detach";
+
 /// Leaves a copy of this process's file descriptors, the probes' among them,
 /// to an orphaned grandchild that closes them once this process has closed
 /// its own: the kernel's slow removal of each probe then runs there, and
-/// this process's closes only drop references. The grandchild blocks every
-/// signal, waits until the returned pipe end is dropped (or this process
-/// dies), and exits; init reaps it.
+/// this process's closes only drop references. The grandchild, named
+/// [`RELEASER_NAME`], leaves the terminal's session (a Ctrl-C there is not
+/// its), takes the default action of every signal (the stop-signal handlers
+/// it inherited would swallow a SIGTERM: none of its threads reads them),
+/// waits until the returned pipe end is dropped (or this process dies), and
+/// exits; init (or the nearest subreaper) reaps it. A SIGTERM ends it at
+/// once: its exit closes the descriptors, and the probes come off as well.
 fn release_elsewhere() -> std::io::Result<std::os::fd::OwnedFd> {
     let (read_end, write_end) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
     // SAFETY: the child and grandchild only make raw system calls (the
     // grandchild's fork as a plain syscall: glibc's fork runs atfork handlers)
-    // and async-signal-safe calls (sigprocmask, close, read, _exit). The
+    // and async-signal-safe calls (prctl, setsid, signal, sigprocmask, close,
+    // read, _exit). The
     // grandchild also inherits the database's and samplers' descriptors; it
     // only closes them, and holds no lock (fcntl locks are not inherited).
     match unsafe { libc::fork() } {
         -1 => Err(std::io::Error::last_os_error()),
         0 => unsafe {
             if libc::syscall(libc::SYS_fork) == 0 {
-                let mut all: libc::sigset_t = std::mem::zeroed();
-                libc::sigfillset(&mut all);
-                libc::sigprocmask(libc::SIG_BLOCK, &all, std::ptr::null_mut());
+                // What `ps` and the tests see it as: not a session.
+                libc::prctl(libc::PR_SET_NAME, RELEASER_NAME.as_ptr());
+                libc::setsid();
+                for signal in 1..32 {
+                    if signal != libc::SIGKILL && signal != libc::SIGSTOP {
+                        libc::signal(signal, libc::SIG_DFL);
+                    }
+                }
+                let mut none: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut none);
+                libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
                 libc::close(std::os::fd::AsRawFd::as_raw_fd(&write_end));
                 let mut byte = 0u8;
                 let fd = std::os::fd::AsRawFd::as_raw_fd(&read_end);

@@ -23,6 +23,9 @@ pub struct SessionInfo {
     pub total_launches: Option<i64>,
     pub stored_launches: Option<i64>,
     pub unmatched_returns: Option<i64>,
+    /// Context switches that did not fit a thread's state as the scheduler
+    /// programs kept it (NULL: `--no-sched`, or a session that did not end).
+    pub sched_mismatches: Option<i64>,
     pub hostname: Option<String>,
     pub kernel_release: Option<String>,
     pub profiler_version: String,
@@ -101,7 +104,7 @@ pub fn info(db: &ProfileDb, session: i64) -> anyhow::Result<SessionInfo> {
                 strftime('%Y-%m-%d %H:%M:%S', (started_ns + unix_offset_ns) / 1e9, 'unixepoch'),
                 (started_ns + unix_offset_ns) / 1e9, (ended_ns - started_ns) / 1e9, end_reason, lost_events,
                 total_launches, stored_launches, unmatched_returns, hostname, kernel_release, profiler_version,
-                job, rank, (SELECT count(*) FROM sessions j WHERE j.job IS s.job)
+                job, rank, (SELECT count(*) FROM sessions j WHERE j.job IS s.job), sched_mismatches
          FROM sessions s WHERE id = ?1",
         [session],
         |r| {
@@ -128,6 +131,7 @@ pub fn info(db: &ProfileDb, session: i64) -> anyhow::Result<SessionInfo> {
                 job: r.get(18)?,
                 rank: r.get(19)?,
                 job_processes: r.get(20)?,
+                sched_mismatches: r.get(21)?,
                 budget: None,
             })
         },

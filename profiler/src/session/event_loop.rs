@@ -22,14 +22,14 @@ const LOADER_SAFETY_NET: Duration = Duration::from_secs(2);
 /// once the job's other processes have ended too.
 pub(super) async fn run(
     cfg: &SessionConfig,
-    pid: u32,
     child: &mut Option<(tokio::process::Child, OwnedFd)>,
     probes: &mut Probes,
     rings: &mut probes::Rings,
     job: &mut Job,
+    stops: &mut stop_signals::Stops,
     status: &mut StatusLine,
 ) -> anyhow::Result<(String, Option<i32>)> {
-    let mut stop_signals = stop_signals::listen().context("cannot catch SIGINT/SIGTERM")?;
+    let pid = job.first_pid();
     let deadline = cfg.duration.map(|d| Instant::now() + d);
     // None: the first target exited while the probes went in (the job's
     // other processes, if any, go on).
@@ -73,7 +73,7 @@ pub(super) async fn run(
                 }
             }
             _ = ticks.maps.tick() => job.scan_maps(probes),
-            Some(stop) = stop_signals.recv() => {
+            Some(stop) = stops.recv() => {
                 if forward_to_child && stop.needs_forwarding(own_pgid, stop_signals::process_group(pid)) {
                     stop_signals::forward(pid, stop.signal);
                 }

@@ -124,6 +124,11 @@ pub(super) struct Job {
 }
 
 impl Job {
+    /// The first target's PID (the one `attach` named, or the `run` command).
+    pub fn first_pid(&self) -> u32 {
+        self.first_pid
+    }
+
     pub fn new(ctx: JobContext, first_pid: u32, first: Consumer, watcher: LibraryWatcher) -> Self {
         Self {
             ctx,

@@ -37,14 +37,20 @@ use status::StatusLine;
 pub use teardown::Summary;
 use watcher::LibraryWatcher;
 
+use anyhow::Context;
+
 use crate::{
     probes::{JobOptions, Probes, python::mechanism::PythonStepProbes},
+    stop_signals,
     store::Store,
 };
 
 /// Runs a whole session. Errors before the session row exists are the user's
 /// one-line errors; after that, everything collected is flushed whatever happens.
 pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summary> {
+    // First of all: a Ctrl-C from here on stops the session, while the
+    // probes go in too, rather than killing the profiler mid-attach.
+    let mut stops = stop_signals::listen().context("cannot catch SIGINT/SIGTERM")?;
     let mut target = TargetProcess::open(target)?;
     let host = setup::read_trimmed("/proc/sys/kernel/hostname");
     let job_name = job::name_for(&cfg, target.var("TORCHELASTIC_RUN_ID"), host.as_deref(), target.pid);
@@ -56,6 +62,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     // The step functions and NVML before anything is attached: a typo costs nothing.
     let steps = setup::resolve_steps(&cfg, &target)?;
     let gpu = setup::open_gpu(&cfg, &target)?;
+    stopped_before_attach(&mut stops)?;
     let mut others: Vec<(u32, Option<u32>)> =
         job::existing(&target.others, target.pid).into_iter().map(|p| (p, None)).collect();
     if cfg.follow_children && target.mode == "attach" {
@@ -72,6 +79,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         sched: cfg.sched,
     };
     let (mut probes, mut rings) = Probes::load_job(&pids, options)?;
+    stopped_before_attach(&mut stops)?;
     let (session, writer) = setup::begin_session(&cfg, &target, store, &steps.regions, job_name)?;
     let sampled = gpu.as_ref().map(|g| g.logical_gpus()).unwrap_or_default();
     let gpu_peaks = std::sync::Arc::new(gpu.as_ref().map(|g| g.peaks()).unwrap_or_default());
@@ -116,12 +124,26 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
                 (_, true) => format!(" and its children (job {})", job.name()),
                 (n, false) => format!(" and {n} more (job {})", job.name()),
             };
-            say!(cfg.quiet, "session {id}: tracing PID {pid}{how} into {output} (Ctrl-C to stop)");
-            let mut status = StatusLine::new(cfg.status_line, gpu_live);
-            let child = &mut target.child;
-            let r = event_loop::run(&cfg, pid, child, &mut probes, &mut rings, &mut job, &mut status).await;
-            status.clear();
-            r
+            if let Ok(stop) = stops.try_recv() {
+                // Stopped while the probes went in: they come off again, and
+                // what they saw meanwhile is stored. A `run` command has not
+                // started; it gets the signal at its gate, as it would have.
+                let signal = stop.name();
+                say!(cfg.quiet, "session {id}: {signal} while the probes went in on PID {pid}: detaching");
+                if target.child.is_some()
+                    && stop.needs_forwarding(stop_signals::own_process_group(), stop_signals::process_group(pid))
+                {
+                    stop_signals::forward(pid, stop.signal);
+                }
+                Ok((stop.end_reason().into(), None))
+            } else {
+                say!(cfg.quiet, "session {id}: tracing PID {pid}{how} into {output} (Ctrl-C to stop)");
+                let mut status = StatusLine::new(cfg.status_line, gpu_live);
+                let child = &mut target.child;
+                let r = event_loop::run(&cfg, child, &mut probes, &mut rings, &mut job, &mut stops, &mut status).await;
+                status.clear();
+                r
+            }
         }
         // The target ended while its probes went in: not an error. What the
         // probes in place saw is in the rings, and teardown takes it.
@@ -134,7 +156,17 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         Err(e) => Err(e),
     };
     let traced = teardown::Traced { probes, rings, python, job, samplers, writer };
-    let summary = teardown::finish(&cfg, &session, target.child.take(), traced, outcome).await;
+    let summary = teardown::finish(&cfg, &session, target.child.take(), traced, outcome, &mut stops).await;
     live.shutdown().await;
     summary
+}
+
+/// Fails with the user's one-line error when a stop signal came before
+/// anything was attached (nothing is recorded yet: no session row, or one
+/// with no probes behind it).
+fn stopped_before_attach(stops: &mut stop_signals::Stops) -> anyhow::Result<()> {
+    match stops.try_recv() {
+        Ok(stop) => anyhow::bail!("stopped by {} before attaching: nothing was recorded", stop.name()),
+        Err(_) => Ok(()),
+    }
 }

@@ -71,6 +71,7 @@ pub(super) async fn finish(
     child: Option<(tokio::process::Child, OwnedFd)>,
     mut traced: Traced,
     outcome: anyhow::Result<(String, Option<i32>)>,
+    stops: &mut stop_signals::Stops,
 ) -> anyhow::Result<Summary> {
     let (end_reason, exit_code) = match outcome {
         Ok(v) => v,
@@ -84,7 +85,6 @@ pub(super) async fn finish(
     let ended_ns = clock::monotonic_ns();
     let kc = traced.probes.counters();
     let first_sched = traced.job.take_all_sched(&mut traced.probes);
-    let sched_mismatches = traced.job.sched_mismatches;
     let job = detach_and_drain(traced.probes, traced.rings, traced.python, traced.job, ended_ns);
     let late_records = job.late_records;
     // The job's other processes end first: their rows go before the first session's end.
@@ -114,7 +114,7 @@ pub(super) async fn finish(
              dropped (counted in lost_events): that process's last steps may have no end"
         );
     }
-    for warning in super::loss::loss_warnings(&kc, marked_steps, steps_without_start, sched_mismatches) {
+    for warning in super::loss::loss_warnings(&kc, marked_steps, steps_without_start) {
         eprintln!("profiler: warning: {warning}");
     }
     if end_reason.starts_with("error") {
@@ -127,7 +127,7 @@ pub(super) async fn finish(
     }
     let failure = (!problems.is_empty())
         .then(|| format!("{}; what was committed is in {}", problems.join("; "), output.display()));
-    let exit_code = command_status(cfg, exit_code, child).await?;
+    let exit_code = command_status(cfg, exit_code, child, stops).await?;
     Ok(Summary { exit_code, failure })
 }
 
@@ -216,21 +216,46 @@ fn totals_line(totals: &ConsumerTotals, end: &SessionEnd) -> String {
     format!("{} steps{mean}, {} launches seen", totals.completed_steps, end.total_launches)
 }
 
-/// `run`: the command outlives the profiling window; waits for it and passes on its status.
+/// `run`: the command outlives the profiling window; waits for it and passes
+/// on its status. A stop signal meanwhile goes on to the command (as in the
+/// event loop), which gets [`COMMAND_GRACE`] to exit; the profiler then
+/// exits as the signal would have it (everything is stored by now), leaving a
+/// command that ignores it running.
 async fn command_status(
     cfg: &SessionConfig,
     exit_code: Option<i32>,
     child: Option<(tokio::process::Child, OwnedFd)>,
+    stops: &mut stop_signals::Stops,
 ) -> anyhow::Result<Option<i32>> {
-    Ok(match (exit_code, child) {
-        (Some(c), _) => Some(c),
-        (None, Some((mut c, _))) => {
-            say!(cfg.quiet, "waiting for the command to exit (profiling has stopped)");
-            Some(stop_signals::shell_status(c.wait().await.context("waiting for the command")?))
+    let (mut c, _gate) = match (exit_code, child) {
+        (Some(code), _) => return Ok(Some(code)),
+        (None, None) => return Ok(None),
+        (None, Some(child)) => child,
+    };
+    say!(cfg.quiet, "waiting for the command to exit (profiling has stopped)");
+    let stop = tokio::select! {
+        status = c.wait() => return Ok(Some(stop_signals::shell_status(status.context("waiting for the command")?))),
+        Some(stop) = stops.recv() => stop,
+    };
+    if let Some(pid) = c.id()
+        && stop.needs_forwarding(stop_signals::own_process_group(), stop_signals::process_group(pid))
+    {
+        stop_signals::forward(pid, stop.signal);
+    }
+    match tokio::time::timeout(COMMAND_GRACE, c.wait()).await {
+        Ok(status) => Ok(Some(stop_signals::shell_status(status.context("waiting for the command")?))),
+        Err(_) => {
+            let pid = c.id().map_or_else(String::new, |p| format!(" (PID {p})"));
+            eprintln!("profiler: the command{pid} did not exit on {}; not waiting for it", stop.name());
+            Ok(Some(128 + stop.signal))
         }
-        (None, None) => None,
-    })
+    }
 }
+
+/// How long a `run` command that got a stop signal while the profiler waited
+/// for it has to exit before the profiler stops waiting (every profiler
+/// process ends within a second of SIGTERM).
+const COMMAND_GRACE: std::time::Duration = std::time::Duration::from_millis(700);
 
 #[cfg(test)]
 mod tests {

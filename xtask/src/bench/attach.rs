@@ -10,7 +10,7 @@
 //!   first step it recorded (the trainer steps every 2 ms).
 //! - Ctrl-C → exit: from SIGINT to the agent's exit.
 //! - Ctrl-C → probes off: to the exit of the process the agent leaves to
-//!   remove its probes (no `profiler` process left).
+//!   remove its probes (no `profiler` or `profiler-detach` process left).
 use std::{
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -42,7 +42,7 @@ struct Round {
     probes: Option<u64>,
 }
 
-/// Seconds from `t0` until no `profiler` process is left (at most a minute).
+/// Seconds from `t0` until no `profiler` or `profiler-detach` process is left (at most a minute).
 fn until_no_profiler(t0: Instant) -> f64 {
     harness::wait_until_detached();
     t0.elapsed().as_secs_f64()

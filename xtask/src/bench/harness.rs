@@ -64,16 +64,15 @@ pub fn attach_agent(pid: u32, args: &[&str], db: &Path) -> Result<Child> {
     Ok(c)
 }
 
-/// Waits (up to a minute) until no `profiler` process is left: the one a
-/// finished session hands its probes' removal to (≈90 ms a uprobe) would
-/// still be taking them off a window that is meant to be detached.
+/// Waits (up to a minute) until no `profiler` process is left, nor the
+/// `profiler-detach` a finished session hands its probes' removal to: it
+/// would still be taking them off a window that is meant to be detached.
 pub fn wait_until_detached() {
     let running = || {
-        std::fs::read_dir("/proc")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .any(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim_end() == "profiler"))
+        std::fs::read_dir("/proc").into_iter().flatten().flatten().any(|e| {
+            std::fs::read_to_string(e.path().join("comm"))
+                .is_ok_and(|c| matches!(c.trim_end(), "profiler" | "profiler-detach"))
+        })
     };
     let t0 = std::time::Instant::now();
     while running() && t0.elapsed() < Duration::from_secs(60) {

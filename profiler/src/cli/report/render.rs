@@ -162,6 +162,12 @@ fn render_session(o: &mut String, r: &Report) {
         int(s.lost_events)
     );
     rows.push(("launches", launches));
+    // Not an end-of-run warning (nothing to act on there): here, where a user
+    // reading a step's scheduler columns looks.
+    if let Some(n) = s.sched_mismatches.filter(|&n| n > 0) {
+        rows.push(("scheduler", format!("{n} switches did not fit a thread's state (a loaded machine?):")));
+        rows.push(("", format!("up to {n} steps' scheduler columns each miss one interval")));
+    }
     // What stopped and when, then why (the whole line is in `sessions.budget_reason`).
     if let Some((what, why)) = s.budget.as_deref().and_then(|b| b.split_once(": ")) {
         rows.push(("budget", what.to_owned()));
@@ -442,6 +448,7 @@ mod tests {
                 total_launches: Some(1000),
                 stored_launches: Some(1000),
                 unmatched_returns: Some(0),
+                sched_mismatches: Some(2),
                 hostname: None,
                 kernel_release: None,
                 profiler_version: "0.1.0".into(),
@@ -490,6 +497,7 @@ mod tests {
     fn table_fits_80_columns() {
         let table = render_table(&sample_report());
         println!("{table}");
+        assert!(table.contains("2 switches did not fit"), "the scheduler's mismatches are in the session block");
         for line in table.lines() {
             assert!(line.width() <= WIDTH, "wider than {WIDTH}: {line:?}");
         }
