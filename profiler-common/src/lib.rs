@@ -49,6 +49,9 @@ pub enum RecordKind {
     /// An [`OffCpuRecord`]: a traced thread is back on a CPU after a time off
     /// it (written only with per-call rows, in the launch ring).
     OffCpu = 14,
+    /// A [`CpuSampleRecord`]: a traced thread was on a CPU when the sampling
+    /// clock fired (`--cpu-sample HZ`; in the launch ring).
+    CpuSample = 15,
     /// A [`ProcessRecord`]: a traced process forked a process (`pid`, its
     /// `parent`), now traced too (`--children`).
     ProcessFork = 20,
@@ -79,6 +82,7 @@ impl RecordKind {
             12 => Some(Self::Blas),
             13 => Some(Self::Copy),
             14 => Some(Self::OffCpu),
+            15 => Some(Self::CpuSample),
             20 => Some(Self::ProcessFork),
             21 => Some(Self::ProcessExec),
             22 => Some(Self::ProcessExit),
@@ -456,6 +460,37 @@ pub struct ProcessSched {
     pub mismatches: u64,
 }
 
+/// One CPU sample of a traced thread (the header's `tid`, `tgid` and time):
+/// where its user code was (`user_ip`, the leaf, always) and the ids of its
+/// stacks in `maps::CPU_STACKS` (`bpf_get_stackid`; negative: the kernel's
+/// error, `-EEXIST` when the stack's bucket holds another stack, `-EFAULT`
+/// when no frame could be read). `kernel_stack` is [`NO_STACK`] when the
+/// sample hit user code.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(feature = "user", derive(FromBytes, IntoBytes, KnownLayout, Immutable))]
+pub struct CpuSampleRecord {
+    pub header: RecordHeader,
+    /// The user-mode instruction pointer (the interrupted one, or the one the
+    /// thread entered the kernel from); 0 where none could be read.
+    pub user_ip: u64,
+    pub user_stack: i32,
+    pub kernel_stack: i32,
+}
+
+/// [`CpuSampleRecord::kernel_stack`] of a sample taken in user mode.
+pub const NO_STACK: i32 = i32::MIN;
+
+/// Frames kept per stack in `maps::CPU_STACKS` (the kernel's `PERF_MAX_STACK_DEPTH`).
+pub const CPU_STACK_DEPTH: usize = 127;
+
+/// Entries of `maps::CPU_STACKS` (each `CPU_STACK_DEPTH` frames, ~1 KiB):
+/// 16 MiB. A stack's bucket is its hash's: with k distinct stacks kept, a new
+/// one finds its bucket taken with odds k/16384 (an id keeps its stack for the
+/// session, see `profiler-ebpf/src/cpu.rs`); that sample keeps its leaf only,
+/// and is counted (`maps::CPU_STACK_FAILURES`).
+pub const CPU_STACKS: u32 = 16384;
+
 /// Bytes of a kernel name kept (longer names are cut; C++ kernel names
 /// rarely exceed this, templates can).
 pub const KERNEL_NAME_CAP: usize = 256;
@@ -628,6 +663,7 @@ const _: () = assert!(core::mem::size_of::<FrameLayout>() == 32);
 const _: () = assert!(core::mem::size_of::<FrameStep>() == 8);
 // Shorter than a launch record: `profiler::events::records` tells a staged run of launches by its length.
 const _: () = assert!(core::mem::size_of::<OffCpuRecord>() == 48);
+const _: () = assert!(core::mem::size_of::<CpuSampleRecord>() == 40);
 
 /// Names of the read-only globals the agent sets at load time.
 pub mod globals {
@@ -691,6 +727,14 @@ pub mod maps {
     pub const LAUNCH_STAGES: &str = "LAUNCH_STAGES";
     /// `Array<u32>[1]`: 1 once a runtime library is probed.
     pub const RUNTIME_PROBED: &str = "RUNTIME_PROBED";
+    /// `StackTrace[CPU_STACKS]`: the CPU samples' user and kernel stacks, by `bpf_get_stackid` id.
+    pub const CPU_STACKS: &str = "CPU_STACKS";
+    /// `PerCpuArray<u64>[1]`: CPU samples of traced threads taken (kept or lost).
+    pub const CPU_SAMPLES: &str = "CPU_SAMPLES";
+    /// `PerCpuArray<u64>[1]`: CPU samples the launch ring had no room for.
+    pub const LOST_CPU_SAMPLES: &str = "LOST_CPU_SAMPLES";
+    /// `PerCpuArray<u64>[1]`: stacks `bpf_get_stackid` did not keep (their samples keep the leaf).
+    pub const CPU_STACK_FAILURES: &str = "CPU_STACK_FAILURES";
     /// `HashMap<tgid, CodeRanges>`: per process, `[start, end)` of the probed
     /// runtime libraries' executable mappings.
     pub const RUNTIME_TEXT: &str = "RUNTIME_TEXT";
@@ -747,6 +791,8 @@ pub mod programs {
     /// Raw tracepoints `sched_wakeup` and `sched_wakeup_new`: a task becomes runnable.
     pub const SCHED_WAKEUP: &str = "sched_wakeup";
     pub const SCHED_WAKEUP_TRACEPOINTS: [&str; 2] = ["sched_wakeup", "sched_wakeup_new"];
+    /// perf_event program on each CPU's `cpu-clock`: one CPU sample of a traced thread.
+    pub const CPU_SAMPLE: &str = "cpu_sample";
     /// Raw tracepoint `sched_process_fork`: a traced process's new child process.
     pub const PROCESS_FORK: &str = "process_fork";
     pub const PROCESS_FORK_TRACEPOINT: &str = "sched_process_fork";

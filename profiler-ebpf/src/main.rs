@@ -31,6 +31,7 @@
 
 mod blas;
 mod copies;
+mod cpu;
 mod frame_hook;
 mod jax;
 mod nccl;

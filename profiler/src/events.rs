@@ -98,6 +98,37 @@ pub enum Event {
     JitExit(JitEvent),
     /// A traced thread came back to a CPU (`--launches all` with the scheduler programs).
     OffCpu(OffCpuEvent),
+    /// A traced thread was on a CPU when the sampling clock fired (`--cpu-sample`).
+    CpuSample(CpuSampleEvent),
+}
+
+/// One CPU sample (see [`profiler_common::CpuSampleRecord`]): the ids are
+/// `bpf_get_stackid`'s, None where the kernel kept no stack (or, for
+/// `kernel_stack`, where the sample hit user code: `in_kernel` false).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuSampleEvent {
+    pub tid: u32,
+    pub tgid: u32,
+    pub ts_ns: u64,
+    /// 0: none read.
+    pub user_ip: u64,
+    pub user_stack: Option<u32>,
+    pub kernel_stack: Option<u32>,
+    pub in_kernel: bool,
+}
+
+fn cpu_sample(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> {
+    let r: profiler_common::CpuSampleRecord = exact(bytes, header.kind)?;
+    let id = |v: i32| u32::try_from(v).ok();
+    Ok(Event::CpuSample(CpuSampleEvent {
+        tid: header.tid,
+        tgid: header.tgid,
+        ts_ns: header.ts_ns,
+        user_ip: r.user_ip,
+        user_stack: id(r.user_stack),
+        kernel_stack: id(r.kernel_stack),
+        in_kernel: r.kernel_stack != profiler_common::NO_STACK,
+    }))
 }
 
 /// One time a thread was off its CPU (see [`OffCpuRecord`]).
@@ -417,6 +448,7 @@ impl Event {
             Self::Collective(c) => c.ts_ns,
             Self::Copy(c) => c.ts_ns,
             Self::OffCpu(o) => o.resumed_ns,
+            Self::CpuSample(c) => c.ts_ns,
             Self::Process(p) => p.ts_ns,
         }
     }
@@ -436,6 +468,7 @@ impl Event {
             Self::Collective(c) => c.tgid,
             Self::Copy(c) => c.tgid,
             Self::OffCpu(o) => o.tgid,
+            Self::CpuSample(c) => c.tgid,
             Self::Process(p) => p.pid,
         }
     }
@@ -543,6 +576,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         Some(RecordKind::Collective) => collective(bytes, header),
         Some(RecordKind::Copy) => copy(bytes, header),
         Some(RecordKind::OffCpu) => off_cpu(bytes, header),
+        Some(RecordKind::CpuSample) => cpu_sample(bytes, header),
         Some(kind @ (RecordKind::ProcessFork | RecordKind::ProcessExec | RecordKind::ProcessExit)) => {
             let r: ProcessRecord = exact(bytes, header.kind)?;
             let change = match kind {
@@ -722,6 +756,33 @@ mod tests {
                 block: [4, 5, 6],
                 shared_mem_bytes: 4096
             })
+        );
+    }
+
+    #[test]
+    fn decodes_cpu_samples_in_user_and_kernel_mode() {
+        let header = RecordHeader { kind: RecordKind::CpuSample as u32, tid: 5, ts_ns: 900, tgid: 4, _pad: 0 };
+        let user = profiler_common::CpuSampleRecord {
+            header,
+            user_ip: 0x401000,
+            user_stack: 7,
+            kernel_stack: profiler_common::NO_STACK,
+        };
+        let e = CpuSampleEvent {
+            tid: 5,
+            tgid: 4,
+            ts_ns: 900,
+            user_ip: 0x401000,
+            user_stack: Some(7),
+            kernel_stack: None,
+            in_kernel: false,
+        };
+        assert_eq!(decode(&bytes_of(&user)), Ok(Event::CpuSample(e)));
+        // -EEXIST for the user stack (its bucket held another), a kernel stack kept.
+        let kernel = profiler_common::CpuSampleRecord { user_stack: -17, kernel_stack: 3, ..user };
+        assert_eq!(
+            decode(&bytes_of(&kernel)),
+            Ok(Event::CpuSample(CpuSampleEvent { user_stack: None, kernel_stack: Some(3), in_kernel: true, ..e }))
         );
     }
 

@@ -192,6 +192,11 @@ fn c_fixtures() -> Result<()> {
     gcc(&[&common[..], &["-o", &out("genuine_launch"), "genuine_launch.c", "-ldl"]].concat())?;
     gcc(&[&common[..], &["-rdynamic", "-o", &out("sched_trainer"), "sched_trainer.c", "-ldl"]].concat())?;
     gcc(&[&common[..], &["-o", &out("bench_loop"), "bench_loop.c", "-ldl", "-lpthread"]].concat())?;
+    // Frame pointers: the CPU sampler's stacks of it reach `main` (tests/tests/cpu.rs).
+    gcc(&[&common[..], &["-fno-omit-frame-pointer", "-rdynamic", "-o", &out("cpu_trainer"), "cpu_trainer.c"]].concat())?;
+    // And without: the sampler's stacks stop at the leaf, and it says so.
+    gcc(&[&common[..], &["-fomit-frame-pointer", "-rdynamic", "-o", &out("cpu_trainer_nofp"), "cpu_trainer.c"]]
+        .concat())?;
     gcc(&[&common[..], &["-rdynamic", "-o", &out("nccl_trainer"), "nccl_trainer.c", "-ldl"]].concat())?;
     // cuBLAS and cuBLASLt stand-ins (cuBLAS calls cuBLASLt, found next to it) and their trainer.
     so("libcublasLt.so.13", "fake_cublasLt.c", &[])?;

@@ -1,5 +1,6 @@
 //! `profiler export`: a session as a Chrome trace-event JSON file that
-//! ui.perfetto.dev and chrome://tracing open, or any table or view of it as CSV.
+//! ui.perfetto.dev and chrome://tracing open, any table or view of it as CSV,
+//! or its CPU samples as folded stacks (`collapsed`).
 //!
 //! Both stream: rows go from an SQLite cursor through a buffered writer one at
 //! a time, in the order SQLite stores them (no ORDER BY over launches, which
@@ -26,6 +27,7 @@ use crate::profile::{
     series::rapl_power,
 };
 
+mod collapsed;
 mod job;
 mod sched;
 
@@ -33,7 +35,8 @@ mod sched;
 pub struct ExportArgs {
     /// The profile to read.
     db: PathBuf,
-    /// `perfetto`: Chrome trace-event JSON; `csv`: one table (--table).
+    /// `perfetto`: Chrome trace-event JSON; `csv`: one table (--table);
+    /// `collapsed`: the CPU samples as folded stacks (`root;…;leaf count`).
     #[arg(long, value_enum, default_value_t = ExportFormat::Perfetto)]
     format: ExportFormat,
     /// File to write (default, or `-`: standard output).
@@ -50,12 +53,16 @@ pub struct ExportArgs {
     /// Perfetto trace, each on its own process track named by its rank.
     #[arg(long, value_name = "JOB", num_args = 0..=1, default_missing_value = "", conflicts_with_all = ["session", "table"])]
     job: Option<String>,
+    /// With --format collapsed: only the samples in steps with this label.
+    #[arg(long, value_name = "L")]
+    label: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum ExportFormat {
     Perfetto,
     Csv,
+    Collapsed,
 }
 
 pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
@@ -66,11 +73,17 @@ pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
         (ExportFormat::Csv, None) => {
             bail!("--format csv needs --table T (one of: {})", db.tables().collect::<Vec<_>>().join(", "))
         }
-        (ExportFormat::Perfetto, Some(_)) => {
-            bail!("--table is for --format csv; the Perfetto export holds the whole session")
+        (ExportFormat::Perfetto | ExportFormat::Collapsed, Some(_)) => {
+            bail!("--table is for --format csv; the Perfetto and collapsed exports hold the whole session")
         }
         (_, t) => t.clone(),
     };
+    if args.format == ExportFormat::Collapsed && job.is_some() {
+        bail!("--format collapsed is one session's samples: name it with --session N instead of --job");
+    }
+    if args.label.is_some() && args.format != ExportFormat::Collapsed {
+        bail!("--label is for --format collapsed");
+    }
     let to_file = args.output.as_deref().filter(|p| *p != Path::new("-"));
     let sink: Box<dyn Write> = match to_file {
         Some(p) => {
@@ -84,8 +97,18 @@ pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
         None => Box::new(std::io::stdout().lock()),
     };
     let mut out = BufWriter::with_capacity(1 << 16, sink);
-    let hint = if table.is_none() { "; open it in https://ui.perfetto.dev" } else { "" };
+    let hint = match (args.format, &table) {
+        (ExportFormat::Perfetto, None) => "; open it in https://ui.perfetto.dev",
+        (ExportFormat::Collapsed, _) => "; flamegraph.pl, inferno-flamegraph and speedscope read it",
+        _ => "",
+    };
     let written = match table {
+        None if args.format == ExportFormat::Collapsed => {
+            collapsed::write_collapsed(&db, session, args.label.as_deref(), &mut out).and_then(|(lines, samples)| {
+                out.flush()?;
+                Ok(format!("{lines} stacks of {samples} CPU samples (session {session})"))
+            })
+        }
         Some(t) => export_csv(&db, session, &t, &mut out).and_then(|rows| {
             out.flush()?;
             Ok(format!("{rows} rows of {t} (session {session})"))

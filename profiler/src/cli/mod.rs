@@ -100,6 +100,14 @@ pub struct TraceArgs {
     /// every context switch of the machine (see docs/measurement.md for the cost).
     #[arg(long)]
     no_sched: bool,
+    /// Sample the traced threads' stacks this many times per second of their
+    /// time on a CPU (native frames through frame pointers, the leaf always;
+    /// kernel frames in the kernel), each sample in the step its thread was in.
+    #[arg(long, value_name = "HZ", default_value_t = 99, value_parser = clap::value_parser!(u32).range(1..=i64::from(crate::probes::cpu::MAX_HZ)))]
+    cpu_sample: u32,
+    /// Take no CPU samples.
+    #[arg(long)]
+    no_cpu_samples: bool,
     /// The profile's size budget (database and -wal; e.g. 500M, 4G): per-call
     /// rows (launches, GEMMs, syncs, regions, collectives, copies, jitted calls,
     /// off-CPU times) stop at 7/8 of it, steps, counts and samples go on; at all of it the session ends.
@@ -199,6 +207,7 @@ impl TraceArgs {
             target_writes: !self.no_target_writes,
             launch_mode: self.launches,
             sched: !self.no_sched,
+            cpu_sample_hz: (!self.no_cpu_samples).then_some(self.cpu_sample),
             duration: self.duration,
             maps_interval: Duration::from_millis(self.maps_interval),
             quiet: self.quiet,

@@ -7,6 +7,7 @@
 //! collectives [`nccl`], the job's processes and children [`job`].
 pub mod blas;
 pub mod copies;
+pub mod cpu;
 pub mod cuda;
 pub mod elf;
 pub mod jax;

@@ -6,6 +6,7 @@
 //!
 //! What an old file could not hold (labels, sync wait, kernel names, CPU/DRAM
 //! energy came later) reads as NULL, and is shown as absent, never as zero.
+pub mod cpu;
 pub mod jobs;
 pub mod kernels;
 mod schema;

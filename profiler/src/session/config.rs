@@ -48,6 +48,8 @@ pub struct SessionConfig {
     pub launch_mode: LaunchMode,
     /// The scheduler programs (off with `--no-sched`).
     pub sched: bool,
+    /// `--cpu-sample HZ`: CPU samples of the traced threads; None with `--no-cpu-samples`.
+    pub cpu_sample_hz: Option<u32>,
     pub duration: Option<Duration>,
     pub maps_interval: Duration,
     pub quiet: bool,

@@ -3,6 +3,7 @@
 mod blas;
 mod collectives;
 mod copies;
+mod cpu;
 mod jax;
 mod regions;
 
@@ -60,6 +61,8 @@ pub(super) struct Consumer {
     jax: jax::JaxState,
     /// Off-CPU rows not yet sent (the kernel writes their records only with per-call rows).
     off_cpu: Vec<crate::store::OffCpuRow>,
+    /// CPU samples waiting for their stacks' names.
+    cpu: cpu::CpuSampleState,
 }
 
 /// What the consumer counted, for the summary line, once it is closed.
@@ -96,6 +99,7 @@ impl Consumer {
             copies: copies::CopyState::default(),
             jax: jax::JaxState::default(),
             off_cpu: Vec::new(),
+            cpu: cpu::CpuSampleState::default(),
         }
     }
 
@@ -131,6 +135,7 @@ impl Consumer {
                 woken_ns: o.woken_ns,
                 resumed_ns: o.resumed_ns,
             }),
+            Ok(Event::CpuSample(c)) => self.cpu_sample(c),
             Ok(Event::JitEnter(j)) => self.jit_event(j, true),
             Ok(Event::JitExit(j)) => self.jit_event(j, false),
             Ok(Event::SyncEnter(e)) => {
@@ -303,6 +308,7 @@ impl Consumer {
         if !self.off_cpu.is_empty() {
             self.writer.send(StoreMsg::OffCpu(std::mem::take(&mut self.off_cpu)));
         }
+        self.flush_cpu_samples();
     }
 
     /// (steps stored as incomplete so far, step ends seen without a start),
@@ -330,6 +336,7 @@ impl Consumer {
         }
         self.finish_regions();
         self.flush();
+        self.finish_cpu_samples();
         // After the last step row: the sums update them.
         self.finish_gemms();
         ConsumerTotals {

@@ -54,6 +54,7 @@ impl RingDrain {
                 match &event {
                     Ok(Event::Launch(l)) => self.step_queue.before_launch(l.tid, l.ts_ns, &mut steps),
                     Ok(Event::Blas(b)) => self.step_queue.before_launch(b.tid, b.ts_ns, &mut steps),
+                    Ok(Event::CpuSample(c)) => self.step_queue.before_launch(c.tid, c.ts_ns, &mut steps),
                     _ => {}
                 }
                 for s in steps.drain(..) {

@@ -52,6 +52,8 @@ pub(super) struct JobContext {
     pub gpu_peaks: Arc<HashMap<u32, &'static Peaks>>,
     /// `--prometheus`/`--otlp`: registers each process's series.
     pub live: Option<crate::metrics::LiveSessions>,
+    /// The CPU sampler, when on (`--cpu-sample`): every process's samples name its stacks.
+    pub cpu_sampler: Option<crate::probes::cpu::CpuSampler>,
 }
 
 impl JobContext {
@@ -149,6 +151,27 @@ impl Job {
         }
     }
 
+    /// The CPU sampler's rate and counts, for the first session's row; says
+    /// what was lost (`--cpu-sample`). None when the sampler is off.
+    pub fn cpu_sampling(&self, quiet: bool) -> Option<crate::store::CpuSampling> {
+        let sampler = self.ctx.cpu_sampler.as_ref()?;
+        let counts = sampler.counts();
+        if counts.lost > 0 {
+            eprintln!(
+                "profiler: warning: {} of {} CPU samples found the ring full and were lost (sessions.lost_cpu_samples)",
+                counts.lost, counts.taken
+            );
+        }
+        if counts.stack_failures > 0 && !quiet {
+            eprintln!(
+                "profiler: {} CPU-sample stacks did not fit the kernel's stack map: those samples have their leaf \
+                 function only (sessions.cpu_stack_failures)",
+                counts.stack_failures
+            );
+        }
+        Some(crate::store::CpuSampling { hz: sampler.hz, counts })
+    }
+
     pub fn name(&self) -> &str {
         &self.ctx.template.job
     }
@@ -195,6 +218,9 @@ impl Job {
         consumer.keep_gemm_rows(self.ctx.cfg.launch_mode.keeps_rows());
         consumer.keep_copy_rows(self.ctx.cfg.launch_mode.keeps_rows());
         consumer.trace_sched(self.ctx.cfg.sched);
+        if let Some(sampler) = &self.ctx.cpu_sampler {
+            consumer.sample_cpu(sampler.stacks.clone());
+        }
         let mut watcher = LibraryWatcher::new(pid, TorchWatch::new(&self.ctx.cfg, &self.ctx.regions));
         // Its loader is the first target's (file-wide probe), usually.
         watcher.loader_hooked = self.watcher.loader_hooked;
@@ -488,8 +514,8 @@ impl Sink for Router<'_> {
         if let Some(&ended_ns) = self.job.ended.get(&tgid) {
             match &event {
                 // A process's threads killed by its exit_group may exit, and
-                // be switched to, after its main thread: that loses nothing.
-                Ok(Event::ThreadExit(_) | Event::OffCpu(_)) => return,
+                // be switched to (and sampled), after its main thread: that loses nothing.
+                Ok(Event::ThreadExit(_) | Event::OffCpu(_) | Event::CpuSample(_)) => return,
                 // Its session ended before this record was read: dropped, counted.
                 Ok(e) if e.ts_ns() <= ended_ns => {
                     self.job.late_records += 1;

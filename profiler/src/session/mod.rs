@@ -15,6 +15,7 @@ mod attach;
 mod blas;
 mod config;
 mod consumer;
+mod cpu_stacks;
 mod drain;
 mod event_loop;
 mod jax;
@@ -80,6 +81,12 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     };
     let (mut probes, mut rings) = Probes::load_job(&pids, options)?;
     stopped_before_attach(&mut stops)?;
+    let cpu_sampler = cfg.cpu_sample_hz.and_then(|hz| {
+        probes
+            .attach_cpu_sampler(hz)
+            .inspect_err(|e| eprintln!("profiler: warning: no CPU samples (--no-cpu-samples to not ask): {e}"))
+            .ok()
+    });
     let (session, writer) = setup::begin_session(&cfg, &target, store, &steps.regions, job_name)?;
     let sampled = gpu.as_ref().map(|g| g.logical_gpus()).unwrap_or_default();
     let gpu_peaks = std::sync::Arc::new(gpu.as_ref().map(|g| g.peaks()).unwrap_or_default());
@@ -92,6 +99,9 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     consumer.keep_gemm_rows(cfg.launch_mode.keeps_rows());
     consumer.keep_copy_rows(cfg.launch_mode.keeps_rows());
     consumer.trace_sched(cfg.sched);
+    if let Some(sampler) = &cpu_sampler {
+        consumer.sample_cpu(sampler.stacks.clone());
+    }
     let watcher = LibraryWatcher::new(target.pid, torch::TorchWatch::new(&cfg, &steps.regions));
     let ctx = JobContext {
         cfg: cfg.clone(),
@@ -105,6 +115,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         gpu_peaks,
         sampler_cvd: target.var("CUDA_VISIBLE_DEVICES"),
         live: live.sessions(),
+        cpu_sampler,
     };
     // The first target's MFU is over the GPUs NVML lists it on, else all (as in `step_gpu`).
     consumer.live = ctx.live_for(&session.start, None, None);

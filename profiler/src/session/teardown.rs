@@ -85,6 +85,7 @@ pub(super) async fn finish(
     let ended_ns = clock::monotonic_ns();
     let kc = traced.probes.counters();
     let first_sched = traced.job.take_all_sched(&mut traced.probes);
+    let cpu_sampling = traced.job.cpu_sampling(cfg.quiet);
     let job = detach_and_drain(traced.probes, traced.rings, traced.python, traced.job, ended_ns);
     let late_records = job.late_records;
     // The job's other processes end first: their rows go before the first session's end.
@@ -96,6 +97,7 @@ pub(super) async fn finish(
     // A sampler that panicked loses its series, not the session; it fails the run.
     let (mut problems, mut at_finish) = stop_samplers(traced.samplers);
     at_finish.extend(first_sched.map(AtFinish::ContextSwitches));
+    at_finish.extend(cpu_sampling.map(AtFinish::CpuSampling));
     let (marked_steps, steps_without_start) = consumer.loss_counts();
     let end = SessionEnd {
         ended_ns,

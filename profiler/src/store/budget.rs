@@ -128,6 +128,7 @@ pub enum PerCall {
     Copies,
     JitCalls,
     OffCpu,
+    CpuSamples,
 }
 
 impl PerCall {
@@ -140,6 +141,8 @@ impl PerCall {
             Self::Syncs => 56,
             Self::Regions | Self::Collectives | Self::Copies | Self::JitCalls => 80,
             Self::OffCpu => 56,
+            // Five integers and a short text, without an index.
+            Self::CpuSamples => 48,
         }
     }
 
@@ -172,6 +175,11 @@ impl RowKind {
             StoreMsg::Copies(r) => Self::PerCall(PerCall::Copies, n(r.len())),
             StoreMsg::JitCalls(r) => Self::PerCall(PerCall::JitCalls, n(r.len())),
             StoreMsg::OffCpu(r) => Self::PerCall(PerCall::OffCpu, n(r.len())),
+            StoreMsg::CpuSamples(r) => Self::PerCall(PerCall::CpuSamples, n(r.len())),
+            StoreMsg::CpuStacks(f, s) => Self::Timed(
+                f.iter().map(|f| 48 + n(f.function.len())).sum::<u64>()
+                    + s.iter().map(|s| 24 * n(s.frames.len())).sum::<u64>(),
+            ),
             StoreMsg::Steps(r) => Self::Timed(n(r.len()) * 128),
             StoreMsg::StepGemms(r) | StoreMsg::StepGemmsSoFar(r) => Self::Timed(n(r.len()) * 64),
             StoreMsg::Kernels(r) => Self::Timed(r.iter().map(|k| 64 + 2 * n(k.name.len())).sum()),

@@ -123,6 +123,7 @@ fn derive(conn: &Connection, ids: (i64, i64), steps: &[StepSpan], work: &AtFinis
             .map(drop),
         // Read by `job::finish_processes`, which puts it in `StepGpu`.
         AtFinish::RankGpus(_) => Ok(()),
+        AtFinish::CpuSampling(s) => super::cpu_samples::write_sampling(conn, session_id, s),
     }
 }
 

@@ -7,6 +7,7 @@
 pub mod budget;
 mod collectives;
 mod copies;
+mod cpu_samples;
 mod finish;
 mod gemms;
 mod jax;
@@ -31,9 +32,9 @@ pub use self::{
     gemms::{GemmRow, StepGemms},
     merge::{MergeInput, MergeSummary, merge_into},
     rows::{
-        AtFinish, Capability, CollectiveRow, CopyRow, GpmReadings, GpuRow, GpuSampleRow, JitCallRow, KernelRow,
-        LaunchRow, Losses, OffCpuRow, ProbedFileRow, RaplSampleRow, RegionRow, SessionEnd, SessionStart, StepRow,
-        SyncRow, SystemSampleRow,
+        AtFinish, Capability, CollectiveRow, CopyRow, CpuSampleRow, CpuSampling, FrameRow, GpmReadings, GpuRow,
+        GpuSampleRow, JitCallRow, KernelRow, LaunchRow, Losses, OffCpuRow, ProbedFileRow, RaplSampleRow, RegionRow,
+        SessionEnd, SessionStart, StackRow, StepRow, SyncRow, SystemSampleRow,
     },
     schema::{SCHEMA_VERSION, quoted},
     writer::{RowSender, StoreWriter},
@@ -217,6 +218,11 @@ pub enum StoreMsg {
     JitCalls(Vec<JitCallRow>),
     /// Times traced threads were off their CPU (`--launches all`).
     OffCpu(Vec<OffCpuRow>),
+    /// CPU samples (`--cpu-sample`), after the frames and stacks they name.
+    CpuSamples(Vec<CpuSampleRow>),
+    /// Frames and stacks first seen; never stopped by the budget (small, and
+    /// what the samples already stored name).
+    CpuStacks(Vec<FrameRow>, Vec<StackRow>),
     Kernels(Vec<KernelRow>),
     ProbedFile(ProbedFileRow),
     /// The sampled GPUs, once at the start.

@@ -110,6 +110,42 @@ pub struct CopyRow {
     pub step: Option<(&'static str, u64)>,
 }
 
+/// One CPU sample (a `cpu_samples` row).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpuSampleRow {
+    pub tid: u32,
+    pub time_ns: u64,
+    /// The session's `stacks.stack_id`.
+    pub stack_id: u32,
+    pub in_kernel: bool,
+    /// The step its thread was in: (label, step).
+    pub step: Option<(&'static str, u64)>,
+}
+
+/// A frame first seen (a `frames` row).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FrameRow {
+    pub frame_id: u32,
+    /// `native` or `kernel`.
+    pub kind: &'static str,
+    pub module: Option<String>,
+    pub function: String,
+}
+
+/// A stack first seen: its frames' ids, leaf first (`stacks` rows).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StackRow {
+    pub stack_id: u32,
+    pub frames: Vec<u32>,
+}
+
+/// The CPU sampler's rate and kernel-side counts (`sessions.cpu_sample_hz` …).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuSampling {
+    pub hz: u32,
+    pub counts: crate::probes::cpu::CpuSampleCounts,
+}
+
 /// One time a thread was off its CPU (an `off_cpu` row, `--launches all`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OffCpuRow {
@@ -331,4 +367,6 @@ pub enum AtFinish {
     /// session's sampled ones) its steps get `step_gpu` rows for, in place of
     /// the first session's list (see `session::job::rank_gpus`).
     RankGpus(Vec<u32>),
+    /// `sessions.cpu_sample_hz` and the sampler's counts (`--cpu-sample`).
+    CpuSampling(CpuSampling),
 }

@@ -135,6 +135,8 @@ pub(super) fn write_msg(tx: &Transaction<'_>, session_id: i64, msg: &StoreMsg) -
         StoreMsg::Copies(rows) => super::copies::write_copies(tx, session_id, rows),
         StoreMsg::JitCalls(rows) => super::jax::write_jit_calls(tx, session_id, rows),
         StoreMsg::OffCpu(rows) => super::off_cpu::write_off_cpu(tx, session_id, rows),
+        StoreMsg::CpuSamples(rows) => super::cpu_samples::write_samples(tx, session_id, rows),
+        StoreMsg::CpuStacks(frames, stacks) => super::cpu_samples::write_stacks(tx, session_id, frames, stacks),
         StoreMsg::Capability(c) => tx
             .execute(
                 "INSERT OR IGNORE INTO capabilities(session_id, source, metric, available, reason)
@@ -387,6 +389,8 @@ fn rows_in(msgs: &[StoreMsg]) -> u64 {
             StoreMsg::Copies(r) => r.len() as u64,
             StoreMsg::JitCalls(r) => r.len() as u64,
             StoreMsg::OffCpu(r) => r.len() as u64,
+            StoreMsg::CpuSamples(r) => r.len() as u64,
+            StoreMsg::CpuStacks(f, s) => (f.len() + s.iter().map(|s| s.frames.len()).sum::<usize>()) as u64,
             StoreMsg::Kernels(r) => r.len() as u64,
             StoreMsg::Gpus(r) => r.len() as u64,
             StoreMsg::GpusUsedByTarget(r) => r.len() as u64,

@@ -4,6 +4,7 @@
 //! median) are in [`harness`]; each table is a module of its own.
 mod agent;
 mod attach;
+mod cpu;
 mod flops;
 mod frame_hook;
 mod fuzz;
@@ -22,8 +23,9 @@ use anyhow::{Result, bail};
 type Table = fn(&Path) -> Result<()>;
 
 /// The tables that run alone by name (`cargo xtask bench NAME`).
-const PARTS: [(&str, Table); 6] = [
+const PARTS: [(&str, Table); 7] = [
     ("attach", attach::attach_table),
+    ("cpu", cpu::cpu_table),
     ("torch", torch::torch_table),
     ("sched", sched::sched_table),
     ("frame-hook", frame_hook::frame_hook_table),

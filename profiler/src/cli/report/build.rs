@@ -83,6 +83,14 @@ const TOP_REGIONS: usize = 10;
 ///                      "mean_ms": 0.62, "max_ms": 1.9, "open": 0 } ]
 ///                                     // PyTorch record_function regions by total time (ended ones;
 ///                                     // `open`: begun, end not seen); empty when none was recorded
+///   "cpu": { "sample_hz": 99, "samples_taken": 2000, "lost_samples": 0, "stack_failures": 0,
+///            "labels": [ { "label": "train", "samples": 1990,
+///                          "by_self": [ { "function": "heavy_work", "module": "trainer", "kind": "native",
+///                                         "self_share": 0.7, "total_share": 0.7, "self_samples": 1393,
+///                                         "total_samples": 1393 } ],
+///                          "by_total": [ … ] } ] }
+///                                     // CPU samples in each label's measured steps (--cpu-sample); null for
+///                                     // a profile from before the sampler; sample_hz null: it was off
 /// }
 /// ```
 ///
@@ -99,6 +107,9 @@ pub struct Report {
     pub labels: Vec<LabelReport>,
     pub top_kernels: Option<Vec<TopKernel>>,
     pub top_regions: Vec<RegionStat>,
+    /// CPU samples' top functions per label (`--cpu-sample`); null for a
+    /// profile without the sampler's columns.
+    pub cpu: Option<super::cpu::CpuReport>,
 }
 
 /// One PyTorch `record_function` name's regions over the whole session.
@@ -380,6 +391,7 @@ pub fn build(db: &ProfileDb, session: i64, label: Option<&str>, skip: u64) -> an
 
     let top_kernels = top_kernels(db, session, &info.launch_mode, TOP_KERNELS)?;
     let top_regions = top_regions(db, session)?;
+    let cpu = super::cpu::build(db, session, &measured)?;
     Ok(Report {
         report_version: REPORT_VERSION,
         database: db.path.display().to_string(),
@@ -390,6 +402,7 @@ pub fn build(db: &ProfileDb, session: i64, label: Option<&str>, skip: u64) -> an
         labels,
         top_kernels,
         top_regions,
+        cpu,
     })
 }
 

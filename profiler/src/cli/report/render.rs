@@ -94,6 +94,7 @@ pub fn render_table(r: &Report) -> String {
     o.push('\n');
     render_kernels(&mut o, r.top_kernels.as_deref());
     render_regions(&mut o, &r.top_regions);
+    super::cpu::render(&mut o, r.cpu.as_ref(), WIDTH);
     o
 }
 
@@ -489,6 +490,7 @@ mod tests {
                 kernel(None, 200),
             ]),
             top_regions: Vec::new(),
+            cpu: None,
         }
     }
 

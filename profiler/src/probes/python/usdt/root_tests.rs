@@ -282,6 +282,7 @@ fn run_traced(args: &[&str], specs: &[&str]) -> Traced {
             | Event::Blas(_)
             | Event::Copy(_)
             | Event::OffCpu(_)
+            | Event::CpuSample(_)
             | Event::JitEnter(_)
             | Event::JitExit(_)
             | Event::LoaderChange { .. }

@@ -1,0 +1,102 @@
+//! The CPU sampler (`--cpu-sample HZ`): the `cpu_sample` perf_event program
+//! on every online CPU's `cpu-clock`, every 1/HZ s of that CPU's time, so a
+//! traced thread is sampled HZ times per second it runs, on any CPU, its
+//! children's and workers' threads too (the program's filter is the traced
+//! set, `TRACED`, which the fork hook grows). Its stacks map and counters.
+//!
+//! A CPU that comes online after the start is not sampled.
+use std::{path::PathBuf, sync::Arc};
+
+use aya::{
+    maps::{MapData, PerCpuArray, StackTraceMap},
+    programs::{
+        PerfEvent,
+        perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent},
+    },
+    util::online_cpus,
+};
+use profiler_common::{maps as map_names, programs};
+
+use super::{ProbeError, Probes, take_map};
+
+/// The most `--cpu-sample` rate: above it the sampler costs the traced
+/// threads more than the percent or so a profile may.
+pub const MAX_HZ: u32 = 10_000;
+
+/// The kernel's stacks of the samples, by `bpf_get_stackid` id. Read while
+/// tracing: an id, once given, keeps its stack for the session.
+pub struct CpuStackMap(StackTraceMap<MapData>);
+
+impl CpuStackMap {
+    /// The stack's instruction pointers, leaf first; None if the map has no such id.
+    pub fn ips(&self, id: u32) -> Option<Vec<u64>> {
+        self.0.get(&id, 0).ok().map(|t| t.frames().iter().map(|f| f.ip).collect())
+    }
+}
+
+/// The sampler's kernel-side counters, summed over CPUs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuSampleCounts {
+    /// Samples of traced threads taken (kept or lost).
+    pub taken: u64,
+    /// Of those, samples the launch ring had no room for.
+    pub lost: u64,
+    /// Stacks `bpf_get_stackid` did not keep (their samples keep the leaf).
+    pub stack_failures: u64,
+}
+
+/// The attached sampler: its rate, stacks and counters.
+pub struct CpuSampler {
+    pub hz: u32,
+    pub stacks: Arc<CpuStackMap>,
+    counters: [PerCpuArray<MapData, u64>; 3],
+}
+
+impl CpuSampler {
+    pub fn counts(&self) -> CpuSampleCounts {
+        let sum = |m: &PerCpuArray<MapData, u64>| m.get(&0, 0).map(|v| v.iter().sum::<u64>()).unwrap_or(0);
+        let [taken, lost, failures] = &self.counters;
+        CpuSampleCounts { taken: sum(taken), lost: sum(lost), stack_failures: sum(failures) }
+    }
+}
+
+impl Probes {
+    /// Loads the sampling program and opens a `cpu-clock` event at `hz` on
+    /// every online CPU, the program on each. The events go with the probes
+    /// (`detach`); `STOPPED` silences them first, like every program.
+    pub fn attach_cpu_sampler(&mut self, hz: u32) -> Result<CpuSampler, ProbeError> {
+        let name = programs::CPU_SAMPLE;
+        let cpus = online_cpus().map_err(|(path, source)| ProbeError::Read { path: PathBuf::from(path), source })?;
+        let prog: &mut PerfEvent = self
+            .ebpf
+            .program_mut(name)
+            .ok_or(ProbeError::Missing(name))?
+            .try_into()
+            .map_err(|source| ProbeError::Program { name, source })?;
+        prog.load().map_err(|source| ProbeError::Program { name, source })?;
+        // A period in ns of CPU time, not a frequency the kernel adapts: the
+        // samples of a thread are then exactly proportional to its time on a CPU.
+        let period_ns = 1_000_000_000 / u64::from(hz.clamp(1, MAX_HZ));
+        for cpu in cpus {
+            prog.attach(
+                PerfEventConfig::Software(SoftwareEvent::CpuClock),
+                PerfEventScope::AllProcessesOneCpu { cpu },
+                SamplePolicy::Period(period_ns),
+                false,
+            )
+            .map_err(|source| ProbeError::Program { name, source })?;
+        }
+        let stacks = take_map(&mut self.ebpf, map_names::CPU_STACKS)?;
+        let stacks = StackTraceMap::try_from(stacks)
+            .map_err(|source| ProbeError::Map { name: map_names::CPU_STACKS, source })?;
+        let mut counter = |name: &'static str| {
+            PerCpuArray::try_from(take_map(&mut self.ebpf, name)?).map_err(|source| ProbeError::Map { name, source })
+        };
+        let counters = [
+            counter(map_names::CPU_SAMPLES)?,
+            counter(map_names::LOST_CPU_SAMPLES)?,
+            counter(map_names::CPU_STACK_FAILURES)?,
+        ];
+        Ok(CpuSampler { hz, stacks: Arc::new(CpuStackMap(stacks)), counters })
+    }
+}

@@ -1,0 +1,81 @@
+//! CPU samples (`--cpu-sample`): each assigned to the step its thread is in
+//! when it is taken (like a launch), and its stack named, in batches.
+use std::sync::Arc;
+
+use super::Consumer;
+use crate::{
+    events::CpuSampleEvent,
+    probes::cpu::CpuStackMap,
+    session::cpu_stacks::CpuStacks,
+    store::{CpuSampleRow, StoreMsg},
+};
+
+/// Samples held before their stacks are named and they are sent.
+const BATCH: usize = 4096;
+
+#[derive(Default)]
+pub(super) struct CpuSampleState {
+    /// None: the sampler is off (no sample comes).
+    stacks: Option<CpuStacks>,
+    pending: Vec<(CpuSampleEvent, Option<(&'static str, u64)>)>,
+}
+
+impl Consumer {
+    /// Samples come, their stacks in `map`.
+    pub(in crate::session) fn sample_cpu(&mut self, map: Arc<CpuStackMap>) {
+        self.cpu.stacks = Some(CpuStacks::new(map, self.pid));
+    }
+
+    pub(super) fn cpu_sample(&mut self, c: CpuSampleEvent) {
+        if self.cpu.stacks.is_none() {
+            return;
+        }
+        let step = self.tracker.current_step(c.tid);
+        self.cpu.pending.push((c, step));
+        if self.cpu.pending.len() >= BATCH {
+            self.flush_cpu_samples();
+        }
+    }
+
+    /// Says, once at the end, when the process's stacks look cut short by code without frame pointers.
+    pub(super) fn finish_cpu_samples(&mut self) {
+        self.flush_cpu_samples();
+        if let Some(share) = self.cpu.stacks.as_ref().and_then(CpuStacks::no_frame_pointers) {
+            eprintln!(
+                "profiler: PID {}: {:.0}% of the CPU samples' stacks end within two frames: its code likely has no \
+                 frame pointers (build with -fno-omit-frame-pointer); their leaf functions (self shares) are exact, \
+                 their callers (total shares) are not",
+                self.pid,
+                share * 100.0
+            );
+        }
+    }
+
+    /// Names the pending samples' stacks and sends the new frames and
+    /// stacks, then the samples that name them.
+    pub(super) fn flush_cpu_samples(&mut self) {
+        let Some(stacks) = &mut self.cpu.stacks else { return };
+        if self.cpu.pending.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(&mut self.cpu.pending);
+        let events: Vec<CpuSampleEvent> = pending.iter().map(|p| p.0).collect();
+        let ids = stacks.stack_ids(&events);
+        let (frames, new_stacks) = stacks.take_new();
+        if !frames.is_empty() || !new_stacks.is_empty() {
+            self.writer.send(StoreMsg::CpuStacks(frames, new_stacks));
+        }
+        let rows = pending
+            .into_iter()
+            .zip(ids)
+            .map(|((c, step), stack_id)| CpuSampleRow {
+                tid: c.tid,
+                time_ns: c.ts_ns,
+                stack_id,
+                in_kernel: c.in_kernel,
+                step,
+            })
+            .collect();
+        self.writer.send(StoreMsg::CpuSamples(rows));
+    }
+}

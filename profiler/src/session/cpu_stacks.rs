@@ -1,0 +1,236 @@
+//! A session's CPU-sample stacks: the kernel's stack ids turned into the
+//! session's deduplicated `frames` and `stacks`, symbolised as they first
+//! come (the process, its libraries, may be gone at the end) with blazesym:
+//! the target's ELF symbols through its own maps, the kernel's kallsyms.
+use std::{collections::HashMap, sync::Arc};
+
+use blazesym::{
+    Pid,
+    symbolize::{
+        Input, Reason, Symbolized, Symbolizer,
+        source::{Kernel, Process, Source},
+    },
+};
+
+use crate::{
+    events::CpuSampleEvent,
+    probes::cpu::CpuStackMap,
+    store::{FrameRow, StackRow},
+};
+
+/// Frame kinds (`frames.kind`).
+const NATIVE: &str = "native";
+const KERNEL: &str = "kernel";
+
+pub(super) struct CpuStacks {
+    map: Arc<CpuStackMap>,
+    pid: u32,
+    symbolizer: Symbolizer,
+    /// Kernel stack id -> the frame ids of its user (by this process) or kernel stack.
+    user: HashMap<u32, Vec<u32>>,
+    kernel: HashMap<u32, Vec<u32>>,
+    /// Symbolised user leaves of samples without a user stack.
+    leaves: HashMap<u64, u32>,
+    frame_ids: HashMap<FrameKey, u32>,
+    stack_ids: HashMap<Vec<u32>, u32>,
+    new_frames: Vec<FrameRow>,
+    new_stacks: Vec<StackRow>,
+    /// Samples with a user stack, and of those the ones whose stack ends
+    /// within [`SHALLOW`] frames (see [`CpuStacks::no_frame_pointers`]).
+    user_samples: u64,
+    shallow_samples: u64,
+}
+
+/// A frame's (kind, module, function).
+type FrameKey = (&'static str, Option<String>, String);
+/// A frame, and whether its address was in no mapping of the process.
+type Named = (FrameKey, bool);
+
+/// A user stack this deep or less: a leaf and one caller at most.
+const SHALLOW: usize = 2;
+
+impl CpuStacks {
+    pub fn new(map: Arc<CpuStackMap>, pid: u32) -> Self {
+        Self {
+            map,
+            pid,
+            symbolizer: Symbolizer::new(),
+            user: HashMap::new(),
+            kernel: HashMap::new(),
+            leaves: HashMap::new(),
+            frame_ids: HashMap::new(),
+            stack_ids: HashMap::new(),
+            new_frames: Vec::new(),
+            new_stacks: Vec::new(),
+            user_samples: 0,
+            shallow_samples: 0,
+        }
+    }
+
+    /// The session's stack id of each sample, in order, naming what is new.
+    pub fn stack_ids(&mut self, samples: &[CpuSampleEvent]) -> Vec<u32> {
+        self.name_new(samples);
+        samples
+            .iter()
+            .map(|s| {
+                let mut frames = Vec::new();
+                if let Some(k) = s.kernel_stack.and_then(|id| self.kernel.get(&id)) {
+                    frames.extend_from_slice(k);
+                }
+                match s.user_stack.and_then(|id| self.user.get(&id)) {
+                    Some(u) => {
+                        self.user_samples += 1;
+                        self.shallow_samples += u64::from(u.len() <= SHALLOW);
+                        frames.extend_from_slice(u);
+                    }
+                    None => frames.extend(self.leaves.get(&s.user_ip).copied()),
+                }
+                self.stack_id(frames)
+            })
+            .collect()
+    }
+
+    /// The share of the samples' user stacks that end within two frames,
+    /// when it is most of them (90 % of 50 samples or more): the walk, which
+    /// follows frame pointers, stopped at once, as it does in code built
+    /// without them (`-fomit-frame-pointer`, most distributions' default).
+    pub fn no_frame_pointers(&self) -> Option<f64> {
+        let share = self.shallow_samples as f64 / self.user_samples.max(1) as f64;
+        (self.user_samples >= 50 && share >= 0.9).then_some(share)
+    }
+
+    /// The frames and stacks first seen since the last call.
+    pub fn take_new(&mut self) -> (Vec<FrameRow>, Vec<StackRow>) {
+        (std::mem::take(&mut self.new_frames), std::mem::take(&mut self.new_stacks))
+    }
+
+    /// Reads and names the stacks (and leaves) these samples bring that are not known yet.
+    fn name_new(&mut self, samples: &[CpuSampleEvent]) {
+        let mut user_ids: Vec<u32> = samples.iter().filter_map(|s| s.user_stack).collect();
+        user_ids.sort_unstable();
+        user_ids.dedup();
+        user_ids.retain(|id| !self.user.contains_key(id));
+        let mut kernel_ids: Vec<u32> = samples.iter().filter_map(|s| s.kernel_stack).collect();
+        kernel_ids.sort_unstable();
+        kernel_ids.dedup();
+        kernel_ids.retain(|id| !self.kernel.contains_key(id));
+        let mut leaves: Vec<u64> = samples
+            .iter()
+            .filter(|s| s.user_stack.is_none() && s.user_ip != 0 && !self.leaves.contains_key(&s.user_ip))
+            .map(|s| s.user_ip)
+            .collect();
+        leaves.sort_unstable();
+        leaves.dedup();
+        let user: Vec<(u32, Vec<u64>)> =
+            user_ids.into_iter().map(|id| (id, self.map.ips(id).unwrap_or_default())).collect();
+        let kernel: Vec<(u32, Vec<u64>)> =
+            kernel_ids.into_iter().map(|id| (id, self.map.ips(id).unwrap_or_default())).collect();
+        // Return addresses point past their call: the call is at the byte before.
+        let lookup = |ips: &[u64]| -> Vec<u64> {
+            ips.iter().enumerate().map(|(n, &ip)| if n == 0 { ip } else { ip.saturating_sub(1) }).collect()
+        };
+        let user_addrs: Vec<u64> = user.iter().flat_map(|(_, ips)| lookup(ips)).chain(leaves.iter().copied()).collect();
+        let kernel_addrs: Vec<u64> = kernel.iter().flat_map(|(_, ips)| lookup(ips)).collect();
+        let user_names = self.names(NATIVE, &user_addrs);
+        let kernel_names = self.names(KERNEL, &kernel_addrs);
+        let mut user_names = user_names.into_iter();
+        for (id, ips) in user {
+            let names: Vec<Named> = user_names.by_ref().take(ips.len()).collect();
+            // A caller in no mapping of the process: the frame-pointer walk
+            // went astray (code without frame pointers); it and what follows go.
+            let kept = names.iter().skip(1).position(|n| n.1).map_or(names.len(), |p| p + 1);
+            let frames = names.into_iter().take(kept).map(|n| self.frame_id(n.0)).collect();
+            self.user.insert(id, frames);
+        }
+        for ip in leaves {
+            if let Some(n) = user_names.next() {
+                let id = self.frame_id(n.0);
+                self.leaves.insert(ip, id);
+            }
+        }
+        let mut kernel_names = kernel_names.into_iter();
+        for (id, ips) in kernel {
+            let frames = kernel_names.by_ref().take(ips.len()).map(|n| self.frame_id(n.0)).collect();
+            self.kernel.insert(id, frames);
+        }
+    }
+
+    /// Each address's frame, a hex address where no symbol covers it, and
+    /// whether the address is in none of the process's executable mappings
+    /// (a return address there is no return address: the walk went astray).
+    fn names(&self, kind: &'static str, addrs: &[u64]) -> Vec<Named> {
+        if addrs.is_empty() {
+            return Vec::new();
+        }
+        let t0 = std::time::Instant::now();
+        // None: the process is gone; then blazesym's own verdict (no mapping at all) stands.
+        let code: Option<Vec<(u64, u64)>> = match kind {
+            KERNEL => None,
+            _ => procfs::process::Process::new(self.pid as i32).and_then(|p| p.maps()).ok().map(|maps| {
+                maps.iter()
+                    .filter(|m| m.perms.contains(procfs::process::MMPermissions::EXECUTE))
+                    .map(|m| m.address)
+                    .collect()
+            }),
+        };
+        let astray = |addr: u64, unmapped: bool| match &code {
+            Some(ranges) => !ranges.iter().any(|&(start, end)| (start..end).contains(&addr)),
+            None => unmapped,
+        };
+        let src = match kind {
+            KERNEL => Source::Kernel(Kernel::default()),
+            _ => Source::Process(Process::new(Pid::from(self.pid))),
+        };
+        let found = self.symbolizer.symbolize(&src, Input::AbsAddr(addrs)).unwrap_or_else(|e| {
+            log::debug!("symbolizing {} addresses of PID {}: {e}", addrs.len(), self.pid);
+            Vec::new()
+        });
+        let named = addrs
+            .iter()
+            .enumerate()
+            .map(|(n, &addr)| match found.get(n) {
+                Some(Symbolized::Sym(sym)) => {
+                    let module = match kind {
+                        KERNEL => sym.module.as_ref().map(|m| m.to_string_lossy().into_owned()),
+                        _ => sym.module.as_ref().map(|m| {
+                            let path = std::path::Path::new(&**m);
+                            path.file_name().unwrap_or(path.as_os_str()).to_string_lossy().into_owned()
+                        }),
+                    };
+                    ((kind, module, sym.name.to_string()), kind != KERNEL && astray(addr, false))
+                }
+                Some(Symbolized::Unknown(Reason::Unmapped)) => {
+                    ((kind, None, format!("{addr:#x}")), kind != KERNEL && astray(addr, true))
+                }
+                _ => ((kind, None, format!("{addr:#x}")), kind != KERNEL && astray(addr, false)),
+            })
+            .collect::<Vec<_>>();
+        log::debug!(
+            "named {} {kind} addresses of PID {} in {:.1} ms",
+            addrs.len(),
+            self.pid,
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+        named
+    }
+
+    fn frame_id(&mut self, key: FrameKey) -> u32 {
+        if let Some(&id) = self.frame_ids.get(&key) {
+            return id;
+        }
+        let id = self.frame_ids.len() as u32;
+        self.new_frames.push(FrameRow { frame_id: id, kind: key.0, module: key.1.clone(), function: key.2.clone() });
+        self.frame_ids.insert(key, id);
+        id
+    }
+
+    fn stack_id(&mut self, frames: Vec<u32>) -> u32 {
+        if let Some(&id) = self.stack_ids.get(&frames) {
+            return id;
+        }
+        let id = self.stack_ids.len() as u32;
+        self.new_stacks.push(StackRow { stack_id: id, frames: frames.clone() });
+        self.stack_ids.insert(frames, id);
+        id
+    }
+}
