@@ -52,6 +52,9 @@ pub enum RecordKind {
     /// A [`CpuSampleRecord`]: a traced thread was on a CPU when the sampling
     /// clock fired (`--cpu-sample HZ`; in the launch ring).
     CpuSample = 15,
+    /// A [`CpuSamplePythonRecord`]: a CPU sample of a thread of a CPython
+    /// process the agent described (`maps::PY_PROCS`), with its Python frames.
+    CpuSamplePython = 16,
     /// A [`ProcessRecord`]: a traced process forked a process (`pid`, its
     /// `parent`), now traced too (`--children`).
     ProcessFork = 20,
@@ -83,6 +86,7 @@ impl RecordKind {
             13 => Some(Self::Copy),
             14 => Some(Self::OffCpu),
             15 => Some(Self::CpuSample),
+            16 => Some(Self::CpuSamplePython),
             20 => Some(Self::ProcessFork),
             21 => Some(Self::ProcessExec),
             22 => Some(Self::ProcessExit),
@@ -481,6 +485,86 @@ pub struct CpuSampleRecord {
 /// [`CpuSampleRecord::kernel_stack`] of a sample taken in user mode.
 pub const NO_STACK: i32 = i32::MIN;
 
+/// Python frames kept per sample (the innermost ones).
+pub const PY_STACK_DEPTH: usize = 64;
+
+/// A CPU sample of a CPython thread: the native sample and the frames of its
+/// thread state's chain then, innermost first, a slot each: a code object's
+/// address, whose bit 0 ([`PY_FRAME_ENTRY`]) marks the outermost frame of
+/// one call of the interpreter's loop (`_PyEval_EvalFrameDefault`);
+/// [`PY_FRAME_SHIM`], a frame of the C stack below such a call (3.12+); or
+/// 0, a frame that is no Python code. User space puts each run of frames of
+/// one call where its loop's native frame is on the native stack.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(feature = "user", derive(FromBytes, IntoBytes, KnownLayout, Immutable))]
+pub struct CpuSamplePythonRecord {
+    pub sample: CpuSampleRecord,
+    /// Slots of `frames` written; 0 when the thread has no thread state
+    /// (not a Python thread, or none yet) or none could be read.
+    pub depth: u32,
+    /// 1 when the chain had more than [`PY_STACK_DEPTH`] frames (the outer ones are cut).
+    pub truncated: u32,
+    pub frames: [u64; PY_STACK_DEPTH],
+}
+
+/// See [`CpuSamplePythonRecord`].
+pub const PY_FRAME_ENTRY: u64 = 1;
+/// See [`CpuSamplePythonRecord`].
+pub const PY_FRAME_SHIM: u64 = 2;
+
+/// A field CPython's version does not have.
+pub const PY_NO_FIELD: u32 = u32::MAX;
+
+/// How a CPython version marks the first frame of one call of its loop ([`PyStackLayout::boundary`]).
+pub mod py_boundary {
+    /// 3.10: every frame is a call of its own.
+    pub const EVERY_FRAME: u32 = 0;
+    /// 3.11: the frame's `is_entry` byte.
+    pub const IS_ENTRY: u32 = 1;
+    /// 3.12+: a shim frame owned by the C stack (`owner` 3) below it; owners
+    /// 3 and up (C stack, interpreter) are not Python code and are skipped.
+    pub const CSTACK_OWNER: u32 = 2;
+}
+
+/// Where the CPU sampler finds a CPython process's Python frames: the value
+/// of `maps::PY_PROCS` for its tgid, filled by the agent from the CPython
+/// build it maps. The thread's state is the one in the main interpreter's
+/// list whose `native_thread_id` is the thread's id (3.11+), or whose
+/// `thread_id` (`pthread_self()`) is the thread's `fsbase` (3.10).
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(FromBytes, IntoBytes, KnownLayout, Immutable))]
+pub struct PyStackLayout {
+    /// Address, in the process, of `_PyRuntime.interpreters.head`.
+    pub interpreters_head: u64,
+    /// Applied to a frame's code pointer (3.14 tags it in the low bits).
+    pub code_mask: u64,
+    /// `offsetof(struct task_struct, thread.fsbase)` in the running kernel,
+    /// where `by_native_id` is 0.
+    pub task_fsbase: u32,
+    /// `PyInterpreterState.threads.head` (`tstate_head` in 3.10).
+    pub threads_head: u32,
+    pub tstate_next: u32,
+    /// `native_thread_id` where `by_native_id` is 1, else `thread_id`.
+    pub tstate_thread_id: u32,
+    /// 1: a thread state is known by its `native_thread_id` (the thread's id).
+    pub by_native_id: u32,
+    /// `&tstate->frame` (3.10), `&tstate->cframe` (3.11, 3.12) or `&tstate->current_frame` (3.13+).
+    pub tstate_frame: u32,
+    /// `&cframe->current_frame` (3.11, 3.12), else [`PY_NO_FIELD`].
+    pub cframe_frame: u32,
+    /// `f_back` (3.10) or `previous`.
+    pub frame_previous: u32,
+    /// `f_code` or `f_executable`.
+    pub frame_code: u32,
+    /// `is_entry` (3.11) or `owner` (3.12+), by `boundary`; unused on 3.10.
+    pub frame_marker: u32,
+    /// A [`py_boundary`] value.
+    pub boundary: u32,
+    pub _pad: u32,
+}
+
 /// Frames kept per stack in `maps::CPU_STACKS` (the kernel's `PERF_MAX_STACK_DEPTH`).
 pub const CPU_STACK_DEPTH: usize = 127;
 
@@ -664,6 +748,8 @@ const _: () = assert!(core::mem::size_of::<FrameStep>() == 8);
 // Shorter than a launch record: `profiler::events::records` tells a staged run of launches by its length.
 const _: () = assert!(core::mem::size_of::<OffCpuRecord>() == 48);
 const _: () = assert!(core::mem::size_of::<CpuSampleRecord>() == 40);
+const _: () = assert!(core::mem::size_of::<CpuSamplePythonRecord>() == 48 + 8 * PY_STACK_DEPTH);
+const _: () = assert!(core::mem::size_of::<PyStackLayout>() == 64);
 
 /// Names of the read-only globals the agent sets at load time.
 pub mod globals {
@@ -731,6 +817,8 @@ pub mod maps {
     pub const CPU_STACKS: &str = "CPU_STACKS";
     /// `PerCpuArray<u64>[1]`: CPU samples of traced threads taken (kept or lost).
     pub const CPU_SAMPLES: &str = "CPU_SAMPLES";
+    /// `HashMap<tgid, PyStackLayout>`: the CPython processes whose samples carry Python frames.
+    pub const PY_PROCS: &str = "PY_PROCS";
     /// `PerCpuArray<u64>[1]`: CPU samples the launch ring had no room for.
     pub const LOST_CPU_SAMPLES: &str = "LOST_CPU_SAMPLES";
     /// `PerCpuArray<u64>[1]`: stacks `bpf_get_stackid` did not keep (their samples keep the leaf).
@@ -821,6 +909,8 @@ mod user {
     unsafe impl aya::Pod for super::FrameStep {}
     // SAFETY: as above (four u64; PROCESS_SCHED values).
     unsafe impl aya::Pod for super::ProcessSched {}
+    // SAFETY: as above (two u64 then twelve u32; PY_PROCS values).
+    unsafe impl aya::Pod for super::PyStackLayout {}
 }
 
 /// Bytes of a `record_function` name kept in a [`RegionRecord`]. PyTorch's own

@@ -1153,6 +1153,7 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
 fn forget_code_ranges(tgid: u32) {
     let _ = RUNTIME_TEXT.remove(tgid);
     blas::forget_process(tgid);
+    cpu::forget_process(tgid);
 }
 
 /// Entry of the step function. Nesting is resolved in user space, which sees

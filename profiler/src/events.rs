@@ -105,7 +105,7 @@ pub enum Event {
 /// One CPU sample (see [`profiler_common::CpuSampleRecord`]): the ids are
 /// `bpf_get_stackid`'s, None where the kernel kept no stack (or, for
 /// `kernel_stack`, where the sample hit user code: `in_kernel` false).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CpuSampleEvent {
     pub tid: u32,
     pub tgid: u32,
@@ -115,12 +115,26 @@ pub struct CpuSampleEvent {
     pub user_stack: Option<u32>,
     pub kernel_stack: Option<u32>,
     pub in_kernel: bool,
+    /// A CPython thread's Python frames: code object addresses, innermost
+    /// first, with [`profiler_common::PY_FRAME_ENTRY`] marks; empty for
+    /// another thread (see [`profiler_common::CpuSamplePythonRecord`]).
+    pub python: Vec<u64>,
 }
 
 fn cpu_sample(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> {
     let r: profiler_common::CpuSampleRecord = exact(bytes, header.kind)?;
+    Ok(Event::CpuSample(sample_event(&r, header, Vec::new())))
+}
+
+fn cpu_sample_python(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> {
+    let r: profiler_common::CpuSamplePythonRecord = exact(bytes, header.kind)?;
+    let depth = (r.depth as usize).min(r.frames.len());
+    Ok(Event::CpuSample(sample_event(&r.sample, header, r.frames[..depth].to_vec())))
+}
+
+fn sample_event(r: &profiler_common::CpuSampleRecord, header: RecordHeader, python: Vec<u64>) -> CpuSampleEvent {
     let id = |v: i32| u32::try_from(v).ok();
-    Ok(Event::CpuSample(CpuSampleEvent {
+    CpuSampleEvent {
         tid: header.tid,
         tgid: header.tgid,
         ts_ns: header.ts_ns,
@@ -128,7 +142,8 @@ fn cpu_sample(bytes: &[u8], header: RecordHeader) -> Result<Event, DecodeError> 
         user_stack: id(r.user_stack),
         kernel_stack: id(r.kernel_stack),
         in_kernel: r.kernel_stack != profiler_common::NO_STACK,
-    }))
+        python,
+    }
 }
 
 /// One time a thread was off its CPU (see [`OffCpuRecord`]).
@@ -577,6 +592,7 @@ pub fn decode(bytes: &[u8]) -> Result<Event, DecodeError> {
         Some(RecordKind::Copy) => copy(bytes, header),
         Some(RecordKind::OffCpu) => off_cpu(bytes, header),
         Some(RecordKind::CpuSample) => cpu_sample(bytes, header),
+        Some(RecordKind::CpuSamplePython) => cpu_sample_python(bytes, header),
         Some(kind @ (RecordKind::ProcessFork | RecordKind::ProcessExec | RecordKind::ProcessExit)) => {
             let r: ProcessRecord = exact(bytes, header.kind)?;
             let change = match kind {
@@ -776,13 +792,35 @@ mod tests {
             user_stack: Some(7),
             kernel_stack: None,
             in_kernel: false,
+            python: Vec::new(),
         };
-        assert_eq!(decode(&bytes_of(&user)), Ok(Event::CpuSample(e)));
+        assert_eq!(decode(&bytes_of(&user)), Ok(Event::CpuSample(e.clone())));
         // -EEXIST for the user stack (its bucket held another), a kernel stack kept.
         let kernel = profiler_common::CpuSampleRecord { user_stack: -17, kernel_stack: 3, ..user };
         assert_eq!(
             decode(&bytes_of(&kernel)),
-            Ok(Event::CpuSample(CpuSampleEvent { user_stack: None, kernel_stack: Some(3), in_kernel: true, ..e }))
+            Ok(Event::CpuSample(CpuSampleEvent {
+                user_stack: None,
+                kernel_stack: Some(3),
+                in_kernel: true,
+                ..e.clone()
+            }))
+        );
+        // A CPython thread's sample: its frames, as many as the record says.
+        let mut frames = [0u64; profiler_common::PY_STACK_DEPTH];
+        frames[..3].copy_from_slice(&[0x7000, 0x7100 | profiler_common::PY_FRAME_ENTRY, 0x7200]);
+        let python = profiler_common::CpuSamplePythonRecord {
+            sample: profiler_common::CpuSampleRecord {
+                header: RecordHeader { kind: RecordKind::CpuSamplePython as u32, ..header },
+                ..user
+            },
+            depth: 3,
+            truncated: 0,
+            frames,
+        };
+        assert_eq!(
+            decode(&bytes_of(&python)),
+            Ok(Event::CpuSample(CpuSampleEvent { python: vec![0x7000, 0x7101, 0x7200], ..e }))
         );
     }
 

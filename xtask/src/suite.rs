@@ -114,8 +114,14 @@ fn test_phases(
     // The JAX environments, as `version=python;…` (`+cuda12`: with the CUDA plugin).
     let jax = jax_env::ensure_all().iter().map(|(v, p)| format!("{v}={}", p.display())).collect::<Vec<_>>();
     let jax = OsString::from(jax.join(";"));
+    // py-spy, the peer the CPU-sample tests compare with (their skip says why when missing).
+    let py_spy = torch_env::ensure_py_spy().unwrap_or_else(|e| {
+        say(format!("py-spy: not installed: {e:#}"));
+        PathBuf::new()
+    });
     let (bin, fx) = (profiler_bin(), fixtures_dir());
     let mut env = vec![
+        ("PROFILER_PY_SPY", py_spy.into_os_string()),
         ("PROFILER_BIN", bin.into_os_string()),
         ("PROFILER_FIXTURES", fx.into_os_string()),
         ("PROFILER_TORCH_PYTHONS", pythons),

@@ -130,6 +130,46 @@ fn ensure(name: &str, python: &Path) -> Result<PathBuf> {
     Ok(venv.join("bin/python"))
 }
 
+/// py-spy, the peer the CPU-sample tests compare with.
+pub const PY_SPY_VERSION: &str = "0.4.1";
+
+/// py-spy from PyPI, in an environment of its own (its wheel is a static
+/// binary), downloaded once into the wheel cache. Returns the `py-spy` program.
+pub fn ensure_py_spy() -> Result<PathBuf> {
+    let cache = cache_dir();
+    let venv = cache.join(format!("venvs/py-spy{PY_SPY_VERSION}"));
+    let program = venv.join("bin/py-spy");
+    if venv.join(".profiler-ready").exists() && program.exists() {
+        return Ok(program);
+    }
+    let python =
+        PYTHONS.iter().map(|(_, p)| Path::new(*p)).find(|p| p.exists()).context("no Python to install py-spy with")?;
+    let wheels = cache.join("wheels");
+    std::fs::create_dir_all(&wheels).with_context(|| format!("creating {}", wheels.display()))?;
+    let partial = venv.with_extension("partial");
+    let _ = std::fs::remove_dir_all(&partial);
+    let _ = std::fs::remove_dir_all(&venv);
+    run(Command::new(python).args(["-m", "venv"]).arg(&partial))?;
+    let spec = format!("py-spy=={PY_SPY_VERSION}");
+    let have = std::fs::read_dir(&wheels)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|e| e.file_name().to_string_lossy().starts_with(&format!("py_spy-{PY_SPY_VERSION}-")));
+    let pip = partial.join("bin/python");
+    if !have {
+        say(format!("py-spy: downloading {spec} into {} (once)", wheels.display()));
+        run(Command::new(&pip).args(["-m", "pip", "download", "-q", "--no-deps", "-d"]).arg(&wheels).arg(&spec))?;
+    }
+    run(Command::new(&pip)
+        .args(["-m", "pip", "install", "-q", "--no-index", "--no-deps", "--find-links"])
+        .arg(&wheels)
+        .arg(&spec))?;
+    std::fs::write(partial.join(".profiler-ready"), PY_SPY_VERSION)?;
+    std::fs::rename(&partial, &venv)?;
+    Ok(program)
+}
+
 /// Points the `#!` line of each script in `venv`'s `bin/` that names an
 /// interpreter no longer there (where the environment was built, before its
 /// rename) at `venv`'s own of the same name, so that `torchrun` and the other

@@ -8,14 +8,14 @@
 use std::{path::PathBuf, sync::Arc};
 
 use aya::{
-    maps::{MapData, PerCpuArray, StackTraceMap},
+    maps::{HashMap, MapData, PerCpuArray, StackTraceMap},
     programs::{
         PerfEvent,
         perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent},
     },
     util::online_cpus,
 };
-use profiler_common::{maps as map_names, programs};
+use profiler_common::{PyStackLayout, maps as map_names, programs};
 
 use super::{ProbeError, Probes, take_map};
 
@@ -97,6 +97,34 @@ impl Probes {
             counter(map_names::LOST_CPU_SAMPLES)?,
             counter(map_names::CPU_STACK_FAILURES)?,
         ];
+        self.sampling = true;
         Ok(CpuSampler { hz, stacks: Arc::new(CpuStackMap(stacks)), counters })
+    }
+
+    /// Whether CPython processes are to be described to the sampler.
+    pub fn samples_python(&self) -> bool {
+        self.sampling
+    }
+
+    /// Whether `describe_python` can take `layout` now without waiting for
+    /// the kernel's types (see there); if not, they are being read.
+    pub fn python_layout_ready(&self, layout: &PyStackLayout) -> bool {
+        layout.by_native_id != 0 || super::job::task_fsbase_ready()
+    }
+
+    /// From now on, the samples of process `tgid` carry its Python frames,
+    /// found as `layout` says (`task_fsbase` is filled in here where it is
+    /// needed: CPython 3.10, from the kernel's BTF, ≈0.3 s once). The kernel
+    /// forgets it when the process execs or exits.
+    pub fn describe_python(&mut self, tgid: u32, layout: PyStackLayout) -> Result<(), ProbeError> {
+        let name = map_names::PY_PROCS;
+        let layout = match layout.by_native_id {
+            0 => PyStackLayout { task_fsbase: super::job::task_fsbase_offset()?, ..layout },
+            _ => layout,
+        };
+        let map = self.ebpf.map_mut(name).ok_or(ProbeError::Missing(name))?;
+        let mut procs: HashMap<_, u32, PyStackLayout> =
+            HashMap::try_from(map).map_err(|source| ProbeError::Map { name, source })?;
+        procs.insert(tgid, layout, 0).map_err(|source| ProbeError::Map { name, source })
     }
 }

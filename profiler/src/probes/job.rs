@@ -42,30 +42,79 @@ pub(super) fn attach_process_hooks(ebpf: &mut Ebpf, follow_children: bool) -> Re
 /// Where the kernel's BTF is.
 const VMLINUX_BTF: &str = "/sys/kernel/btf/vmlinux";
 
+/// Byte offsets in the running kernel's `struct task_struct`, from its BTF.
+#[derive(Clone, Copy, Debug)]
+struct TaskOffsets {
+    pid: u32,
+    tgid: u32,
+    flags: u32,
+    /// `thread.fsbase` (x86-64), None where the kernel's types have none.
+    fsbase: Option<u32>,
+}
+
+/// The kernel's types are read once per run (≈0.3 s): at load when the
+/// fork hook or the scheduler programs need them, else when a CPython 3.10
+/// is first found (see `task_fsbase_ready`).
+static TASK_OFFSETS: std::sync::OnceLock<Result<TaskOffsets, String>> = std::sync::OnceLock::new();
+
+fn read_task_offsets() -> Result<TaskOffsets, String> {
+    TASK_OFFSETS
+        .get_or_init(|| {
+            let btf = btf_rs::Btf::from_file(VMLINUX_BTF).map_err(|e| e.to_string())?;
+            let member_of = |s: &btf_rs::Struct, field: &str| {
+                s.members
+                    .iter()
+                    .find(|m| btf.resolve_name(*m).is_ok_and(|n| n == field))
+                    .filter(|m| m.bitfield_size().unwrap_or(0) == 0 && m.bit_offset() % 8 == 0)
+                    .cloned()
+                    .ok_or_else(|| format!("struct task_struct has no byte-aligned {field}"))
+            };
+            let task = btf
+                .resolve_types_by_name("task_struct")
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .find_map(|t| match t {
+                    btf_rs::Type::Struct(s) => Some(s),
+                    _ => None,
+                })
+                .ok_or("no struct task_struct")?;
+            let offset = |field: &str| member_of(&task, field).map(|m| m.bit_offset() / 8);
+            let fsbase = member_of(&task, "thread").ok().and_then(|thread| {
+                let btf_rs::Type::Struct(t) = btf.resolve_chained_type(&thread).ok()? else { return None };
+                Some(thread.bit_offset() / 8 + member_of(&t, "fsbase").ok()?.bit_offset() / 8)
+            });
+            Ok(TaskOffsets { pid: offset("pid")?, tgid: offset("tgid")?, flags: offset("flags")?, fsbase })
+        })
+        .clone()
+}
+
 /// Byte offsets of `pid` and `tgid` in the running kernel's `struct
 /// task_struct`, from its BTF (the fork hook reads the child's there), and of
 /// `flags` (the scheduler programs read `PF_EXITING` there).
 pub(super) fn task_offsets() -> Result<(u32, u32, u32), ProbeError> {
+    let t = read_task_offsets().map_err(|e| ProbeError::KernelTypes(format!("{VMLINUX_BTF}: {e}")))?;
+    Ok((t.pid, t.tgid, t.flags))
+}
+
+/// Whether [`task_fsbase_offset`] answers at once; if not, the kernel's
+/// types are read now on another thread (once), so that a caller on the
+/// event loop need not wait.
+pub(super) fn task_fsbase_ready() -> bool {
+    static STARTED: std::sync::Once = std::sync::Once::new();
+    if TASK_OFFSETS.get().is_some() {
+        return true;
+    }
+    STARTED.call_once(|| {
+        std::thread::spawn(|| read_task_offsets().is_ok());
+    });
+    false
+}
+
+/// `offsetof(struct task_struct, thread.fsbase)` in the running kernel (x86-64):
+/// where the CPU sampler finds a thread's `pthread_self()` (CPython 3.10).
+pub(super) fn task_fsbase_offset() -> Result<u32, ProbeError> {
     let why = |e: String| ProbeError::KernelTypes(format!("{VMLINUX_BTF}: {e}"));
-    let btf = btf_rs::Btf::from_file(VMLINUX_BTF).map_err(|e| why(e.to_string()))?;
-    let task = btf
-        .resolve_types_by_name("task_struct")
-        .map_err(|e| why(e.to_string()))?
-        .into_iter()
-        .find_map(|t| match t {
-            btf_rs::Type::Struct(s) => Some(s),
-            _ => None,
-        })
-        .ok_or_else(|| why("no struct task_struct".into()))?;
-    let offset = |field: &str| -> Result<u32, ProbeError> {
-        task.members
-            .iter()
-            .find(|m| btf.resolve_name(*m).is_ok_and(|n| n == field))
-            .filter(|m| m.bitfield_size().unwrap_or(0) == 0 && m.bit_offset() % 8 == 0)
-            .map(|m| m.bit_offset() / 8)
-            .ok_or_else(|| why(format!("struct task_struct has no byte-aligned {field}")))
-    };
-    Ok((offset("pid")?, offset("tgid")?, offset("flags")?))
+    read_task_offsets().map_err(why)?.fsbase.ok_or_else(|| why("no task_struct.thread.fsbase".into()))
 }
 
 /// Tests that load the eBPF programs: run as root by `cargo xtask test`.

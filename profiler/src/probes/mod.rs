@@ -180,6 +180,8 @@ pub struct Probes {
     links: Vec<(Link, usize)>,
     /// The programs for multi links, where the kernel makes them.
     multi: Option<multi::MultiPrograms>,
+    /// Whether the CPU sampler is on (`attach_cpu_sampler`): CPython processes are then described to it.
+    sampling: bool,
 }
 
 /// The launch records threads have staged in the kernel and not yet written
@@ -351,8 +353,18 @@ impl Probes {
             .map_err(|source| ProbeError::Map { name: map_names::LAUNCH_STAGES, source })?;
         let kernel = if place_probes { placement::running_kernel_version() } else { None };
         let stages = StagedLaunches(stages);
-        let probes =
-            Self { ebpf, pid, scope, kernel, probed: HashSet::new(), counters, stages, links: Vec::new(), multi };
+        let probes = Self {
+            ebpf,
+            pid,
+            scope,
+            kernel,
+            probed: HashSet::new(),
+            counters,
+            stages,
+            links: Vec::new(),
+            multi,
+            sampling: false,
+        };
         Ok((probes, rings))
     }
 

@@ -1,8 +1,13 @@
 //! A session's CPU-sample stacks: the kernel's stack ids turned into the
 //! session's deduplicated `frames` and `stacks`, symbolised as they first
 //! come (the process, its libraries, may be gone at the end) with blazesym:
-//! the target's ELF symbols through its own maps, the kernel's kallsyms.
-use std::{collections::HashMap, sync::Arc};
+//! the target's ELF symbols through its own maps, the kernel's kallsyms. A
+//! CPython thread's Python frames (code objects, named once each) take the
+//! places of the interpreter's loop in its native stack.
+use std::{
+    collections::{HashMap, HashSet},
+    sync::Arc,
+};
 
 use blazesym::{
     Pid,
@@ -12,6 +17,7 @@ use blazesym::{
     },
 };
 
+use super::python_frames::{self, PyCodeReader};
 use crate::{
     events::CpuSampleEvent,
     probes::cpu::CpuStackMap,
@@ -21,6 +27,7 @@ use crate::{
 /// Frame kinds (`frames.kind`).
 const NATIVE: &str = "native";
 const KERNEL: &str = "kernel";
+const PYTHON: &str = "python";
 
 pub(super) struct CpuStacks {
     map: Arc<CpuStackMap>,
@@ -39,10 +46,16 @@ pub(super) struct CpuStacks {
     /// within [`SHALLOW`] frames (see [`CpuStacks::no_frame_pointers`]).
     user_samples: u64,
     shallow_samples: u64,
+    /// The process's CPython, when it runs one the sampler reads.
+    python: Option<PyCodeReader>,
+    /// Code object address -> its frame id (None: it could not be read).
+    code_frames: HashMap<u64, Option<u32>>,
+    /// The native frames of the interpreter's loop.
+    loop_frames: HashSet<u32>,
 }
 
-/// A frame's (kind, module, function).
-type FrameKey = (&'static str, Option<String>, String);
+/// A frame's (kind, module, function, line).
+type FrameKey = (&'static str, Option<String>, String, Option<u32>);
 /// A frame, and whether its address was in no mapping of the process.
 type Named = (FrameKey, bool);
 
@@ -64,11 +77,20 @@ impl CpuStacks {
             new_stacks: Vec::new(),
             user_samples: 0,
             shallow_samples: 0,
+            python: None,
+            code_frames: HashMap::new(),
+            loop_frames: HashSet::new(),
         }
     }
 
+    /// The process's Python frames are read with `reader` from now on.
+    pub fn read_python(&mut self, reader: PyCodeReader) {
+        self.python = Some(reader);
+        self.code_frames.clear();
+    }
+
     /// The session's stack id of each sample, in order, naming what is new.
-    pub fn stack_ids(&mut self, samples: &[CpuSampleEvent]) -> Vec<u32> {
+    pub fn stack_ids(&mut self, samples: &[&CpuSampleEvent]) -> Vec<u32> {
         self.name_new(samples);
         samples
             .iter()
@@ -77,17 +99,43 @@ impl CpuStacks {
                 if let Some(k) = s.kernel_stack.and_then(|id| self.kernel.get(&id)) {
                     frames.extend_from_slice(k);
                 }
+                let mut user = Vec::new();
                 match s.user_stack.and_then(|id| self.user.get(&id)) {
                     Some(u) => {
                         self.user_samples += 1;
                         self.shallow_samples += u64::from(u.len() <= SHALLOW);
-                        frames.extend_from_slice(u);
+                        user.extend_from_slice(u);
                     }
-                    None => frames.extend(self.leaves.get(&s.user_ip).copied()),
+                    None => user.extend(self.leaves.get(&s.user_ip).copied()),
+                }
+                if s.python.is_empty() {
+                    frames.extend(user);
+                } else {
+                    let runs = self.python_runs(&s.python);
+                    frames.extend(python_frames::merge(&user, |f| self.loop_frames.contains(&f), &runs));
                 }
                 self.stack_id(frames)
             })
             .collect()
+    }
+
+    /// A sample's Python frames as frame ids, in runs (see `python_frames::runs`);
+    /// a code object that cannot be read is left out.
+    fn python_runs(&mut self, python: &[u64]) -> Vec<Vec<u32>> {
+        python_frames::runs(python)
+            .into_iter()
+            .map(|run| run.into_iter().filter_map(|code| self.code_frame(code)).collect())
+            .collect()
+    }
+
+    fn code_frame(&mut self, code: u64) -> Option<u32> {
+        if let Some(&known) = self.code_frames.get(&code) {
+            return known;
+        }
+        let named = self.python.as_ref().and_then(|r| r.code(code));
+        let id = named.map(|c| self.frame_id((PYTHON, Some(c.file), c.function, Some(c.first_line))));
+        self.code_frames.insert(code, id);
+        id
     }
 
     /// The share of the samples' user stacks that end within two frames,
@@ -105,7 +153,7 @@ impl CpuStacks {
     }
 
     /// Reads and names the stacks (and leaves) these samples bring that are not known yet.
-    fn name_new(&mut self, samples: &[CpuSampleEvent]) {
+    fn name_new(&mut self, samples: &[&CpuSampleEvent]) {
         let mut user_ids: Vec<u32> = samples.iter().filter_map(|s| s.user_stack).collect();
         user_ids.sort_unstable();
         user_ids.dedup();
@@ -197,12 +245,12 @@ impl CpuStacks {
                             path.file_name().unwrap_or(path.as_os_str()).to_string_lossy().into_owned()
                         }),
                     };
-                    ((kind, module, sym.name.to_string()), kind != KERNEL && astray(addr, false))
+                    ((kind, module, sym.name.to_string(), None), kind != KERNEL && astray(addr, false))
                 }
                 Some(Symbolized::Unknown(Reason::Unmapped)) => {
-                    ((kind, None, format!("{addr:#x}")), kind != KERNEL && astray(addr, true))
+                    ((kind, None, format!("{addr:#x}"), None), kind != KERNEL && astray(addr, true))
                 }
-                _ => ((kind, None, format!("{addr:#x}")), kind != KERNEL && astray(addr, false)),
+                _ => ((kind, None, format!("{addr:#x}"), None), kind != KERNEL && astray(addr, false)),
             })
             .collect::<Vec<_>>();
         log::debug!(
@@ -219,7 +267,16 @@ impl CpuStacks {
             return id;
         }
         let id = self.frame_ids.len() as u32;
-        self.new_frames.push(FrameRow { frame_id: id, kind: key.0, module: key.1.clone(), function: key.2.clone() });
+        if key.0 == NATIVE && python_frames::is_eval_loop(&key.2) {
+            self.loop_frames.insert(id);
+        }
+        self.new_frames.push(FrameRow {
+            frame_id: id,
+            kind: key.0,
+            module: key.1.clone(),
+            function: key.2.clone(),
+            line: key.3,
+        });
         self.frame_ids.insert(key, id);
         id
     }

@@ -255,6 +255,7 @@ impl Job {
         if std::mem::take(&mut self.first.loader_changed) {
             self.watcher.scan(probes, &mut self.first, quiet, "dlopen");
         }
+        self.watcher.look_for_python(probes, &mut self.first);
         self.first.flush();
         let drains = self.drains;
         let mut ended = Vec::new();
@@ -263,6 +264,7 @@ impl Job {
             if std::mem::take(&mut c.loader_changed) {
                 m.watcher.scan(probes, c, quiet, "dlopen");
             }
+            m.watcher.look_for_python(probes, c);
             c.flush();
             if let Some((seen, at)) = m.exited
                 && seen < drains

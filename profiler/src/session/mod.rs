@@ -23,6 +23,7 @@ mod job;
 mod kernels;
 mod loss;
 mod nccl;
+mod python_frames;
 mod setup;
 mod status;
 mod symbolizer;
@@ -128,6 +129,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
             }
             python = py;
             job.first.store_libraries(libraries);
+            job.watcher.hand_over(&mut job.first);
             let (id, pid, output) = (session.id, target.pid, session.output.display());
             let named = job.add_named(&others, &mut probes);
             let how = match (named, cfg.follow_children) {

@@ -6,7 +6,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::{consumer::Consumer, jax::JaxWatch, nccl::NcclWatch, torch::TorchWatch};
+use super::{
+    consumer::Consumer,
+    jax::JaxWatch,
+    nccl::NcclWatch,
+    python_frames::{PyCodeReader, PythonStackWatch},
+    torch::TorchWatch,
+};
 use crate::{
     probes::{
         self, Probes,
@@ -33,6 +39,10 @@ pub(super) struct LibraryWatcher {
     nccl: NcclWatch,
     /// jaxlib's `libjax_common.so`, probed for its jitted calls.
     jax: JaxWatch,
+    /// The process's CPython, described to the CPU sampler.
+    python: PythonStackWatch,
+    /// Its code objects' reader, for the consumer (see `hand_over`).
+    python_reader: Option<PyCodeReader>,
 }
 
 impl LibraryWatcher {
@@ -45,6 +55,29 @@ impl LibraryWatcher {
             torch,
             nccl: NcclWatch::default(),
             jax: JaxWatch::default(),
+            python: PythonStackWatch::default(),
+            python_reader: None,
+        }
+    }
+
+    /// In a process's first seconds, at each drain: its CPython, as soon as
+    /// its runtime is mapped (its libpython comes with the program, not by a
+    /// `dlopen` the loader's hook would report).
+    pub fn look_for_python(&mut self, probes: &mut Probes, consumer: &mut Consumer) {
+        if !self.python.looking() || !probes.samples_python() {
+            return;
+        }
+        let Ok(maps) = procfs::process::Process::new(self.pid as i32).and_then(|p| p.maps()) else { return };
+        if let Some(reader) = self.python.scan(self.pid, probes, &maps) {
+            self.python_reader = Some(reader);
+        }
+        self.hand_over(consumer);
+    }
+
+    /// Gives the consumer what the last looks found for it to keep.
+    pub fn hand_over(&mut self, consumer: &mut Consumer) {
+        if let Some(reader) = self.python_reader.take() {
+            consumer.read_python(reader);
         }
     }
 
@@ -55,6 +88,7 @@ impl LibraryWatcher {
         if let Some(maps) = self.scan_into(probes, &mut rows, quiet, how) {
             consumer.kernels.remember_maps(maps);
         }
+        self.hand_over(consumer);
         if let Some(at) = rows.iter().filter(|r| r.kind == "driver" && r.probes > 0).map(|r| r.attached_ns).max() {
             consumer.driver_probed(at);
         }
@@ -110,6 +144,9 @@ impl LibraryWatcher {
         self.nccl.scan(self.pid, probes, &maps, rows, quiet, how);
         self.jax.scan(self.pid, probes, &maps, rows, quiet, how);
         super::blas::scan(self.pid, probes, &maps, &mut self.seen, rows, quiet, how);
+        if let Some(reader) = self.python.scan(self.pid, probes, &maps) {
+            self.python_reader = Some(reader);
+        }
         Some(maps)
     }
 

@@ -27,10 +27,10 @@ pub(super) fn write_stacks(
     stacks: &[StackRow],
 ) -> rusqlite::Result<()> {
     let mut frame = tx.prepare_cached(
-        "INSERT INTO frames(session_id, frame_id, kind, module, function) VALUES (?1, ?2, ?3, ?4, ?5)",
+        "INSERT INTO frames(session_id, frame_id, kind, module, function, line) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
     )?;
     for f in frames {
-        frame.execute(params![session_id, f.frame_id, f.kind, f.module, f.function])?;
+        frame.execute(params![session_id, f.frame_id, f.kind, f.module, f.function, f.line])?;
     }
     let mut stack =
         tx.prepare_cached("INSERT INTO stacks(session_id, stack_id, depth, frame_id) VALUES (?1, ?2, ?3, ?4)")?;

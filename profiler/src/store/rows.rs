@@ -126,10 +126,12 @@ pub struct CpuSampleRow {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FrameRow {
     pub frame_id: u32,
-    /// `native` or `kernel`.
+    /// `native`, `kernel` or `python`.
     pub kind: &'static str,
     pub module: Option<String>,
     pub function: String,
+    /// A Python frame's first line.
+    pub line: Option<u32>,
 }
 
 /// A stack first seen: its frames' ids, leaf first (`stacks` rows).

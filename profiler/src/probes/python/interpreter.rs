@@ -21,7 +21,7 @@ use std::{
 
 use iced_x86::{Code, Decoder, DecoderOptions, Register};
 use object::{Object, ObjectSection, ObjectSymbol};
-use profiler_common::FrameLayout;
+use profiler_common::{FrameLayout, PY_NO_FIELD, PyStackLayout, py_boundary};
 
 use crate::probes::maps::MappedFile;
 
@@ -53,8 +53,28 @@ pub struct CPythonBuild {
     /// `offsetof(PyInterpreterState, eval_frame)`.
     pub eval_frame: u64,
     pub layout: FrameLayout,
+    /// Where the CPU sampler finds a thread's Python frames and names their code.
+    pub stack: PyStackOffsets,
     /// Where the layout came from: `_Py_DebugOffsets` or a table.
     pub source: &'static str,
+}
+
+/// What the CPU sampler needs of a CPython build: the kernel side's walk
+/// (a [`PyStackLayout`] whose `interpreters_head` is relative to
+/// `_PyRuntime` and whose `task_fsbase` is unset) and where a code object
+/// keeps what names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PyStackOffsets {
+    pub walk: PyStackLayout,
+    /// `co_qualname` (3.11+) or `co_name` (3.10).
+    pub co_qualname: u32,
+    pub co_filename: u32,
+    /// `co_firstlineno` (an int).
+    pub co_firstlineno: u32,
+    /// `sizeof(PyASCIIObject)`: where an ASCII str's characters start.
+    pub ascii_data: u32,
+    /// `sizeof(PyCompactUnicodeObject)`: where another compact str's start.
+    pub compact_data: u32,
 }
 
 impl CPythonBuild {
@@ -127,15 +147,17 @@ pub fn inspect(data: &[u8]) -> Result<CPythonBuild, CPythonError> {
     let eval_bytes = bytes_at(&file, eval.address(), 4).ok_or(CPythonError::Missing(EVAL_FRAME_DEFAULT))?;
     let getter_bytes = bytes_at(&file, getter.address(), 16).ok_or(CPythonError::Missing(GET_EVAL_FRAME_FUNC))?;
     let eval_frame = eval_frame_offset(getter_bytes, getter.address()).ok_or(CPythonError::EvalFrameOffset)?;
-    let (interpreters_head, layout, source) = match version {
+    let (interpreters_head, layout, stack, source) = match version {
         (3, 13..=14) => {
             let head = bytes_at(&file, runtime.address(), DEBUG_OFFSETS_LEN).ok_or(CPythonError::DebugOffsets)?;
             let (interpreters_head, layout) = from_debug_offsets(head, version)?;
-            (interpreters_head, layout, "_Py_DebugOffsets")
+            let stack = stack_from_debug_offsets(head, version)?;
+            (interpreters_head, layout, stack, "_Py_DebugOffsets")
         }
         (3, 10..=12) => {
             let (head, layout) = table(version).ok_or(CPythonError::Unsupported(version.0, version.1))?;
-            (head, layout, "per-version table")
+            let stack = stack_table(version).ok_or(CPythonError::Unsupported(version.0, version.1))?;
+            (head, layout, stack, "per-version table")
         }
         (major, minor) => return Err(CPythonError::Unsupported(major, minor)),
     };
@@ -150,6 +172,7 @@ pub fn inspect(data: &[u8]) -> Result<CPythonBuild, CPythonError> {
         interpreters_head,
         eval_frame,
         layout,
+        stack,
         source,
     })
 }
@@ -181,8 +204,8 @@ pub fn eval_frame_offset(code: &[u8], address: u64) -> Option<u64> {
     load.then(|| insn.memory_displacement64())
 }
 
-/// Bytes of `_Py_DebugOffsets` read: through `unicode_object` in 3.13's layout.
-const DEBUG_OFFSETS_LEN: u64 = 576;
+/// Bytes of `_Py_DebugOffsets` read: through `unicode_object` in 3.14's layout.
+const DEBUG_OFFSETS_LEN: u64 = 648;
 
 /// `interpreters.head` and the frame layout from `_Py_DebugOffsets`.
 ///
@@ -227,6 +250,153 @@ fn from_debug_offsets(b: &[u8], version: (u8, u8)) -> Result<(u64, FrameLayout),
         }
     };
     Ok((head, layout))
+}
+
+/// Where, in `_Py_DebugOffsets`, the CPU sampler's offsets are: 3.13's
+/// layout (checked against 3.13.0's debug info), and 3.14's, which adds
+/// fields to the interpreter state, frame and code structs and a set struct
+/// (checked field by field on Debian's 3.14.10, whose sizes come first in
+/// each struct, then offsets below them).
+struct DebugFields {
+    threads_head: usize,
+    tstate_next: usize,
+    current_frame: usize,
+    native_thread_id: usize,
+    previous: usize,
+    executable: usize,
+    owner: usize,
+    filename: usize,
+    qualname: usize,
+    firstlineno: usize,
+    ascii_size: usize,
+}
+
+const DEBUG_FIELDS_3_13: DebugFields = DebugFields {
+    threads_head: 72,
+    tstate_next: 168,
+    current_frame: 184,
+    native_thread_id: 200,
+    previous: 232,
+    executable: 240,
+    owner: 264,
+    filename: 280,
+    qualname: 296,
+    firstlineno: 312,
+    ascii_size: 560,
+};
+
+const DEBUG_FIELDS_3_14: DebugFields = DebugFields {
+    threads_head: 72,
+    tstate_next: 192,
+    current_frame: 208,
+    native_thread_id: 224,
+    previous: 256,
+    executable: 264,
+    owner: 288,
+    filename: 320,
+    qualname: 336,
+    firstlineno: 352,
+    ascii_size: 640,
+};
+
+/// The CPU sampler's offsets of a 3.13 or 3.14 build, from its `_Py_DebugOffsets`.
+fn stack_from_debug_offsets(b: &[u8], version: (u8, u8)) -> Result<PyStackOffsets, CPythonError> {
+    let f = if version == (3, 13) { &DEBUG_FIELDS_3_13 } else { &DEBUG_FIELDS_3_14 };
+    let field = |o: usize| {
+        b.get(o..o + 8)
+            .and_then(|s| s.try_into().ok())
+            .map(u64::from_le_bytes)
+            .and_then(|v| u32::try_from(v).ok())
+            .ok_or(CPythonError::DebugOffsets)
+    };
+    let ascii_data = field(f.ascii_size)?;
+    Ok(PyStackOffsets {
+        walk: PyStackLayout {
+            interpreters_head: 0,
+            code_mask: if version >= (3, 14) { !7 } else { u64::MAX },
+            task_fsbase: 0,
+            threads_head: field(f.threads_head)?,
+            tstate_next: field(f.tstate_next)?,
+            tstate_thread_id: field(f.native_thread_id)?,
+            by_native_id: 1,
+            tstate_frame: field(f.current_frame)?,
+            cframe_frame: PY_NO_FIELD,
+            frame_previous: field(f.previous)?,
+            frame_code: field(f.executable)?,
+            frame_marker: field(f.owner)?,
+            boundary: py_boundary::CSTACK_OWNER,
+            _pad: 0,
+        },
+        co_qualname: field(f.qualname)?,
+        co_filename: field(f.filename)?,
+        co_firstlineno: field(f.firstlineno)?,
+        ascii_data,
+        // PyCompactUnicodeObject adds utf8_length and utf8 (3.12+).
+        compact_data: ascii_data + 16,
+    })
+}
+
+/// The CPU sampler's offsets of 3.10–3.12 (x86-64, GIL builds), checked
+/// against the debug info of pyenv's 3.10.13, 3.11.7 and 3.12.1 (`gdb -batch
+/// -ex 'p/x &((PyThreadState*)0)->thread_id'` and the like).
+fn stack_table(version: (u8, u8)) -> Option<PyStackOffsets> {
+    #[allow(clippy::too_many_arguments)]
+    // `thread_id`: `native_thread_id` from 3.11, else `thread_id` (`pthread_self()`).
+    let walk = |threads_head, next, thread_id, frame, cframe_frame, previous, code, marker, boundary| PyStackLayout {
+        interpreters_head: 0,
+        code_mask: u64::MAX,
+        task_fsbase: 0,
+        threads_head,
+        tstate_next: next,
+        tstate_thread_id: thread_id,
+        by_native_id: u32::from(boundary != py_boundary::EVERY_FRAME),
+        tstate_frame: frame,
+        cframe_frame,
+        frame_previous: previous,
+        frame_code: code,
+        frame_marker: marker,
+        boundary,
+        _pad: 0,
+    };
+    let offsets = |walk, co_qualname, co_filename, co_firstlineno, ascii_data, compact_data| PyStackOffsets {
+        walk,
+        co_qualname,
+        co_filename,
+        co_firstlineno,
+        ascii_data,
+        compact_data,
+    };
+    match version {
+        // interp->tstate_head; tstate->thread_id; tstate->frame, a
+        // PyFrameObject (f_back, f_code); no co_qualname.
+        (3, 10) => Some(offsets(
+            walk(0x8, 0x8, 0xb0, 0x18, PY_NO_FIELD, 0x18, 0x20, 0, py_boundary::EVERY_FRAME),
+            0x70,
+            0x68,
+            0x28,
+            0x30,
+            0x48,
+        )),
+        // tstate->cframe->current_frame, a _PyInterpreterFrame (previous, f_code, is_entry).
+        (3, 11) => Some(offsets(
+            walk(0x10, 0x8, 0xa0, 0x38, 0x8, 0x30, 0x20, 0x44, py_boundary::IS_ENTRY),
+            0x80,
+            0x70,
+            0x48,
+            0x30,
+            0x48,
+        )),
+        // The same, reordered; an entry frame is a shim owned by the C stack.
+        (3, 12) => Some(offsets(
+            walk(0x48, 0x8, 0x90, 0x38, 0x0, 0x8, 0x0, 0x46, py_boundary::CSTACK_OWNER),
+            0x80,
+            0x70,
+            0x44,
+            0x28,
+            0x38,
+        )),
+        _ => None,
+    }
 }
 
 /// `(interpreters.head, layout)` of 3.10–3.12 (x86-64, GIL builds).

@@ -6,7 +6,7 @@ use super::Consumer;
 use crate::{
     events::CpuSampleEvent,
     probes::cpu::CpuStackMap,
-    session::cpu_stacks::CpuStacks,
+    session::{cpu_stacks::CpuStacks, python_frames::PyCodeReader},
     store::{CpuSampleRow, StoreMsg},
 };
 
@@ -24,6 +24,14 @@ impl Consumer {
     /// Samples come, their stacks in `map`.
     pub(in crate::session) fn sample_cpu(&mut self, map: Arc<CpuStackMap>) {
         self.cpu.stacks = Some(CpuStacks::new(map, self.pid));
+    }
+
+    /// The process runs a CPython whose frames its samples carry from now on
+    /// (again, after an exec: the code objects named before are forgotten).
+    pub(in crate::session) fn read_python(&mut self, reader: PyCodeReader) {
+        if let Some(stacks) = &mut self.cpu.stacks {
+            stacks.read_python(reader);
+        }
     }
 
     pub(super) fn cpu_sample(&mut self, c: CpuSampleEvent) {
@@ -59,7 +67,7 @@ impl Consumer {
             return;
         }
         let pending = std::mem::take(&mut self.cpu.pending);
-        let events: Vec<CpuSampleEvent> = pending.iter().map(|p| p.0).collect();
+        let events: Vec<&CpuSampleEvent> = pending.iter().map(|p| &p.0).collect();
         let ids = stacks.stack_ids(&events);
         let (frames, new_stacks) = stacks.take_new();
         if !frames.is_empty() || !new_stacks.is_empty() {

@@ -23,14 +23,17 @@ CREATE TABLE stacks (
     PRIMARY KEY (session_id, stack_id, depth)
 );
 -- A function a stack passes through, per session: `kind` 'native' (the
--- target's code, `module` the file it is in) or 'kernel'; `function` the
--- symbol (demangled), or the address in hex where there is none.
+-- target's code, `module` the file it is in), 'kernel', or 'python' (a
+-- CPython frame: `module` its code's file name, `line` the line the code
+-- begins at); `function` the symbol (demangled), the Python function's
+-- qualified name, or the address in hex where there is none.
 CREATE TABLE frames (
     session_id INTEGER NOT NULL REFERENCES sessions(id),
     frame_id   INTEGER NOT NULL,
     kind       TEXT    NOT NULL,
     module     TEXT,
     function   TEXT    NOT NULL,
+    line       INTEGER,
     PRIMARY KEY (session_id, frame_id)
 );
 -- The sampler: its rate (NULL: off), the samples of traced threads it took,

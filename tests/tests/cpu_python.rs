@@ -1,0 +1,306 @@
+//! Python frames in CPU samples (#34): a loop whose step burns known shares
+//! of its CPU time in a pure-Python function and in native code
+//! (tests/fixtures/cpu_py_loop.py, which measures both with its thread's CPU
+//! clock), on every CPython this host has (pyenv's 3.10–3.13, Debian's 3.11,
+//! trixie's 3.13, sid's 3.14), and on a real PyTorch 2.15 (torch.matmul)
+//! under pyenv's 3.12 and 3.13, checked against py-spy's view of the same
+//! loop. The report must name both functions at their measured shares, each
+//! Python frame must carry its file and first line, and the stacks must run
+//! from the module through the step to the function.
+use std::{
+    ffi::OsString,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use integration_tests::*;
+
+const HZ: u32 = 199;
+/// How far a function's sampled share may be from its measured one.
+const SHARE_BOUND: f64 = 0.05;
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/cpu_py_loop.py")
+}
+
+/// The line `def NAME(` is on in the fixture.
+fn def_line(name: &str) -> i64 {
+    let text = std::fs::read_to_string(fixture()).expect("fixture");
+    let at = text.lines().position(|l| l.starts_with(&format!("def {name}("))).expect("def");
+    at as i64 + 1
+}
+
+/// A CPython on this host, as a command line's first words.
+struct Interp {
+    name: String,
+    argv: Vec<OsString>,
+}
+
+/// pyenv's, Debian's, and trixie's/sid's as `cargo xtask fixtures` unpacks
+/// them (run through their own glibc's loader).
+fn interpreters() -> Vec<Interp> {
+    let mut out = Vec::new();
+    for v in ["3.10.13", "3.11.7", "3.12.1", "3.13.0"] {
+        let python = PathBuf::from(format!("/root/.pyenv/versions/{v}/bin/python3"));
+        match python.exists() {
+            true => out.push(Interp { name: format!("pyenv {v}"), argv: vec![python.into()] }),
+            false => skip(format!("{} not installed", python.display())),
+        }
+    }
+    match Path::new("/usr/bin/python3.11").exists() {
+        true => out.push(Interp { name: "Debian 3.11".into(), argv: vec!["/usr/bin/python3.11".into()] }),
+        false => skip("Debian's /usr/bin/python3.11 not installed"),
+    }
+    for (suite, v) in [("trixie", "3.13"), ("sid", "3.14")] {
+        let root = fixtures().join("debian-python").join(suite).join("root");
+        let (python, lib) = (root.join(format!("usr/bin/python{v}")), root.join("usr/lib/x86_64-linux-gnu"));
+        if !python.exists() {
+            skip(format!("Debian {suite}'s python{v} not unpacked (cargo xtask fixtures could not fetch it)"));
+            continue;
+        }
+        let path = format!("{}:/lib/x86_64-linux-gnu:/usr/lib/x86_64-linux-gnu", lib.display());
+        let argv = vec![lib.join("ld-linux-x86-64.so.2").into(), "--library-path".into(), path.into(), python.into()];
+        out.push(Interp { name: format!("Debian {suite} {v}"), argv });
+    }
+    out
+}
+
+struct Run {
+    db: PathBuf,
+    /// (pure-Python share, native share) of the steps' CPU time, as the loop measured them.
+    truth: (f64, f64),
+    stderr: String,
+}
+
+fn loop_args(native: &str, truth: &Path) -> Vec<OsString> {
+    let mut a: Vec<OsString> = vec![fixture().into()];
+    a.extend(["--native", native, "--steps", "40", "--truth"].map(OsString::from));
+    a.push(truth.into());
+    a
+}
+
+fn truth_shares(truth: &Path) -> (f64, f64) {
+    let t = TruthFile::read(truth);
+    let (step, py, native) = t.records("step").fold((0.0, 0.0, 0.0), |(s, p, n), r| {
+        (s + t.num::<f64>(&r, 2), p + t.num::<f64>(&r, 3), n + t.num::<f64>(&r, 4))
+    });
+    (py / step, native / step)
+}
+
+/// The loop, calibrated and waiting, under `profiler attach`; its steps the
+/// calls of `train_step`.
+fn profiled(test: &str, argv: &[OsString], native: &str) -> Run {
+    let dir = workdir(test);
+    let (db, truth, go, ready) = (dir.join("p.db"), dir.join("truth.txt"), dir.join("go"), dir.join("ready"));
+    let mut command = Command::new(&argv[0]);
+    command
+        .args(&argv[1..])
+        .args(loop_args(native, &truth))
+        .arg("--wait-file")
+        .arg(&go)
+        .arg("--ready-file")
+        .arg(&ready);
+    let mut child = command.spawn().expect("start the loop");
+    let t0 = std::time::Instant::now();
+    while !ready.exists() {
+        assert!(t0.elapsed().as_secs() < 120, "{test}: the loop never got ready");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let hz = HZ.to_string();
+    let agent = Agent::attach(child.id(), &db, &["--no-gpu", "--step-python", "train_step", "--cpu-sample", &hz]);
+    std::fs::write(&go, "").expect("go");
+    let exited = child.wait().expect("the loop");
+    let (status, stderr) = agent.finish();
+    assert!(exited.success() && status.success(), "{test}: {exited}, {status}: {stderr}");
+    Run { db, truth: truth_shares(&truth), stderr }
+}
+
+/// The `train` label's CPU section of the report.
+fn train_cpu(db: &Path) -> serde_json::Value {
+    let out = Command::new(profiler_bin())
+        .args(["report", db.to_str().expect("utf-8"), "--format", "json"])
+        .output()
+        .expect("run report");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("report JSON");
+    let labels = report["cpu"]["labels"].as_array().cloned().unwrap_or_default();
+    labels.into_iter().find(|l| l["label"] == "train").unwrap_or_else(|| panic!("no train label: {report}"))
+}
+
+/// A Python function's total share in the report's lists.
+fn total_share(train: &serde_json::Value, function: &str) -> Option<f64> {
+    ["by_total", "by_self"]
+        .iter()
+        .filter_map(|list| train[list].as_array())
+        .flatten()
+        .find(|f| f["kind"] == "python" && f["function"] == function)
+        .and_then(|f| f["total_share"].as_f64())
+}
+
+fn collapsed(db: &Path) -> String {
+    let out = Command::new(profiler_bin())
+        .args(["export", db.to_str().expect("utf-8"), "--format", "collapsed", "--label", "train"])
+        .output()
+        .expect("run export");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+/// Samples in `folded` whose stack holds `frames` in this order, one after another.
+fn samples_through(folded: &str, frames: &str) -> u64 {
+    folded
+        .lines()
+        .filter_map(|l| l.rsplit_once(' '))
+        .filter(|(stack, _)| format!(";{stack};").contains(&format!(";{frames};")))
+        .map(|(_, n)| n.parse::<u64>().expect("count"))
+        .sum()
+}
+
+/// What every run must show: both functions named as Python frames (file,
+/// first line) at their measured shares, under the step, under the module.
+fn check(name: &str, run: &Run, native_function: &str) {
+    assert!(!run.stderr.contains("native frames only"), "{name}: {}", run.stderr);
+    let train = train_cpu(&run.db);
+    for (function, want) in [("python_part", run.truth.0), (native_function, run.truth.1)] {
+        let got = total_share(&train, function).unwrap_or_else(|| panic!("{name}: no {function} in\n{train}"));
+        assert!((got - want).abs() <= SHARE_BOUND, "{name}: {function}: sampled {got:.3}, measured {want:.3}\n{train}");
+    }
+    let conn = open(&run.db);
+    for function in ["python_part", native_function, "train_step", "<module>"] {
+        let sql = "SELECT module, line FROM frames WHERE kind = 'python' AND function = ?1 AND module LIKE '%/cpu_py_loop.py'";
+        let (module, line): (String, i64) = conn
+            .query_row(sql, [function], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap_or_else(|e| panic!("{name}: no Python frame {function} of the loop: {e}"));
+        assert_eq!(Path::new(&module), fixture(), "{name}: {function}'s file");
+        if function != "<module>" {
+            assert_eq!(line, def_line(function), "{name}: {function}'s first line");
+        }
+    }
+    // Every sample of the step is under the module's frame, then the step's.
+    let folded = collapsed(&run.db);
+    let total: u64 =
+        folded.lines().filter_map(|l| l.rsplit_once(' ')).map(|(_, n)| n.parse::<u64>().expect("count")).sum();
+    let under = samples_through(&folded, "train_step;python_part") + samples_through(&folded, "train_step;native_part");
+    assert!(under as f64 >= 0.9 * total as f64, "{name}: {under} of {total} samples under the step\n{folded}");
+    let first = folded.lines().filter_map(|l| l.split(';').next()).all(|root| root == "<module>");
+    assert!(first, "{name}: a stack that does not start at <module>\n{folded}");
+}
+
+#[test]
+fn python_frames_name_the_functions_at_their_shares_on_every_cpython() {
+    for interp in interpreters() {
+        let run = profiled(&format!("cpu_py_{}", interp.name.replace(' ', "_")), &interp.argv, "hashlib");
+        check(&interp.name, &run, "native_part");
+        eprintln!("{}: python_part {:.3}, native_part {:.3} measured: ok", interp.name, run.truth.0, run.truth.1);
+    }
+}
+
+#[test]
+fn an_unknown_cpython_keeps_its_native_frames_and_the_profiler_says_so() {
+    let python = Path::new("/root/.pyenv/versions/3.9.18/bin/python3");
+    if !python.exists() {
+        skip(format!("{} not installed", python.display()));
+        return;
+    }
+    let dir = workdir("cpu_py_39");
+    let (db, truth) = (dir.join("p.db"), dir.join("truth.txt"));
+    let hz = HZ.to_string();
+    let mut args: Vec<String> =
+        ["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--cpu-sample", &hz, "--"].map(String::from).to_vec();
+    args.push(python.display().to_string());
+    args.extend(loop_args("hashlib", &truth).iter().map(|a| a.to_string_lossy().into_owned()));
+    let (status, stderr) = Agent::start(&args, false).finish();
+    assert!(status.success(), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| l.contains("native frames only")).collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(lines[0].contains("CPython 3.9"), "{}", lines[0]);
+    let samples = count(&db, "SELECT count(*) FROM cpu_samples WHERE session_id = ?1", last_session(&db).id);
+    assert!(samples > 0, "native samples are kept");
+    let python = "SELECT count(*) FROM frames WHERE kind = 'python' AND session_id = ?1";
+    assert_eq!(count(&db, python, last_session(&db).id), 0);
+}
+
+/// py-spy (PyPI), as `cargo xtask` installs it: `PROFILER_PY_SPY`.
+fn py_spy() -> Option<PathBuf> {
+    let p = std::env::var_os("PROFILER_PY_SPY").map(PathBuf::from).filter(|p| p.exists());
+    if p.is_none() {
+        skip("no py-spy (PROFILER_PY_SPY: `cargo xtask test` installs it from PyPI)");
+    }
+    p
+}
+
+/// py-spy's (python_part, native_part) shares of the samples under
+/// `train_step`, and the loop's own measure of that run (it calibrates
+/// afresh, under py-spy's reads).
+fn py_spy_shares(py_spy: &Path, python: &Path, test: &str) -> ((f64, f64), (f64, f64)) {
+    let dir = workdir(test);
+    let (raw, truth) = (dir.join("spy.txt"), dir.join("truth.txt"));
+    let hz = HZ.to_string();
+    let out = Command::new(py_spy)
+        .args(["record", "-r", &hz, "-f", "raw", "-o"])
+        .arg(&raw)
+        .arg("--")
+        .arg(python)
+        .args(loop_args("torch", &truth))
+        .output()
+        .expect("run py-spy");
+    let text = std::fs::read_to_string(&raw)
+        .unwrap_or_else(|e| panic!("py-spy wrote no profile ({e}): {}", String::from_utf8_lossy(&out.stderr)));
+    let (mut step, mut py, mut native) = (0u64, 0u64, 0u64);
+    for (stack, n) in text.lines().filter_map(|l| l.rsplit_once(' ')) {
+        let n: u64 = n.parse().expect("count");
+        if stack.contains("train_step (") {
+            step += n;
+            py += if stack.contains("python_part (") { n } else { 0 };
+            native += if stack.contains("native_part (") { n } else { 0 };
+        }
+    }
+    assert!(step > 50, "py-spy sampled the steps {step} times:\n{text}");
+    ((py as f64 / step as f64, native as f64 / step as f64), truth_shares(&truth))
+}
+
+#[test]
+fn a_pytorch_loop_names_its_python_function_and_torch_matmul_and_agrees_with_py_spy() {
+    for name in ["python3.12", "python3.13"] {
+        let Some(python) = torch_python(name) else { continue };
+        let run = profiled(&format!("cpu_torch_{name}"), &[python.clone().into()], "torch");
+        check(name, &run, "native_part");
+        // torch.matmul's own work: samples whose leaf is libtorch's code, under native_part.
+        let session = last_session(&run.db).id;
+        let in_step =
+            count(&run.db, "SELECT count(*) FROM cpu_samples WHERE session_id = ?1 AND label = 'train'", session);
+        let in_torch = count(
+            &run.db,
+            "SELECT count(*) FROM cpu_samples c \
+             JOIN stacks s ON s.session_id = c.session_id AND s.stack_id = c.stack_id AND s.depth = 0 \
+             JOIN frames f ON f.session_id = s.session_id AND f.frame_id = s.frame_id \
+             WHERE c.session_id = ?1 AND c.label = 'train' AND f.kind = 'native' AND f.module LIKE 'libtorch%'",
+            session,
+        );
+        assert!(
+            in_torch as f64 >= 0.5 * run.truth.1 * in_step as f64,
+            "{name}: {in_torch} of {in_step} step samples in libtorch's code, native_part measured {:.3}",
+            run.truth.1
+        );
+        let train = train_cpu(&run.db);
+        let ours = (
+            total_share(&train, "python_part").expect("a share"),
+            total_share(&train, "native_part").expect("a share"),
+        );
+        if let Some(spy) = py_spy() {
+            // Each profiler against its own run's measure, and both name the same two functions.
+            let (theirs, their_truth) = py_spy_shares(&spy, &python, &format!("cpu_torch_spy_{name}"));
+            for (function, got, want) in
+                [("python_part", theirs.0, their_truth.0), ("native_part", theirs.1, their_truth.1)]
+            {
+                assert!((got - want).abs() <= SHARE_BOUND, "{name}: py-spy's {function} {got:.3}, measured {want:.3}");
+            }
+            assert_eq!(ours.0 > ours.1, theirs.0 > theirs.1, "{name}: the two disagree on the top function");
+            eprintln!(
+                "{name}: python_part measured {:.3}, sampled {:.3}; under py-spy measured {:.3}, py-spy {:.3}; \
+                 native_part {:.3}, {:.3}; {:.3}, {:.3}",
+                run.truth.0, ours.0, their_truth.0, theirs.0, run.truth.1, ours.1, their_truth.1, theirs.1
+            );
+        }
+    }
+}
