@@ -21,6 +21,8 @@ struct LoopCall {
     label: String,
     tid: u32,
     start_ns: i64,
+    /// A call before the loop, which traced and compiled the function.
+    compiling: bool,
 }
 
 struct Loop {
@@ -65,13 +67,25 @@ impl Loop {
         self.dir.join("p.db")
     }
 
+    /// The loop's calls in its loop (not its compiling calls before it).
     fn truth(&self) -> Vec<LoopCall> {
-        let truth = TruthFile::read(&self.dir.join("truth.txt"));
-        truth
-            .records("call")
-            .map(|r| LoopCall { label: r[0].to_owned(), tid: truth.num(&r, 2), start_ns: truth.num(&r, 3) })
-            .collect()
+        loop_calls(&self.dir.join("truth.txt")).into_iter().filter(|c| !c.compiling).collect()
     }
+}
+
+/// Every call the loop stamped, its compiling calls before the loop too, in start order.
+fn loop_calls(path: &Path) -> Vec<LoopCall> {
+    let truth = TruthFile::read(path);
+    let call = |r: &[&str], first: usize, compiling| LoopCall {
+        label: r[0].to_owned(),
+        tid: truth.num(r, first),
+        start_ns: truth.num(r, first + 1),
+        compiling,
+    };
+    let mut v: Vec<LoopCall> = truth.records("compile").map(|r| call(&r, 1, true)).collect();
+    v.extend(truth.records("call").map(|r| call(&r, 2, false)));
+    v.sort_by_key(|c| c.start_ns);
+    v
 }
 
 /// Runs the loop under `profiler attach` from its first measured call to its end.
@@ -146,6 +160,48 @@ fn a_jitted_train_step_is_a_step_per_call_with_no_flags() {
             )
             .expect("query");
         assert_eq!(bad, 0, "JAX {version}: steps without a dispatch time inside them");
+    }
+}
+
+/// `profiler run` sees the loop from its first instruction, compiling calls
+/// included, and `--steps auto` stores one step per call of `train_step`: as
+/// many as the loop's own count of its calls (#35: 200 calls in the loop and
+/// the one before it that compiles are 201 calls, and 201 steps, the first
+/// of which begins at the compiling call). With no call before the loop, its
+/// first call compiles and is its first step: 200 calls, 200 steps.
+#[test]
+fn run_stores_a_step_per_train_step_call_the_compiling_one_too() {
+    let pythons = jax_pythons();
+    for want in ["0.6.2", "0.12."] {
+        if !pythons.iter().any(|(v, _)| v.starts_with(want)) {
+            skip(format_args!("no JAX {want} environment in PROFILER_JAX_PYTHONS (see `cargo xtask jax-env`)"));
+        }
+    }
+    for (version, py) in pythons {
+        for (case, warmup) in [("compiled before the loop", true), ("compiled by the loop's first call", false)] {
+            let dir = workdir(&format!("jax-run-{}-{version}", if warmup { "warm" } else { "cold" }));
+            let (db, truth) = (dir.join("p.db"), dir.join("truth.txt"));
+            let mut args: Vec<String> = ["run", "--no-gpu", "--steps", "auto", "-o"].map(String::from).into();
+            args.push(db.display().to_string());
+            args.extend(["--".into(), py.display().to_string(), fixture().display().to_string()]);
+            args.extend(["--steps", "200", "--truth"].map(String::from));
+            args.push(truth.display().to_string());
+            if !warmup {
+                args.push("--no-warmup".into());
+            }
+            let (status, stderr) = Agent::start(&args, false).finish();
+            assert!(status.success(), "{stderr}");
+            let calls: Vec<LoopCall> = loop_calls(&truth).into_iter().filter(|c| c.label == "train").collect();
+            let before = calls.iter().filter(|c| c.compiling).count();
+            assert_eq!((calls.len(), before), if warmup { (201, 1) } else { (200, 0) }, "the loop's calls");
+            let db_steps = all_steps(&db);
+            println!("JAX {version}, {case}: {} train_step calls, {} steps", calls.len(), db_steps.len());
+            let p99 = compare(&calls, &db_steps);
+            assert!(p99 < P99_NS, "JAX {version}, {case}: p99 start error {p99} ns");
+            // The end line counts the last step, which no call ended, apart.
+            let said = format!(": {} steps (mean", calls.len() - 1);
+            assert!(stderr.contains(&said) && stderr.contains("and 1 open (stored with no end)"), "{stderr}");
+        }
     }
 }
 

@@ -39,6 +39,8 @@ pub(super) struct Consumer {
     open_syncs: HashMap<u32, Vec<OpenSync>>,
     decode_errors: u64,
     pub completed_steps: u64,
+    /// Steps stored with no end (`store_open_step`).
+    open_steps: u64,
     step_ns_total: u128,
     pub last_step_ns: Option<u64>,
     /// Records stamped after this are dropped (see `teardown`).
@@ -68,6 +70,8 @@ pub(super) struct Consumer {
 /// What the consumer counted, for the summary line, once it is closed.
 pub(super) struct ConsumerTotals {
     pub completed_steps: u64,
+    /// Steps stored with no end (still open when the session ended).
+    pub open_steps: u64,
     pub step_ns_total: u128,
     pub decode_errors: u64,
     pub unmatched_returns: u64,
@@ -87,6 +91,7 @@ impl Consumer {
             kernels: KernelNames::default(),
             decode_errors: 0,
             completed_steps: 0,
+            open_steps: 0,
             step_ns_total: 0,
             last_step_ns: None,
             cutoff_ns: None,
@@ -249,6 +254,7 @@ impl Consumer {
         if s.incomplete {
             self.incomplete_steps.push((s.label, s.step));
         }
+        self.open_steps += 1;
         self.steps.push(StepRow {
             sync_wait_ns: None,
             label: s.label.to_owned(),
@@ -341,6 +347,7 @@ impl Consumer {
         self.finish_gemms();
         ConsumerTotals {
             completed_steps: self.completed_steps,
+            open_steps: self.open_steps,
             step_ns_total: self.step_ns_total,
             decode_errors: self.decode_errors,
             unmatched_returns: self.tracker.unmatched_returns,

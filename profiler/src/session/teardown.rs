@@ -208,14 +208,20 @@ fn finish_store(
     Ok((report, problems))
 }
 
-/// "N steps (mean X ms), M launches seen".
+/// "N steps (mean X ms), M launches seen", with the steps stored with no end
+/// after the completed ones: a JAX step ends only at the next call, so a loop
+/// of N calls is N − 1 completed steps and one open.
 fn totals_line(totals: &ConsumerTotals, end: &SessionEnd) -> String {
     let mean = if totals.completed_steps > 0 {
         format!(" (mean {:.3} ms)", totals.step_ns_total as f64 / totals.completed_steps as f64 / 1e6)
     } else {
         String::new()
     };
-    format!("{} steps{mean}, {} launches seen", totals.completed_steps, end.total_launches)
+    let open = match totals.open_steps {
+        0 => String::new(),
+        n => format!(" and {n} open (stored with no end)"),
+    };
+    format!("{} steps{mean}{open}, {} launches seen", totals.completed_steps, end.total_launches)
 }
 
 /// `run`: the command outlives the profiling window; waits for it and passes
@@ -261,7 +267,31 @@ const COMMAND_GRACE: std::time::Duration = std::time::Duration::from_millis(700)
 
 #[cfg(test)]
 mod tests {
-    use super::Summary;
+    use super::{ConsumerTotals, SessionEnd, Summary, totals_line};
+
+    #[test]
+    fn the_summary_counts_open_steps_apart_from_completed_ones() {
+        let end = SessionEnd {
+            ended_ns: 0,
+            end_reason: String::new(),
+            lost_events: 0,
+            total_launches: 7,
+            unmatched_returns: 0,
+        };
+        let totals = |completed_steps, open_steps| ConsumerTotals {
+            completed_steps,
+            open_steps,
+            step_ns_total: u128::from(completed_steps) * 2_000_000,
+            decode_errors: 0,
+            unmatched_returns: 0,
+        };
+        assert_eq!(
+            totals_line(&totals(199, 1), &end),
+            "199 steps (mean 2.000 ms) and 1 open (stored with no end), 7 launches seen"
+        );
+        assert_eq!(totals_line(&totals(3, 0), &end), "3 steps (mean 2.000 ms), 7 launches seen");
+        assert_eq!(totals_line(&totals(0, 0), &end), "0 steps, 7 launches seen");
+    }
 
     fn code(exit_code: Option<i32>, failure: bool) -> std::process::ExitCode {
         Summary { exit_code, failure: failure.then(|| "3 rows could not be written".into()) }.exit_code()
