@@ -73,9 +73,14 @@ struct Run {
 }
 
 fn loop_args(native: &str, truth: &Path) -> Vec<OsString> {
+    loop_args_with(native, truth, &[])
+}
+
+fn loop_args_with(native: &str, truth: &Path, extra: &[&str]) -> Vec<OsString> {
     let mut a: Vec<OsString> = vec![fixture().into()];
     a.extend(["--native", native, "--steps", "40", "--truth"].map(OsString::from));
     a.push(truth.into());
+    a.extend(extra.iter().map(OsString::from));
     a
 }
 
@@ -90,12 +95,16 @@ fn truth_shares(truth: &Path) -> (f64, f64) {
 /// The loop, calibrated and waiting, under `profiler attach`; its steps the
 /// calls of `train_step`.
 fn profiled(test: &str, argv: &[OsString], native: &str) -> Run {
+    profiled_with(test, argv, native, &[])
+}
+
+fn profiled_with(test: &str, argv: &[OsString], native: &str, extra: &[&str]) -> Run {
     let dir = workdir(test);
     let (db, truth, go, ready) = (dir.join("p.db"), dir.join("truth.txt"), dir.join("go"), dir.join("ready"));
     let mut command = Command::new(&argv[0]);
     command
         .args(&argv[1..])
-        .args(loop_args(native, &truth))
+        .args(loop_args_with(native, &truth, extra))
         .arg("--wait-file")
         .arg(&go)
         .arg("--ready-file")
@@ -303,4 +312,77 @@ fn a_pytorch_loop_names_its_python_function_and_torch_matmul_and_agrees_with_py_
             );
         }
     }
+}
+
+fn profiler_json(args: &[&str]) -> serde_json::Value {
+    let out = Command::new(profiler_bin()).args(args).output().expect("run profiler");
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("JSON")
+}
+
+/// Function names in a list of share changes.
+fn changed(list: &serde_json::Value) -> Vec<String> {
+    list.as_array().into_iter().flatten().filter_map(|c| c["function"].as_str().map(str::to_owned)).collect()
+}
+
+#[test]
+fn slow_steps_compare_html_and_pprof_name_what_changed() {
+    let python = PathBuf::from("/root/.pyenv/versions/3.12.1/bin/python3");
+    if !python.exists() {
+        skip(format!("{} not installed", python.display()));
+        return;
+    }
+    let argv = [python.into_os_string()];
+    // Every 10th step also runs slow_part: the slow steps (≥ p90) are those, and only they hold it.
+    let slow = profiled_with("cpu_views_slow", &argv, "hashlib", &["--slow-every", "10"]);
+    let train = train_cpu(&slow.db);
+    let s = &train["slow_steps"];
+    assert_eq!(s["enough_samples"], true, "{train}");
+    let names = changed(&s["changes"]);
+    assert_eq!(names.first().map(String::as_str), Some("slow_part"), "{s}");
+    let first = &s["changes"][0];
+    let (a, b) = (first["share_a"].as_f64().expect("a"), first["share_b"].as_f64().expect("b"));
+    assert!(b > a + 0.2, "{first}");
+    // The page: a flame graph of the label and one of its slow steps, slow_part in the second.
+    let html = workdir("cpu_views_html").join("r.html");
+    let db = slow.db.to_str().expect("utf-8");
+    let out = Command::new(profiler_bin()).args(["report", db, "--html", "-o"]).arg(&html).output().expect("html");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let page = std::fs::read_to_string(&html).expect("page");
+    let figure = |id: &str| {
+        let at = page.find(&format!("-cpu-train-{id}\"")).unwrap_or_else(|| panic!("no {id} flame graph"));
+        let end = page[at..].find("</figure>").expect("figure end") + at;
+        page[at..end].to_owned()
+    };
+    let (all, slow_figure) = (figure("all"), figure("slow"));
+    assert!(all.contains("python_part (cpu_py_loop.py:") && all.contains("native_part"), "{all}");
+    assert!(slow_figure.contains("<title>slow_part (cpu_py_loop.py:"), "{slow_figure}");
+    // pprof: a gzip stream, as the format is.
+    let pb = workdir("cpu_views_pprof").join("p.pb.gz");
+    let out =
+        Command::new(profiler_bin()).args(["export", db, "--format", "pprof", "-o"]).arg(&pb).output().expect("pprof");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let bytes = std::fs::read(&pb).expect("pprof file");
+    assert!(bytes.len() > 100 && bytes[..2] == [0x1f, 0x8b], "not gzip");
+    // compare: three times the pure Python moves both parts' shares; the same work moves neither.
+    let sized = |iters: &'static str| ["--python-iters", iters, "--native-reps", "100"];
+    let base = profiled_with("cpu_views_a", &argv, "hashlib", &sized("200000"));
+    let more = profiled_with("cpu_views_b", &argv, "hashlib", &sized("600000"));
+    let same = profiled_with("cpu_views_c", &argv, "hashlib", &sized("200000"));
+    let cmp = |b: &Run| {
+        let c = profiler_json(&[
+            "compare",
+            base.db.to_str().expect("utf-8"),
+            b.db.to_str().expect("utf-8"),
+            "--format",
+            "json",
+        ]);
+        c["cpu"].as_array().and_then(|l| l.iter().find(|l| l["label"] == "train")).cloned().expect("train's CPU")
+    };
+    let moved = cmp(&more);
+    let names = changed(&moved["changes"]);
+    assert!(names.contains(&"python_part".to_owned()) && names.contains(&"native_part".to_owned()), "{moved}");
+    let still = cmp(&same);
+    let python_changes: Vec<String> = changed(&still["changes"]).into_iter().filter(|n| n.ends_with("_part")).collect();
+    assert!(python_changes.is_empty(), "the same loop twice: {still}");
 }

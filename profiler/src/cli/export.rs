@@ -1,6 +1,6 @@
 //! `profiler export`: a session as a Chrome trace-event JSON file that
 //! ui.perfetto.dev and chrome://tracing open, any table or view of it as CSV,
-//! or its CPU samples as folded stacks (`collapsed`).
+//! or its CPU samples as folded stacks (`collapsed`) or a pprof profile (`pprof`).
 //!
 //! Both stream: rows go from an SQLite cursor through a buffered writer one at
 //! a time, in the order SQLite stores them (no ORDER BY over launches, which
@@ -29,6 +29,7 @@ use crate::profile::{
 
 mod collapsed;
 mod job;
+mod pprof;
 mod sched;
 
 #[derive(Args, Debug)]
@@ -36,7 +37,8 @@ pub struct ExportArgs {
     /// The profile to read.
     db: PathBuf,
     /// `perfetto`: Chrome trace-event JSON; `csv`: one table (--table);
-    /// `collapsed`: the CPU samples as folded stacks (`root;…;leaf count`).
+    /// `collapsed`: the CPU samples as folded stacks (`root;…;leaf count`);
+    /// `pprof`: the CPU samples as a gzip'd profile.proto.
     #[arg(long, value_enum, default_value_t = ExportFormat::Perfetto)]
     format: ExportFormat,
     /// File to write (default, or `-`: standard output).
@@ -53,7 +55,7 @@ pub struct ExportArgs {
     /// Perfetto trace, each on its own process track named by its rank.
     #[arg(long, value_name = "JOB", num_args = 0..=1, default_missing_value = "", conflicts_with_all = ["session", "table"])]
     job: Option<String>,
-    /// With --format collapsed: only the samples in steps with this label.
+    /// With --format collapsed or pprof: only the samples in steps with this label.
     #[arg(long, value_name = "L")]
     label: Option<String>,
 }
@@ -63,6 +65,7 @@ enum ExportFormat {
     Perfetto,
     Csv,
     Collapsed,
+    Pprof,
 }
 
 pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
@@ -73,16 +76,17 @@ pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
         (ExportFormat::Csv, None) => {
             bail!("--format csv needs --table T (one of: {})", db.tables().collect::<Vec<_>>().join(", "))
         }
-        (ExportFormat::Perfetto | ExportFormat::Collapsed, Some(_)) => {
-            bail!("--table is for --format csv; the Perfetto and collapsed exports hold the whole session")
+        (ExportFormat::Perfetto | ExportFormat::Collapsed | ExportFormat::Pprof, Some(_)) => {
+            bail!("--table is for --format csv; the Perfetto, collapsed and pprof exports hold the whole session")
         }
         (_, t) => t.clone(),
     };
-    if args.format == ExportFormat::Collapsed && job.is_some() {
-        bail!("--format collapsed is one session's samples: name it with --session N instead of --job");
+    let samples = matches!(args.format, ExportFormat::Collapsed | ExportFormat::Pprof);
+    if samples && job.is_some() {
+        bail!("--format collapsed and pprof are one session's samples: name it with --session N instead of --job");
     }
-    if args.label.is_some() && args.format != ExportFormat::Collapsed {
-        bail!("--label is for --format collapsed");
+    if args.label.is_some() && !samples {
+        bail!("--label is for --format collapsed or pprof");
     }
     let to_file = args.output.as_deref().filter(|p| *p != Path::new("-"));
     let sink: Box<dyn Write> = match to_file {
@@ -100,6 +104,7 @@ pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
     let hint = match (args.format, &table) {
         (ExportFormat::Perfetto, None) => "; open it in https://ui.perfetto.dev",
         (ExportFormat::Collapsed, _) => "; flamegraph.pl, inferno-flamegraph and speedscope read it",
+        (ExportFormat::Pprof, _) => "; go tool pprof, speedscope and Grafana Pyroscope read it",
         _ => "",
     };
     let written = match table {
@@ -109,6 +114,11 @@ pub async fn main(args: ExportArgs) -> anyhow::Result<ExitCode> {
                 Ok(format!("{lines} stacks of {samples} CPU samples (session {session})"))
             })
         }
+        None if args.format == ExportFormat::Pprof => pprof::write_pprof(&db, session, args.label.as_deref(), &mut out)
+            .and_then(|(lines, samples)| {
+                out.flush()?;
+                Ok(format!("{lines} stacks of {samples} CPU samples (session {session}), gzip'd profile.proto"))
+            }),
         Some(t) => export_csv(&db, session, &t, &mut out).and_then(|rows| {
             out.flush()?;
             Ok(format!("{rows} rows of {t} (session {session})"))

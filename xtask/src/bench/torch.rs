@@ -139,8 +139,9 @@ struct Rounds {
     attached: Vec<Attached>,
 }
 
-/// Runs the loop through `ROUNDS` rounds of two attached windows (with the
-/// scheduler programs, then with `--no-sched`), each between two detached ones.
+/// Runs the loop through `ROUNDS` rounds of three attached windows (as by
+/// default, with `--no-sched`, with `--no-cpu-samples`), each between two
+/// detached ones.
 fn run_rounds(python: &Path, work: &Path) -> Result<Rounds> {
     let running = start_loop(python, work)?;
     // Past the first steps' warm-up (allocator, DataLoader workers' start).
@@ -149,10 +150,17 @@ fn run_rounds(python: &Path, work: &Path) -> Result<Rounds> {
     let mut detached = vec![Window::detached()];
     let mut rounds = Vec::new();
     for round in 0..ROUNDS {
-        say(format!("bench: PyTorch round {}/{ROUNDS}: attached, detached, attached --no-sched, detached", round + 1));
+        say(format!(
+            "bench: PyTorch round {}/{ROUNDS}: attached, detached, attached --no-sched, detached, attached \
+             --no-cpu-samples, detached",
+            round + 1
+        ));
         rounds.push(attached(pid, work.join(format!("torch_bench_{round}.db")), &[])?);
         detached.push(Window::detached());
         rounds.push(attached(pid, work.join(format!("torch_bench_{round}_nosched.db")), &["--no-sched"])?);
+        detached.push(Window::detached());
+        let db = work.join(format!("torch_bench_{round}_nosamples.db"));
+        rounds.push(attached(pid, db, &["--no-cpu-samples"])?);
         detached.push(Window::detached());
     }
     drop(running);
@@ -224,10 +232,13 @@ pub fn torch_table(work: &Path) -> Result<()> {
         attach.push((first - a.began) as f64 / 1e9);
     }
     let (all_ratios, off, all_on) = ratios(&r);
-    // Even windows traced the scheduler, odd ones ran with --no-sched.
-    let every_other = |v: &[f64], odd: usize| v.iter().skip(odd).step_by(2).copied().collect::<Vec<f64>>();
-    let (ratios, no_sched) = (every_other(&all_ratios, 0), every_other(&all_ratios, 1));
-    let on = every_other(&all_on, 0);
+    // Each round: as by default, --no-sched, --no-cpu-samples.
+    let every_third = |v: &[f64], k: usize| v.iter().skip(k).step_by(3).copied().collect::<Vec<f64>>();
+    let (ratios, no_sched) = (every_third(&all_ratios, 0), every_third(&all_ratios, 1));
+    let no_samples = every_third(&all_ratios, 2);
+    // The sampler's own cost (99 Hz, Python frames): a round's default window over its --no-cpu-samples one.
+    let sampler: Vec<f64> = ratios.iter().zip(&no_samples).map(|(a, b)| a / b).collect();
+    let on = every_third(&all_on, 0);
     println!();
     println!(
         "PyTorch {} steps from record_function markers ({name}, AdamW + DataLoader on CPU, one loop: \
@@ -254,6 +265,12 @@ pub fn torch_table(work: &Path) -> Result<()> {
         (
             "attached --no-sched ÷ detached (min … max)",
             format!("{:.3} … {:.3}", percentile(no_sched.clone(), 0), percentile(no_sched, 100)),
+        ),
+        ("attached --no-cpu-samples ÷ detached", format!("{:.3}", percentile(no_samples.clone(), 50))),
+        ("sampler 99 Hz: default ÷ --no-cpu-samples", format!("{:.3}", percentile(sampler.clone(), 50))),
+        (
+            "sampler 99 Hz (min … max of rounds)",
+            format!("{:.3} … {:.3}", percentile(sampler.clone(), 0), percentile(sampler, 100)),
         ),
         ("attach → first step recorded (median)", format!("{:.3} s", percentile(attach.clone(), 50))),
         ("attach → first step recorded (max)", format!("{:.3} s", percentile(attach, 100))),

@@ -78,6 +78,20 @@ pub struct Comparison {
     pub differences: Vec<(String, String, String)>,
     /// Each `--fail-if` with its outcome.
     pub gates: Vec<GateOutcome>,
+    /// Per label both sides sampled (`--cpu-sample`), the functions whose
+    /// share of the on-CPU samples in its steps changed significantly (not gated).
+    pub cpu: Vec<CpuComparison>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CpuComparison {
+    pub label: String,
+    pub samples_a: u64,
+    pub samples_b: u64,
+    /// False when a side has fewer than 30 samples: nothing can be told.
+    pub enough_samples: bool,
+    /// Largest change first; `share_a` is A's, `share_b` B's.
+    pub changes: Vec<super::report::cpu::ShareChangeRow>,
 }
 
 #[derive(Debug, Serialize)]
@@ -154,7 +168,9 @@ fn build(args: &CompareArgs) -> anyhow::Result<Comparison> {
         compared.push(compare_label(label, sa, sb, args.noise));
     }
     let gates = gate_outcomes(&args.fail_if, &compared)?;
+    let cpu = cpu_changes(&a, &b, &labels, args.skip)?;
     Ok(Comparison {
+        cpu,
         compare_version: COMPARE_VERSION,
         differences: differences(&a.info, &b.info),
         only_in_a: la.iter().filter(|l| !lb.contains(l)).cloned().collect(),
@@ -166,6 +182,39 @@ fn build(args: &CompareArgs) -> anyhow::Result<Comparison> {
         labels: compared,
         gates,
     })
+}
+
+/// Each label's CPU-share changes from A to B, over the samples in its steps
+/// after `skip` (of the compared session; a job side's first rank).
+fn cpu_changes(a: &Side, b: &Side, labels: &[String], skip: u64) -> anyhow::Result<Vec<CpuComparison>> {
+    use crate::profile::cpu;
+    let read = |side: &Side| -> anyhow::Result<Option<(cpu::Stacks, Vec<cpu::StackCount>)>> {
+        let Some(stacks) = cpu::stacks(&side.db, side.info.session)? else { return Ok(None) };
+        Ok(Some((stacks, cpu::stack_counts(&side.db, side.info.session)?)))
+    };
+    let (Some((stacks_a, counts_a)), Some((stacks_b, counts_b))) = (read(a)?, read(b)?) else { return Ok(Vec::new()) };
+    let of = |counts: &'_ [cpu::StackCount], label: &str| -> Vec<cpu::StackCount> {
+        let kept = |c: &&cpu::StackCount| c.label.as_deref() == Some(label) && c.step.is_some_and(|s| s >= skip as i64);
+        counts.iter().filter(kept).cloned().collect()
+    };
+    let mut out = Vec::new();
+    for label in labels {
+        let (ca, cb) = (of(&counts_a, label), of(&counts_b, label));
+        if ca.is_empty() && cb.is_empty() {
+            continue;
+        }
+        let (samples_a, samples_b, mut changes) = cpu::share_changes(&stacks_a, &ca, &stacks_b, &cb);
+        // A frame named by its address only is not the same function in two runs (ASLR).
+        changes.retain(|c| !(c.frame.module.is_none() && c.frame.function.starts_with("0x")));
+        out.push(CpuComparison {
+            label: label.clone(),
+            samples_a,
+            samples_b,
+            enough_samples: samples_a >= cpu::MIN_SAMPLES && samples_b >= cpu::MIN_SAMPLES,
+            changes: changes.into_iter().map(Into::into).collect(),
+        });
+    }
+    Ok(out)
 }
 
 fn list(labels: &[String]) -> String {

@@ -162,6 +162,31 @@ fn wrap(o: &mut String, head: &str, text: &str) {
 }
 
 /// The whole table.
+/// Functions whose share of the CPU samples changed, per label.
+fn cpu_block(o: &mut String, cpu: &[super::CpuComparison]) {
+    for l in cpu {
+        let head = format!("\nCPU samples of '{}': {} in A, {} in B", l.label, l.samples_a, l.samples_b);
+        let _ = writeln!(o, "{head}");
+        if !l.enough_samples {
+            let _ = writeln!(o, "  too few samples to compare shares (30 a side)");
+        } else if l.changes.is_empty() {
+            let _ = writeln!(o, "  no function's share changed significantly (≥ 2 points, |z| ≥ 3)");
+        } else {
+            let _ = writeln!(o, "  {:>7} {:>7}  total share, A → B", "A", "B");
+            for c in l.changes.iter().take(8) {
+                let frame = crate::profile::cpu::Frame {
+                    kind: c.kind.clone(),
+                    module: c.module.clone(),
+                    function: c.function.clone(),
+                    line: c.line,
+                };
+                let line = format!("  {:>6.1}% {:>6.1}%  {}", c.share_a * 100.0, c.share_b * 100.0, frame.display());
+                let _ = writeln!(o, "{}", fit(&line, WIDTH));
+            }
+        }
+    }
+}
+
 pub fn table(c: &Comparison) -> String {
     let mut o = String::new();
     for (name, s) in [("A", &c.a), ("B", &c.b)] {
@@ -180,6 +205,7 @@ pub fn table(c: &Comparison) -> String {
     for l in &c.labels {
         label_block(&mut o, l, c.noise_pct);
     }
+    cpu_block(&mut o, &c.cpu);
     for (side, labels) in [("A", &c.only_in_a), ("B", &c.only_in_b)] {
         if !labels.is_empty() {
             let _ = writeln!(o, "\nonly in {side}: {}", labels.join(", "));

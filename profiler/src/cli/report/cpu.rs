@@ -1,7 +1,8 @@
 //! The report's CPU-profile section (`--cpu-sample`): per step label, the
 //! functions with the largest share of the on-CPU samples taken in its
 //! measured steps, by self (the sampled instruction is theirs) and by total
-//! (they are anywhere on the stack), and what the sampler lost.
+//! (they are anywhere on the stack); what differs in its slowest steps (p90
+//! and up) from its typical ones; and what the sampler lost.
 use std::{collections::HashMap, fmt::Write as _};
 
 use serde::Serialize;
@@ -30,15 +31,102 @@ pub struct LabelCpu {
     pub samples: u64,
     pub by_self: Vec<FunctionShare>,
     pub by_total: Vec<FunctionShare>,
+    /// Its slowest steps against the others; null with fewer than 10 measured steps.
+    pub slow_steps: Option<SlowSteps>,
+}
+
+/// A label's steps of duration p90 and up, against the rest: the functions
+/// whose total share of the on-CPU samples differs significantly
+/// (`profile::cpu::share_changes`: ≥ 2 points and |z| ≥ 3).
+#[derive(Debug, Serialize)]
+pub struct SlowSteps {
+    /// The p90 step duration, ns: steps this long or longer are the slow ones.
+    pub threshold_ns: i64,
+    pub slow_steps: u64,
+    pub typical_steps: u64,
+    pub slow_samples: u64,
+    pub typical_samples: u64,
+    /// False when either side has fewer than 30 samples: nothing can be told.
+    pub enough_samples: bool,
+    pub changes: Vec<ShareChangeRow>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ShareChangeRow {
+    pub function: String,
+    pub module: Option<String>,
+    pub kind: String,
+    pub line: Option<i64>,
+    /// Total share in the typical steps (`a`), in the slow ones or the new run (`b`).
+    pub share_a: f64,
+    pub share_b: f64,
+    pub samples_a: u64,
+    pub samples_b: u64,
+    pub z: f64,
+}
+
+impl From<cpu::ShareChange> for ShareChangeRow {
+    fn from(c: cpu::ShareChange) -> Self {
+        Self {
+            function: c.frame.function,
+            module: c.frame.module,
+            kind: c.frame.kind,
+            line: c.frame.line,
+            share_a: c.share_a,
+            share_b: c.share_b,
+            samples_a: c.samples_a,
+            samples_b: c.samples_b,
+            z: c.z,
+        }
+    }
+}
+
+/// Changes listed per label in the table (JSON has them all).
+const TOP_CHANGES: usize = 5;
+/// Measured steps a label needs before its slowest tenth is told apart.
+const MIN_STEPS: usize = 10;
+
+/// The slow steps of one label against its others.
+fn slow_steps(
+    stacks: &cpu::Stacks,
+    label: &str,
+    counts: &[&cpu::StackCount],
+    measured: &HashMap<(String, i64), i64>,
+) -> Option<SlowSteps> {
+    let mut durations: Vec<i64> = measured.iter().filter(|((l, _), _)| l == label).map(|(_, d)| *d).collect();
+    if durations.len() < MIN_STEPS {
+        return None;
+    }
+    durations.sort_unstable();
+    let threshold_ns = durations[(durations.len() * 9).div_ceil(10).clamp(1, durations.len()) - 1];
+    let is_slow = |c: &&&cpu::StackCount| {
+        c.step.and_then(|s| measured.get(&(label.to_owned(), s))).is_some_and(|d| *d >= threshold_ns)
+    };
+    let (slow, typical): (Vec<&cpu::StackCount>, Vec<&cpu::StackCount>) = counts.iter().partition(is_slow);
+    let slow_steps = durations.iter().filter(|d| **d >= threshold_ns).count() as u64;
+    let (typical_samples, slow_samples, changes) = cpu::share_changes(stacks, typical, stacks, slow);
+    Some(SlowSteps {
+        threshold_ns,
+        slow_steps,
+        typical_steps: durations.len() as u64 - slow_steps,
+        slow_samples,
+        typical_samples,
+        enough_samples: slow_samples >= cpu::MIN_SAMPLES && typical_samples >= cpu::MIN_SAMPLES,
+        changes: changes.into_iter().map(ShareChangeRow::from).collect(),
+    })
 }
 
 #[derive(Clone, Debug, Serialize)]
 pub struct FunctionShare {
+    /// How the table names it (`function (module)`, `function (file.py:line)`).
+    pub name: String,
     pub function: String,
     /// The file it is in (native), `[kernel]`-like for kernel frames; null if unknown.
     pub module: Option<String>,
-    /// `native` or `kernel`.
+    /// `native`, `kernel` or `python`.
     pub kind: String,
+    /// A Python frame's first line.
+    pub line: Option<i64>,
     pub self_share: f64,
     pub total_share: f64,
     pub self_samples: u64,
@@ -78,14 +166,17 @@ pub(super) fn build(
     let mut labels: Vec<LabelCpu> = by_label
         .into_iter()
         .map(|(label, counts)| {
+            let slow = slow_steps(&stacks, label, &counts, measured);
             let (samples, functions) = cpu::function_samples(&stacks, counts);
             let share = |n: u64| if samples == 0 { 0.0 } else { n as f64 / samples as f64 };
             let mut all: Vec<FunctionShare> = functions
                 .into_iter()
                 .map(|f| FunctionShare {
+                    name: f.frame.display(),
                     function: f.frame.function,
                     module: f.frame.module,
                     kind: f.frame.kind,
+                    line: f.frame.line,
                     self_share: share(f.self_samples),
                     total_share: share(f.total_samples),
                     self_samples: f.self_samples,
@@ -98,7 +189,7 @@ pub(super) fn build(
             };
             let by_self = top(&mut all, |f| f.self_samples);
             let by_total = top(&mut all, |f| f.total_samples);
-            LabelCpu { label: label.to_owned(), samples, by_self, by_total }
+            LabelCpu { label: label.to_owned(), samples, by_self, by_total, slow_steps: slow }
         })
         .collect();
     labels.sort_by(|a, b| a.label.cmp(&b.label));
@@ -128,14 +219,44 @@ pub(super) fn render(o: &mut String, cpu: Option<&CpuReport>, width: usize) {
         for (title, list) in [("by self", &l.by_self), ("by total", &l.by_total)] {
             let _ = writeln!(o, "    {:>6} {:>6}  {title}", "self", "total");
             for f in list.iter() {
-                let name = match &f.module {
-                    Some(m) => format!("{} ({m})", f.function),
-                    None => f.function.clone(),
-                };
-                let line = format!("    {:>5.1}% {:>5.1}%  {name}", f.self_share * 100.0, f.total_share * 100.0);
+                let line = format!("    {:>5.1}% {:>5.1}%  {}", f.self_share * 100.0, f.total_share * 100.0, f.name);
                 let _ = writeln!(o, "{}", cut(&line, width));
             }
         }
+        if let Some(slow) = &l.slow_steps {
+            render_slow(o, slow, width);
+        }
+    }
+}
+
+fn render_slow(o: &mut String, s: &SlowSteps, width: usize) {
+    let head = format!(
+        "    slow steps (≥ p90, {:.3} ms): {} steps, {} samples; the others: {}, {}",
+        s.threshold_ns as f64 / 1e6,
+        s.slow_steps,
+        s.slow_samples,
+        s.typical_steps,
+        s.typical_samples
+    );
+    let _ = writeln!(o, "{}", cut(&head, width));
+    if !s.enough_samples {
+        let _ = writeln!(o, "      too few samples to tell them apart (30 a side; --cpu-sample HZ takes more)");
+        return;
+    }
+    if s.changes.is_empty() {
+        let _ = writeln!(o, "      no function's share differs significantly (≥ 2 points, |z| ≥ 3)");
+        return;
+    }
+    let _ = writeln!(o, "    {:>7} {:>7}  total share: typical → slow", "typical", "slow");
+    for c in s.changes.iter().take(TOP_CHANGES) {
+        let frame = crate::profile::cpu::Frame {
+            kind: c.kind.clone(),
+            module: c.module.clone(),
+            function: c.function.clone(),
+            line: c.line,
+        };
+        let line = format!("    {:>6.1}% {:>6.1}%  {}", c.share_a * 100.0, c.share_b * 100.0, frame.display());
+        let _ = writeln!(o, "{}", cut(&line, width));
     }
 }
 

@@ -4,7 +4,7 @@
 //! `csv`); a job's ranks side by side (`--job`, `job`); one HTML page of plots
 //! (`--html`, `html`). The profile is read through [`crate::profile`].
 mod build;
-mod cpu;
+pub(super) mod cpu;
 mod csv;
 mod html;
 mod job;

@@ -5,6 +5,7 @@
 //! module adds the per-step and over-time series and the job views.
 mod data;
 mod downsample;
+mod flame;
 mod job;
 mod page;
 mod plots;
@@ -126,6 +127,7 @@ fn session(
         s.energy(page, &energy)?;
         s.launches_and_waits(page, &flops)?;
     }
+    cpu_flames(page, db, id, &anchor, &report, &steps)?;
     page.heading(3, &format!("{anchor}-time"), "Over time");
     let started_ns: i64 = db.conn.query_row("SELECT started_ns FROM sessions WHERE id = ?1", [id], |r| r.get(0))?;
     let shown: Vec<_> = steps.into_iter().filter(|s| label.is_none_or(|l| s.label == l)).collect();
@@ -136,6 +138,63 @@ fn session(
     let gemms = data::top_gemms(db, id, TOP_GEMMS)?;
     timeline::kernels(page, &anchor, report.top_kernels.as_deref(), &gemms)?;
     Ok(())
+}
+
+/// Per label, flame graphs of its measured steps' CPU samples and of its slow steps'.
+fn cpu_flames(
+    page: &mut Page,
+    db: &ProfileDb,
+    id: i64,
+    anchor: &str,
+    report: &super::build::Report,
+    steps: &[crate::profile::steps::StepRow],
+) -> anyhow::Result<()> {
+    let Some(cpu) = &report.cpu else { return Ok(()) };
+    if cpu.labels.is_empty() {
+        return Ok(());
+    }
+    let Some(stacks) = crate::profile::cpu::stacks(db, id)? else { return Ok(()) };
+    let counts = crate::profile::cpu::stack_counts(db, id)?;
+    page.heading(3, &format!("{anchor}-cpu"), "Where the steps' CPU time went");
+    page.paragraph(&format!(
+        "CPU samples at {} Hz of the traced threads, in each label's measured steps: a frame's width is its share of          the samples, its callees stand on it; blue frames are Python, orange native, red the kernel's. Hover a          frame for its samples.",
+        cpu.sample_hz.unwrap_or_default()
+    ));
+    for l in &cpu.labels {
+        let duration: std::collections::HashMap<i64, i64> =
+            steps.iter().filter(|s| s.label == l.label).filter_map(|s| s.duration_ns.map(|d| (s.step, d))).collect();
+        // The measured steps are the text report's (after --skip): those its counts hold.
+        let measured = |c: &&crate::profile::cpu::StackCount| {
+            c.label.as_deref() == Some(l.label.as_str()) && c.step.is_some_and(|s| s >= report_skip(report))
+        };
+        let all: Vec<&crate::profile::cpu::StackCount> = counts.iter().filter(measured).collect();
+        let id_of = |s: &str| format!("{anchor}-cpu-{}-{s}", self::anchor(&l.label));
+        if let Some(svg) = flame::svg(&stacks, &all, &format!("CPU flame graph of {}", l.label)) {
+            page.figure_raw(&id_of("all"), &format!("{}: all measured steps ({} samples)", l.label, l.samples), &svg);
+        }
+        if let Some(slow) = &l.slow_steps {
+            let is_slow = |c: &&&crate::profile::cpu::StackCount| {
+                c.step.and_then(|s| duration.get(&s)).is_some_and(|d| *d >= slow.threshold_ns)
+            };
+            let slow_counts: Vec<&crate::profile::cpu::StackCount> = all.iter().filter(is_slow).copied().collect();
+            let caption = format!(
+                "{}: the slow steps (≥ p90, {:.3} ms; {} steps, {} samples)",
+                l.label,
+                slow.threshold_ns as f64 / 1e6,
+                slow.slow_steps,
+                slow.slow_samples
+            );
+            if let Some(svg) = flame::svg(&stacks, &slow_counts, &caption) {
+                page.figure_raw(&id_of("slow"), &caption, &svg);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The first step number the report measures (`--skip`).
+fn report_skip(report: &super::build::Report) -> i64 {
+    report.skip as i64
 }
 
 #[cfg(test)]

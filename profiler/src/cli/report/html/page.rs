@@ -78,6 +78,16 @@ impl Page {
     }
 
     /// What a figure would have shown was not measured, and why.
+    /// A figure of ready-made inline SVG.
+    pub fn figure_raw(&mut self, id: &str, caption: &str, svg: &str) {
+        let _ = writeln!(
+            self.html,
+            "<figure id=\"{}\">{svg}<figcaption>{}</figcaption></figure>",
+            escape(id),
+            escape(caption)
+        );
+    }
+
     pub fn missing(&mut self, id: &str, what: &str, why: &str) {
         let _ = writeln!(
             self.html,
