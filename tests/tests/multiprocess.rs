@@ -335,11 +335,12 @@ fn torchrun_options(dir: &Path, port: u32, wait_file: Option<&Path>) -> Vec<Stri
 /// Two rank sessions, their ranks from their environment, each with its own optimizer steps
 /// (PyTorch's markers), on the threads its ground truth names.
 /// `attempts`: how many workers each rank had (torchrun restarts); only the last one's trained.
-fn check_torch_ranks(db: &Path, dir: &Path, attempts: usize) {
+/// `stderr`: the profiler's, for the failure's message.
+fn check_torch_ranks(db: &Path, dir: &Path, attempts: usize, stderr: &str) {
     let sessions = job_sessions(db);
     assert!(sessions.iter().all(|s| s.job == sessions[0].job), "one job: {sessions:?}");
     let ranks: Vec<&JobSession> = sessions.iter().filter(|s| s.rank.is_some()).collect();
-    assert_eq!(ranks.len(), 2 * attempts, "{sessions:?}");
+    assert_eq!(ranks.len(), 2 * attempts, "{sessions:?}\nthe profiler's stderr:\n{stderr}");
     let (failed, trained): (Vec<&JobSession>, Vec<&JobSession>) =
         ranks.into_iter().partition(|s| steps(db, s.id).is_empty());
     assert_eq!(failed.len(), 2 * (attempts - 1), "{sessions:?}");
@@ -367,7 +368,7 @@ fn torchrun_ranks_on_cpu_with_run_and_attach_children() {
     let out = Command::new(profiler_bin()).args(&args).output().expect("run profiler");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    check_torch_ranks(&db, &dir, 1);
+    check_torch_ranks(&db, &dir, 1, &stderr);
     // `report` without --session shows a rank that trained, not torchrun itself (the first
     // session) nor another of its processes, and says how many processes the job has.
     let report =
@@ -389,7 +390,7 @@ fn torchrun_ranks_on_cpu_with_run_and_attach_children() {
     assert!(torchrun.wait().expect("wait torchrun").success(), "torchrun failed");
     let (status, stderr) = agent.finish();
     assert!(status.success(), "profiler failed: {stderr}");
-    check_torch_ranks(&db, &dir, 1);
+    check_torch_ranks(&db, &dir, 1, &stderr);
 }
 
 /// An elastic restart: torchrun's first workers fail (once the agent is in), torchrun starts new
@@ -409,5 +410,5 @@ fn torchrun_restarted_workers_are_traced() {
     assert!(torchrun.wait().expect("wait torchrun").success(), "torchrun failed");
     let (status, stderr) = agent.finish();
     assert!(status.success(), "profiler failed: {stderr}");
-    check_torch_ranks(&db, &dir, 2);
+    check_torch_ranks(&db, &dir, 2, &stderr);
 }

@@ -368,6 +368,11 @@ impl Probes {
         Ok((probes, rings))
     }
 
+    /// Traces the processes `pids` too: found after the load.
+    pub fn trace_more(&mut self, pids: &[NonZeroU32]) -> Result<(), ProbeError> {
+        job::trace(&mut self.ebpf, pids)
+    }
+
     /// How many uprobes are attached.
     pub fn attached(&self) -> usize {
         self.links.iter().map(|(_, n)| n).sum()

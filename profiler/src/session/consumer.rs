@@ -290,7 +290,8 @@ impl Consumer {
         }
     }
 
-    /// Hands every pending row to the store.
+    /// Hands every pending row to the store (CPU samples at most every
+    /// 100 ms: naming their stacks costs; the session's end hands the rest).
     pub fn flush(&mut self) {
         if let Some(live) = &mut self.live {
             live.steps_ended(&self.steps, &|label, step| self.gemms.step_flops(label, step));
@@ -314,7 +315,7 @@ impl Consumer {
         if !self.off_cpu.is_empty() {
             self.writer.send(StoreMsg::OffCpu(std::mem::take(&mut self.off_cpu)));
         }
-        self.flush_cpu_samples();
+        self.flush_cpu_samples_due();
     }
 
     /// (steps stored as incomplete so far, step ends seen without a start),

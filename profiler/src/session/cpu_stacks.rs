@@ -6,6 +6,7 @@
 //! places of the interpreter's loop in its native stack.
 use std::{
     collections::{HashMap, HashSet},
+    rc::Rc,
     sync::Arc,
 };
 
@@ -29,10 +30,26 @@ const NATIVE: &str = "native";
 const KERNEL: &str = "kernel";
 const PYTHON: &str = "python";
 
+/// What every session of a job names its samples' stacks with: the kernel's
+/// stack map, and one symbolizer, so that kallsyms and each library (every
+/// rank maps the same libtorch) are parsed once for the job, not once per
+/// process on the event loop while new ranks wait to be looked at.
+#[derive(Clone)]
+pub(super) struct StackNamer {
+    map: Arc<CpuStackMap>,
+    symbolizer: Rc<Symbolizer>,
+}
+
+impl StackNamer {
+    pub fn new(map: Arc<CpuStackMap>) -> Self {
+        Self { map, symbolizer: Rc::new(Symbolizer::new()) }
+    }
+}
+
 pub(super) struct CpuStacks {
     map: Arc<CpuStackMap>,
     pid: u32,
-    symbolizer: Symbolizer,
+    symbolizer: Rc<Symbolizer>,
     /// Kernel stack id -> the frame ids of its user (by this process) or kernel stack.
     user: HashMap<u32, Vec<u32>>,
     kernel: HashMap<u32, Vec<u32>>,
@@ -63,11 +80,11 @@ type Named = (FrameKey, bool);
 const SHALLOW: usize = 2;
 
 impl CpuStacks {
-    pub fn new(map: Arc<CpuStackMap>, pid: u32) -> Self {
+    pub fn new(namer: StackNamer, pid: u32) -> Self {
         Self {
-            map,
+            map: namer.map,
             pid,
-            symbolizer: Symbolizer::new(),
+            symbolizer: namer.symbolizer,
             user: HashMap::new(),
             kernel: HashMap::new(),
             leaves: HashMap::new(),

@@ -67,8 +67,9 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     stopped_before_attach(&mut stops)?;
     let mut others: Vec<(u32, Option<u32>)> =
         job::existing(&target.others, target.pid).into_iter().map(|p| (p, None)).collect();
-    if cfg.follow_children && target.mode == "attach" {
-        let roots: Vec<u32> = std::iter::once(target.pid).chain(others.iter().map(|o| o.0)).collect();
+    let scan_children = cfg.follow_children && target.mode == "attach";
+    let roots: Vec<u32> = std::iter::once(target.pid).chain(others.iter().map(|o| o.0)).collect();
+    if scan_children {
         others.extend(job::descendants(&roots).into_iter().map(|(p, parent)| (p, Some(parent))));
     }
     let pids: Vec<_> =
@@ -81,6 +82,18 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         sched: cfg.sched,
     };
     let (mut probes, mut rings) = Probes::load_job(&pids, options)?;
+    if scan_children {
+        // A child forked after the scan and before the fork hook went in is
+        // in neither: the fork hook is in now, so a second scan finds the rest.
+        let late: Vec<(u32, Option<u32>)> = job::descendants(&roots)
+            .into_iter()
+            .filter(|(p, _)| !others.iter().any(|o| o.0 == *p))
+            .map(|(p, parent)| (p, Some(parent)))
+            .collect();
+        let late_pids: Vec<std::num::NonZeroU32> = late.iter().filter_map(|&(p, _)| p.try_into().ok()).collect();
+        probes.trace_more(&late_pids)?;
+        others.extend(late);
+    }
     stopped_before_attach(&mut stops)?;
     let cpu_sampler = cfg.cpu_sample_hz.and_then(|hz| {
         probes
@@ -100,8 +113,9 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     consumer.keep_gemm_rows(cfg.launch_mode.keeps_rows());
     consumer.keep_copy_rows(cfg.launch_mode.keeps_rows());
     consumer.trace_sched(cfg.sched);
-    if let Some(sampler) = &cpu_sampler {
-        consumer.sample_cpu(sampler.stacks.clone());
+    let stack_namer = cpu_sampler.as_ref().map(|s| cpu_stacks::StackNamer::new(s.stacks.clone()));
+    if let Some(namer) = &stack_namer {
+        consumer.sample_cpu(namer.clone());
     }
     let watcher = LibraryWatcher::new(target.pid, torch::TorchWatch::new(&cfg, &steps.regions));
     let ctx = JobContext {
@@ -117,6 +131,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         sampler_cvd: target.var("CUDA_VISIBLE_DEVICES"),
         live: live.sessions(),
         cpu_sampler,
+        stack_namer,
     };
     // The first target's MFU is over the GPUs NVML lists it on, else all (as in `step_gpu`).
     consumer.live = ctx.live_for(&session.start, None, None);

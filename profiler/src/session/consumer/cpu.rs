@@ -1,29 +1,38 @@
 //! CPU samples (`--cpu-sample`): each assigned to the step its thread is in
 //! when it is taken (like a launch), and its stack named, in batches.
-use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::Consumer;
 use crate::{
     events::CpuSampleEvent,
-    probes::cpu::CpuStackMap,
-    session::{cpu_stacks::CpuStacks, python_frames::PyCodeReader},
+    session::{
+        cpu_stacks::{CpuStacks, StackNamer},
+        python_frames::PyCodeReader,
+    },
     store::{CpuSampleRow, StoreMsg},
 };
 
 /// Samples held before their stacks are named and they are sent.
 const BATCH: usize = 4096;
 
+/// How often a drain names the samples held: each naming reads the
+/// process's maps (1–2 ms for a PyTorch process), too much for every 20 ms
+/// drain of every process of a job on the loop that also adopts new ranks.
+const NAME_EVERY: Duration = Duration::from_millis(100);
+
 #[derive(Default)]
 pub(super) struct CpuSampleState {
     /// None: the sampler is off (no sample comes).
     stacks: Option<CpuStacks>,
     pending: Vec<(CpuSampleEvent, Option<(&'static str, u64)>)>,
+    /// When the samples were last named (None: never).
+    named_at: Option<Instant>,
 }
 
 impl Consumer {
     /// Samples come, their stacks in `map`.
-    pub(in crate::session) fn sample_cpu(&mut self, map: Arc<CpuStackMap>) {
-        self.cpu.stacks = Some(CpuStacks::new(map, self.pid));
+    pub(in crate::session) fn sample_cpu(&mut self, namer: StackNamer) {
+        self.cpu.stacks = Some(CpuStacks::new(namer, self.pid));
     }
 
     /// The process runs a CPython whose frames its samples carry from now on
@@ -59,6 +68,13 @@ impl Consumer {
         }
     }
 
+    /// [`Self::flush_cpu_samples`], at most every [`NAME_EVERY`].
+    pub(super) fn flush_cpu_samples_due(&mut self) {
+        if self.cpu.named_at.is_none_or(|at| at.elapsed() >= NAME_EVERY) {
+            self.flush_cpu_samples();
+        }
+    }
+
     /// Names the pending samples' stacks and sends the new frames and
     /// stacks, then the samples that name them.
     pub(super) fn flush_cpu_samples(&mut self) {
@@ -66,6 +82,7 @@ impl Consumer {
         if self.cpu.pending.is_empty() {
             return;
         }
+        self.cpu.named_at = Some(Instant::now());
         let pending = std::mem::take(&mut self.cpu.pending);
         let events: Vec<&CpuSampleEvent> = pending.iter().map(|p| &p.0).collect();
         let ids = stacks.stack_ids(&events);

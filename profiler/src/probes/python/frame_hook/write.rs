@@ -177,6 +177,10 @@ fn swap_if(site: &HookSite, expect: &[u64], new: u64) -> Result<u64, HookError> 
     if !expect.contains(&held) {
         return Ok(held);
     }
+    // One stop at a time in this process: a process's watcher that an exec
+    // replaced may still hold its threads when the new one comes, and a
+    // second tracer's PTRACE_SEIZE fails (EPERM) while they are held.
+    let _one = STOPS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let _stopped = StoppedThreads::stop(site.pid)?;
     let old = read_u64(mem, site.pid, site.field)?;
     if expect.contains(&old) {
@@ -188,6 +192,9 @@ fn swap_if(site: &HookSite, expect: &[u64], new: u64) -> Result<u64, HookError> 
     }
     Ok(old)
 }
+
+/// Held around every [`StoppedThreads`] (see [`swap_if`]).
+static STOPS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Every thread of a process held in a ptrace stop; dropping resumes them.
 struct StoppedThreads {
@@ -377,6 +384,8 @@ impl Watched {
         let mut last_reset = None;
         let mut alias_looked: Option<std::time::Instant> = None;
         let mut failed = false;
+        // Writes that failed in a row: the first ones are retried every millisecond.
+        let mut failures = 0u32;
         let mut last_state = None;
         while !self.stop.load(Ordering::Relaxed) {
             let site = match self.site.get() {
@@ -429,6 +438,7 @@ impl Watched {
                 Err(_) => {}
             }
             self.looked.store(true, Ordering::Release);
+            failures = if written.is_err() { failures.saturating_add(1) } else { 0 };
             if let Ok(Some(state)) = written {
                 last_state = Some(state);
             }
@@ -443,7 +453,7 @@ impl Watched {
             }
             // Something that resets the field once (dynamo: after every compiled call) does it again:
             // look every millisecond for a while, so that fewer calls are inlined unseen meanwhile.
-            let busy = last_reset.is_some_and(|t| t.elapsed() < FAST_AFTER_RESET);
+            let busy = last_reset.is_some_and(|t| t.elapsed() < FAST_AFTER_RESET) || (1..=FAST_RETRIES).contains(&failures);
             std::thread::sleep(if busy { Duration::from_millis(1) } else { RECHECK });
         }
     }
@@ -454,6 +464,10 @@ const ALIAS_RELOOK: Duration = Duration::from_secs(1);
 
 /// How long the field is looked at every millisecond after it was found reset.
 const FAST_AFTER_RESET: Duration = Duration::from_secs(2);
+
+/// How many failed writes in a row are retried a millisecond apart (a
+/// passing cause, such as another look holding the threads) before [`RECHECK`].
+const FAST_RETRIES: u32 = 200;
 
 /// How long a target not yet running CPython is looked at every millisecond.
 const FAST_LOCATE: Duration = Duration::from_secs(10);
