@@ -14,7 +14,7 @@ use blazesym::{
     Pid,
     symbolize::{
         Input, Reason, Symbolized, Symbolizer,
-        source::{Kernel, Process, Source},
+        source::{Elf, Kernel, Process, Source},
     },
 };
 
@@ -69,6 +69,35 @@ pub(super) struct CpuStacks {
     code_frames: HashMap<u64, Option<u32>>,
     /// The native frames of the interpreter's loop.
     loop_frames: HashSet<u32>,
+    /// The process's executable mappings as last read.
+    maps: Vec<ExecMap>,
+}
+
+/// An executable mapping: its addresses, and the file (None: anonymous,
+/// deleted, the vDSO) and offset they come from.
+struct ExecMap {
+    range: std::ops::Range<u64>,
+    offset: u64,
+    path: Option<std::path::PathBuf>,
+}
+
+/// `pid`'s executable mappings; None once it has exited.
+fn exec_maps(pid: u32) -> Option<Vec<ExecMap>> {
+    use procfs::process::{MMPermissions, MMapPath};
+    let maps = procfs::process::Process::new(pid as i32).and_then(|p| p.maps()).ok()?;
+    let exec = maps
+        .iter()
+        .filter(|m| m.perms.contains(MMPermissions::EXECUTE))
+        .map(|m| ExecMap {
+            range: m.address.0..m.address.1,
+            offset: m.offset,
+            path: match &m.pathname {
+                MMapPath::Path(p) if p.is_file() => Some(p.clone()),
+                _ => None,
+            },
+        })
+        .collect();
+    Some(exec)
 }
 
 /// A frame's (kind, module, function, line).
@@ -97,6 +126,7 @@ impl CpuStacks {
             python: None,
             code_frames: HashMap::new(),
             loop_frames: HashSet::new(),
+            maps: Vec::new(),
         }
     }
 
@@ -223,33 +253,37 @@ impl CpuStacks {
     /// Each address's frame, a hex address where no symbol covers it, and
     /// whether the address is in none of the process's executable mappings
     /// (a return address there is no return address: the walk went astray).
-    fn names(&self, kind: &'static str, addrs: &[u64]) -> Vec<Named> {
+    /// A user address is named through the process while it lives, and
+    /// through the mappings last seen (file and offset) once it has exited:
+    /// its last samples are named after it, at the end of the session.
+    fn names(&mut self, kind: &'static str, addrs: &[u64]) -> Vec<Named> {
         if addrs.is_empty() {
             return Vec::new();
         }
         let t0 = std::time::Instant::now();
-        // None: the process is gone; then blazesym's own verdict (no mapping at all) stands.
-        let code: Option<Vec<(u64, u64)>> = match kind {
-            KERNEL => None,
-            _ => procfs::process::Process::new(self.pid as i32).and_then(|p| p.maps()).ok().map(|maps| {
-                maps.iter()
-                    .filter(|m| m.perms.contains(procfs::process::MMPermissions::EXECUTE))
-                    .map(|m| m.address)
-                    .collect()
-            }),
+        let live = (kind != KERNEL).then(|| exec_maps(self.pid)).flatten();
+        let alive = live.is_some();
+        if let Some(maps) = live {
+            self.maps = maps;
+        }
+        let symbolize = |src: &Source, input: Input<&[u64]>| {
+            self.symbolizer.symbolize(src, input).map_err(|e| {
+                log::debug!("symbolizing {} addresses of PID {}: {e}", addrs.len(), self.pid);
+            })
         };
-        let astray = |addr: u64, unmapped: bool| match &code {
-            Some(ranges) => !ranges.iter().any(|&(start, end)| (start..end).contains(&addr)),
-            None => unmapped,
+        let found: Vec<Symbolized> = match kind {
+            KERNEL => symbolize(&Source::Kernel(Kernel::default()), Input::AbsAddr(addrs)).unwrap_or_default(),
+            _ => alive
+                .then(|| symbolize(&Source::Process(Process::new(Pid::from(self.pid))), Input::AbsAddr(addrs)).ok())
+                .flatten()
+                .unwrap_or_else(|| self.by_files(addrs)),
         };
-        let src = match kind {
-            KERNEL => Source::Kernel(Kernel::default()),
-            _ => Source::Process(Process::new(Pid::from(self.pid))),
+        // Without any mapping known (the process gone before its first
+        // naming), blazesym's own verdict (no mapping at all) stands.
+        let known = kind != KERNEL && !self.maps.is_empty();
+        let astray = |addr: u64, unmapped: bool| {
+            kind != KERNEL && if known { !self.maps.iter().any(|m| m.range.contains(&addr)) } else { unmapped }
         };
-        let found = self.symbolizer.symbolize(&src, Input::AbsAddr(addrs)).unwrap_or_else(|e| {
-            log::debug!("symbolizing {} addresses of PID {}: {e}", addrs.len(), self.pid);
-            Vec::new()
-        });
         let named = addrs
             .iter()
             .enumerate()
@@ -262,21 +296,46 @@ impl CpuStacks {
                             path.file_name().unwrap_or(path.as_os_str()).to_string_lossy().into_owned()
                         }),
                     };
-                    ((kind, module, sym.name.to_string(), None), kind != KERNEL && astray(addr, false))
+                    ((kind, module, sym.name.to_string(), None), astray(addr, false))
                 }
                 Some(Symbolized::Unknown(Reason::Unmapped)) => {
-                    ((kind, None, format!("{addr:#x}"), None), kind != KERNEL && astray(addr, true))
+                    ((kind, None, format!("{addr:#x}"), None), astray(addr, true))
                 }
-                _ => ((kind, None, format!("{addr:#x}"), None), kind != KERNEL && astray(addr, false)),
+                _ => ((kind, None, format!("{addr:#x}"), None), astray(addr, false)),
             })
             .collect::<Vec<_>>();
         log::debug!(
-            "named {} {kind} addresses of PID {} in {:.1} ms",
+            "named {} {kind} addresses of PID {}{} in {:.1} ms",
             addrs.len(),
             self.pid,
+            if alive { "" } else { " (exited: by its files)" },
             t0.elapsed().as_secs_f64() * 1e3
         );
         named
+    }
+
+    /// `addrs` named in the files the process had mapped there (its
+    /// mappings as last seen), one symbolize call per file.
+    fn by_files(&self, addrs: &[u64]) -> Vec<Symbolized<'_>> {
+        let mut found: Vec<Symbolized> = vec![Symbolized::Unknown(Reason::Unmapped); addrs.len()];
+        let mut by_file: HashMap<&std::path::Path, (Vec<usize>, Vec<u64>)> = HashMap::new();
+        for (n, &addr) in addrs.iter().enumerate() {
+            if let Some(m) = self.maps.iter().find(|m| m.range.contains(&addr)) {
+                if let Some(path) = &m.path {
+                    let (at, offsets) = by_file.entry(path).or_default();
+                    at.push(n);
+                    offsets.push(addr - m.range.start + m.offset);
+                }
+            }
+        }
+        for (path, (at, offsets)) in by_file {
+            let src = Source::Elf(Elf::new(path));
+            match self.symbolizer.symbolize(&src, Input::FileOffset(&offsets)) {
+                Ok(syms) => at.into_iter().zip(syms).for_each(|(n, sym)| found[n] = sym),
+                Err(e) => log::debug!("symbolizing {} offsets in {}: {e}", offsets.len(), path.display()),
+            }
+        }
+        found
     }
 
     fn frame_id(&mut self, key: FrameKey) -> u32 {

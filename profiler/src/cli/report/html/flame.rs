@@ -64,23 +64,56 @@ fn escape(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }
 
-/// The SVG of `counts`' flame graph, `title` its accessible name; None without samples.
-pub fn svg(stacks: &Stacks, counts: &[&StackCount], title: &str) -> Option<String> {
+/// The SVG of `counts`' flame graph: `id` names its `<title>` and `<desc>`
+/// (`title` its accessible name; the description says the functions with the
+/// most self time, what the picture shows at a glance); None without samples.
+pub fn svg(stacks: &Stacks, counts: &[&StackCount], id: &str, title: &str) -> Option<String> {
     let root = tree(stacks, counts)?;
     let scale = WIDTH / root.samples as f64;
     let rows = depth(&root, scale, 0) + 1;
     let height = rows as f64 * ROW;
+    let id = escape(id);
     let mut o = String::new();
     let _ = write!(
         o,
         "<svg xmlns=\"http://www.w3.org/2000/svg\" viewBox=\"0 0 {WIDTH} {height}\" width=\"100%\" role=\"img\" \
-         font-family=\"sans-serif\" font-size=\"11\"><title>{}</title>",
-        escape(title)
+         aria-labelledby=\"{id}-title {id}-desc\" font-family=\"sans-serif\" font-size=\"11\">\
+         <title id=\"{id}-title\">{}</title><desc id=\"{id}-desc\">{}</desc>",
+        escape(title),
+        escape(&description(&root))
     );
     let all = root.samples;
     draw(&mut o, "all", &root, 0.0, 0, rows, scale, all);
     o.push_str("</svg>");
     Some(o)
+}
+
+/// "N samples; most self time: f (s %), …": the three functions whose own
+/// frames (not their callees') hold the most samples.
+fn description(root: &Node) -> String {
+    fn self_samples<'a>(name: &'a str, n: &'a Node, out: &mut BTreeMap<&'a str, u64>) {
+        let below: u64 = n.children.values().map(|c| c.samples).sum();
+        *out.entry(name).or_default() += n.samples - below;
+        for (child_name, child) in &n.children {
+            self_samples(child_name, child, out);
+        }
+    }
+    let mut own = BTreeMap::new();
+    for (name, child) in &root.children {
+        self_samples(name, child, &mut own);
+    }
+    let mut top: Vec<(&str, u64)> = own.into_iter().filter(|(_, s)| *s > 0).collect();
+    top.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    let named: Vec<String> = top
+        .iter()
+        .take(3)
+        .map(|(f, s)| format!("{f} ({:.1} %)", *s as f64 / root.samples as f64 * 100.0))
+        .collect();
+    if named.is_empty() {
+        format!("{} samples, none with a stack", root.samples)
+    } else {
+        format!("{} samples; most self time: {}", root.samples, named.join(", "))
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -144,7 +177,7 @@ mod tests {
         let c = |stack_id, samples| StackCount { label: None, step: None, stack_id, samples };
         let counts = [c(1, 3), c(2, 1)];
         let refs: Vec<&StackCount> = counts.iter().collect();
-        let svg = svg(&stacks, &refs, "t").expect("an SVG");
+        let svg = svg(&stacks, &refs, "f", "t").expect("an SVG");
         // heavy: 3 of 4 samples, 900 px; light: 300 px at x 900, its name escaped.
         assert!(
             svg.contains("<title>heavy (3 samples, 75.0 %)</title><rect x=\"0.0\" y=\"0.0\" width=\"900.0\""),
@@ -154,6 +187,11 @@ mod tests {
         // Four rows: all, <module>, step, the leaves; the root at the bottom.
         assert!(svg.contains("viewBox=\"0 0 1200 64\""), "{svg}");
         assert!(svg.contains("<title>all (4 samples, 100.0 %)</title><rect x=\"0.0\" y=\"48.0\""), "{svg}");
-        assert!(super::svg(&stacks, &[], "t").is_none());
+        assert!(svg.contains("aria-labelledby=\"f-title f-desc\"") && svg.contains("<title id=\"f-title\">t</title>"), "{svg}");
+        assert!(
+            svg.contains("<desc id=\"f-desc\">4 samples; most self time: heavy (75.0 %), light&lt;&amp;&gt; (25.0 %)</desc>"),
+            "{svg}"
+        );
+        assert!(super::svg(&stacks, &[], "f", "t").is_none());
     }
 }

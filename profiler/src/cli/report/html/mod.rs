@@ -157,7 +157,9 @@ fn cpu_flames(
     let counts = crate::profile::cpu::stack_counts(db, id)?;
     page.heading(3, &format!("{anchor}-cpu"), "Where the steps' CPU time went");
     page.paragraph(&format!(
-        "CPU samples at {} Hz of the traced threads, in each label's measured steps: a frame's width is its share of          the samples, its callees stand on it; blue frames are Python, orange native, red the kernel's. Hover a          frame for its samples.",
+        "CPU samples at {} Hz of the traced threads, in each label's measured steps: a frame's width is its share of \
+         the samples, its callees stand on it; blue frames are Python, orange native, red the kernel's. Hover a \
+         frame for its samples.",
         cpu.sample_hz.unwrap_or_default()
     ));
     for l in &cpu.labels {
@@ -169,7 +171,7 @@ fn cpu_flames(
         };
         let all: Vec<&crate::profile::cpu::StackCount> = counts.iter().filter(measured).collect();
         let id_of = |s: &str| format!("{anchor}-cpu-{}-{s}", self::anchor(&l.label));
-        if let Some(svg) = flame::svg(&stacks, &all, &format!("CPU flame graph of {}", l.label)) {
+        if let Some(svg) = flame::svg(&stacks, &all, &id_of("all"), &format!("CPU flame graph of {}", l.label)) {
             page.figure_raw(&id_of("all"), &format!("{}: all measured steps ({} samples)", l.label, l.samples), &svg);
         }
         if let Some(slow) = &l.slow_steps {
@@ -184,7 +186,7 @@ fn cpu_flames(
                 slow.slow_steps,
                 slow.slow_samples
             );
-            if let Some(svg) = flame::svg(&stacks, &slow_counts, &caption) {
+            if let Some(svg) = flame::svg(&stacks, &slow_counts, &id_of("slow"), &caption) {
                 page.figure_raw(&id_of("slow"), &caption, &svg);
             }
         }
