@@ -302,13 +302,21 @@ struct EpochEnd {
     stop_begin_ns: i64,
     /// When the new epoch's first batch was ready (the step's start).
     first_batch_ns: i64,
+    /// The loop thread's time on a run queue from the new iterator's first
+    /// `next()` to that clock read.
+    run_delay_ns: i64,
 }
 
 fn read_epochs(path: &Path) -> Vec<EpochEnd> {
     let truth = TruthFile::read(path);
     truth
         .records("epoch")
-        .map(|r| EpochEnd { step: truth.num(&r, 0), stop_begin_ns: truth.num(&r, 2), first_batch_ns: truth.num(&r, 4) })
+        .map(|r| EpochEnd {
+            step: truth.num(&r, 0),
+            stop_begin_ns: truth.num(&r, 2),
+            first_batch_ns: truth.num(&r, 4),
+            run_delay_ns: truth.num(&r, 5),
+        })
         .collect()
 }
 
@@ -339,13 +347,17 @@ fn epoch_loop(name: &str, args: &[&str]) {
     for e in &epochs {
         let (t, d) = (&truth[e.step], &db[e.step]);
         assert_eq!(t.start_ns, e.first_batch_ns);
+        // The loop's clock read follows the batch's return; a preemption
+        // between them (its workers, the profiler: two cores) makes it late
+        // by the thread's time on a run queue, which the loop measured.
         let ds = t.start_ns - d.start_ns as i64;
         assert!(
-            (0..EPOCH_START_TOLERANCE_NS).contains(&ds),
-            "epoch's first step {}: start {} vs the loop's {} ({ds} ns)",
+            (0..EPOCH_START_TOLERANCE_NS + e.run_delay_ns).contains(&ds),
+            "epoch's first step {}: start {} vs the loop's {} ({ds} ns; {} ns runnable, not running)",
             e.step,
             d.start_ns,
-            t.start_ns
+            t.start_ns,
+            e.run_delay_ns
         );
         worst = worst.max(ds);
         // From the StopIteration `__next__` to the first batch: data wait, and inside the gap.
