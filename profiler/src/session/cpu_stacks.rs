@@ -320,12 +320,12 @@ impl CpuStacks {
         let mut found: Vec<Symbolized> = vec![Symbolized::Unknown(Reason::Unmapped); addrs.len()];
         let mut by_file: HashMap<&std::path::Path, (Vec<usize>, Vec<u64>)> = HashMap::new();
         for (n, &addr) in addrs.iter().enumerate() {
-            if let Some(m) = self.maps.iter().find(|m| m.range.contains(&addr)) {
-                if let Some(path) = &m.path {
-                    let (at, offsets) = by_file.entry(path).or_default();
-                    at.push(n);
-                    offsets.push(addr - m.range.start + m.offset);
-                }
+            if let Some(m) = self.maps.iter().find(|m| m.range.contains(&addr))
+                && let Some(path) = &m.path
+            {
+                let (at, offsets) = by_file.entry(path).or_default();
+                at.push(n);
+                offsets.push(addr - m.range.start + m.offset);
             }
         }
         for (path, (at, offsets)) in by_file {

@@ -104,11 +104,8 @@ fn description(root: &Node) -> String {
     }
     let mut top: Vec<(&str, u64)> = own.into_iter().filter(|(_, s)| *s > 0).collect();
     top.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
-    let named: Vec<String> = top
-        .iter()
-        .take(3)
-        .map(|(f, s)| format!("{f} ({:.1} %)", *s as f64 / root.samples as f64 * 100.0))
-        .collect();
+    let named: Vec<String> =
+        top.iter().take(3).map(|(f, s)| format!("{f} ({:.1} %)", *s as f64 / root.samples as f64 * 100.0)).collect();
     if named.is_empty() {
         format!("{} samples, none with a stack", root.samples)
     } else {
@@ -187,9 +184,14 @@ mod tests {
         // Four rows: all, <module>, step, the leaves; the root at the bottom.
         assert!(svg.contains("viewBox=\"0 0 1200 64\""), "{svg}");
         assert!(svg.contains("<title>all (4 samples, 100.0 %)</title><rect x=\"0.0\" y=\"48.0\""), "{svg}");
-        assert!(svg.contains("aria-labelledby=\"f-title f-desc\"") && svg.contains("<title id=\"f-title\">t</title>"), "{svg}");
         assert!(
-            svg.contains("<desc id=\"f-desc\">4 samples; most self time: heavy (75.0 %), light&lt;&amp;&gt; (25.0 %)</desc>"),
+            svg.contains("aria-labelledby=\"f-title f-desc\"") && svg.contains("<title id=\"f-title\">t</title>"),
+            "{svg}"
+        );
+        assert!(
+            svg.contains(
+                "<desc id=\"f-desc\">4 samples; most self time: heavy (75.0 %), light&lt;&amp;&gt; (25.0 %)</desc>"
+            ),
             "{svg}"
         );
         assert!(super::svg(&stacks, &[], "f", "t").is_none());

@@ -453,7 +453,8 @@ impl Watched {
             }
             // Something that resets the field once (dynamo: after every compiled call) does it again:
             // look every millisecond for a while, so that fewer calls are inlined unseen meanwhile.
-            let busy = last_reset.is_some_and(|t| t.elapsed() < FAST_AFTER_RESET) || (1..=FAST_RETRIES).contains(&failures);
+            let busy =
+                last_reset.is_some_and(|t| t.elapsed() < FAST_AFTER_RESET) || (1..=FAST_RETRIES).contains(&failures);
             std::thread::sleep(if busy { Duration::from_millis(1) } else { RECHECK });
         }
     }
