@@ -297,14 +297,15 @@ fn a_pytorch_loop_names_its_python_function_and_torch_matmul_and_agrees_with_py_
             total_share(&train, "native_part").expect("a share"),
         );
         if let Some(spy) = py_spy() {
-            // Each profiler against its own run's measure, and both name the same two functions.
+            // Each profiler against its own run's measure; both name the same two functions.
             let (theirs, their_truth) = py_spy_shares(&spy, &python, &format!("cpu_torch_spy_{name}"));
             for (function, got, want) in
                 [("python_part", theirs.0, their_truth.0), ("native_part", theirs.1, their_truth.1)]
             {
                 assert!((got - want).abs() <= SHARE_BOUND, "{name}: py-spy's {function} {got:.3}, measured {want:.3}");
             }
-            assert_eq!(ours.0 > ours.1, theirs.0 > theirs.1, "{name}: the two disagree on the top function");
+            // Not compared with each other: the loop calibrates its split per
+            // run, near half and half, so the runs' top functions may differ.
             eprintln!(
                 "{name}: python_part measured {:.3}, sampled {:.3}; under py-spy measured {:.3}, py-spy {:.3}; \
                  native_part {:.3}, {:.3}; {:.3}, {:.3}",
