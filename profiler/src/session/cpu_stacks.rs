@@ -74,7 +74,7 @@ pub(super) struct CpuStacks {
 }
 
 /// An executable mapping: its addresses, and the file (None: anonymous,
-/// deleted, the vDSO) and offset they come from.
+/// the vDSO) and offset they come from.
 struct ExecMap {
     range: std::ops::Range<u64>,
     offset: u64,
@@ -91,8 +91,9 @@ fn exec_maps(pid: u32) -> Option<Vec<ExecMap>> {
         .map(|m| ExecMap {
             range: m.address.0..m.address.1,
             offset: m.offset,
+            // A path that is gone by the time it is needed fails there, once, in `by_files`.
             path: match &m.pathname {
-                MMapPath::Path(p) if p.is_file() => Some(p.clone()),
+                MMapPath::Path(p) => Some(p.clone()),
                 _ => None,
             },
         })

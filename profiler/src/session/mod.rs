@@ -69,8 +69,17 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         job::existing(&target.others, target.pid).into_iter().map(|p| (p, None)).collect();
     let scan_children = cfg.follow_children && target.mode == "attach";
     let roots: Vec<u32> = std::iter::once(target.pid).chain(others.iter().map(|o| o.0)).collect();
+    // The roots' descendants not in `known`, each with its parent.
+    let new_children = |known: &[(u32, Option<u32>)]| -> Vec<(u32, Option<u32>)> {
+        job::descendants(&roots)
+            .into_iter()
+            .filter(|(p, _)| !known.iter().any(|o| o.0 == *p))
+            .map(|(p, parent)| (p, Some(parent)))
+            .collect()
+    };
     if scan_children {
-        others.extend(job::descendants(&roots).into_iter().map(|(p, parent)| (p, Some(parent))));
+        let children = new_children(&others);
+        others.extend(children);
     }
     let pids: Vec<_> =
         std::iter::once(target.nz_pid).chain(others.iter().filter_map(|&(p, _)| p.try_into().ok())).collect();
@@ -85,11 +94,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
     if scan_children {
         // A child forked after the scan and before the fork hook went in is
         // in neither: the fork hook is in now, so a second scan finds the rest.
-        let late: Vec<(u32, Option<u32>)> = job::descendants(&roots)
-            .into_iter()
-            .filter(|(p, _)| !others.iter().any(|o| o.0 == *p))
-            .map(|(p, parent)| (p, Some(parent)))
-            .collect();
+        let late = new_children(&others);
         let late_pids: Vec<std::num::NonZeroU32> = late.iter().filter_map(|&(p, _)| p.try_into().ok()).collect();
         probes.trace_more(&late_pids)?;
         others.extend(late);
