@@ -790,6 +790,9 @@ pub mod maps {
     /// `RingBuf` carrying [`super::OrderedRecord`]s (steps, syncs, thread exits)
     /// and loader changes: small, and never crowded out by launches.
     pub const ORDERED_EVENTS: &str = "ORDERED_EVENTS";
+    /// `RingBuf` of [`super::JitFirstCall`]s, each submitted with a wakeup
+    /// (when it is full, a name is read when its call comes up in order).
+    pub const JIT_NEW: &str = "JIT_NEW";
     /// `PerCpuArray<u64>[1]`: reservations in `EVENTS` that failed.
     pub const LOST: &str = "LOST";
     /// `PerCpuArray<u64>[1]`: reservations in `ORDERED_EVENTS` that failed.
@@ -1260,6 +1263,24 @@ pub struct JitRecord {
 }
 
 const _: () = assert!(core::mem::size_of::<JitRecord>() == 96);
+
+/// A jitted function's first call in a process (`maps::JIT_NEW`): the agent
+/// reads the function's name at once, on a thread of its own, while the
+/// target surely holds the function (a call of it is under way), not when the
+/// call's [`JitRecord`] comes up in order, which under load can be after the
+/// target let the function go (its exit clears a function's `__name__`).
+/// Also the key of `JIT_SEEN`, the functions already announced.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(FromBytes, IntoBytes, KnownLayout, Immutable))]
+pub struct JitFirstCall {
+    pub tgid: u32,
+    pub _pad: u32,
+    /// The `PjitFunction*`, as [`JitRecord::function`].
+    pub function: u64,
+}
+
+const _: () = assert!(core::mem::size_of::<JitFirstCall>() == 16);
 
 /// Names of the jit programs.
 pub mod jax_programs {

@@ -15,12 +15,25 @@
 //! The records go to the ordered ring with the thread's sequence (they make
 //! JAX steps, so launches must not crowd them out, and a gap must show).
 use aya_ebpf::{
-    macros::{uprobe, uretprobe},
+    bindings::BPF_RB_FORCE_WAKEUP,
+    helpers::bpf_get_current_pid_tgid,
+    macros::{map, uprobe, uretprobe},
+    maps::{LruHashMap, RingBuf},
     programs::{ProbeContext, RetProbeContext},
 };
-use profiler_common::{JitRecord, RecordKind};
+use profiler_common::{JitFirstCall, JitRecord, RecordKind};
 
-use crate::{LOST_ORDERED, ORDERED_EVENTS, bump, header, ordered_state, submit_flags, target_tid};
+use crate::{BPF_NOEXIST, LOST_ORDERED, ORDERED_EVENTS, bump, header, ordered_state, submit_flags, target_tid};
+
+/// The (process, function) pairs already sent to `JIT_NEW`. A program makes
+/// a few jitted functions and keeps them; one evicted is announced again,
+/// which costs the agent a cache lookup.
+#[map]
+static JIT_SEEN: LruHashMap<JitFirstCall, u8> = LruHashMap::with_max_entries(4096, 0);
+
+/// First calls, for the agent's name reader (a few per process).
+#[map]
+static JIT_NEW: RingBuf = RingBuf::with_byte_size(64 * 1024, 0);
 
 /// `PjitFunction::Call(this = rsi, callable = rdx, …)`.
 #[uprobe]
@@ -28,6 +41,14 @@ pub fn jax_jit_enter(ctx: ProbeContext) -> u32 {
     let Some(tid) = target_tid() else { return 0 };
     let (Some(function), Some(callable)) = (ctx.arg::<u64>(1), ctx.arg::<u64>(2)) else { return 0 };
     submit(tid, RecordKind::JitEnter, function, callable);
+    let first = JitFirstCall { tgid: (bpf_get_current_pid_tgid() >> 32) as u32, _pad: 0, function };
+    if JIT_SEEN.insert(first, 0, BPF_NOEXIST).is_ok() {
+        // Full: the agent reads the name when the call comes up in order.
+        if let Some(mut entry) = JIT_NEW.reserve::<JitFirstCall>(0) {
+            entry.write(first);
+            entry.submit(BPF_RB_FORCE_WAKEUP as u64);
+        }
+    }
     0
 }
 

@@ -15,10 +15,25 @@
 //! Python names `function`) is the name's offset, from then on read for
 //! every new function. A call whose wrapped object is no plain function (a
 //! `functools.partial`) proves nothing; the next one is tried.
-use std::{collections::HashMap, os::unix::fs::FileExt, path::Path};
+//!
+//! When: a function's first call in a process is announced on `JIT_NEW`, and
+//! [`NameReader`] reads its name at once, while the call is under way. The
+//! call's record comes up in order later (the rings are drained every 20 ms,
+//! later under load), and by then a short program may have let the function
+//! go: a freed Python function's `__name__` is the empty string (seen: 30
+//! calls of a 0.1 s loop all unnamed, read after the loop had returned).
+use std::{
+    collections::HashMap,
+    os::{fd::OwnedFd, unix::fs::FileExt},
+    path::Path,
+    sync::{Arc, Mutex, PoisonError},
+    thread::JoinHandle,
+};
 
+use aya::maps::{MapData, RingBuf};
 use object::{Object, ObjectSymbol, SymbolKind};
-use profiler_common::jax_programs;
+use profiler_common::{JitFirstCall, jax_programs};
+use zerocopy::FromBytes;
 
 use super::{ProbeError, ProbeSite, Probes, elf};
 
@@ -208,6 +223,77 @@ impl JitNames {
     #[cfg(test)]
     fn offset(&self) -> Option<u64> {
         self.offset
+    }
+}
+
+/// The jitted functions' names in every process of a session: read early by
+/// the [`NameReader`], and looked up by each process's consumer when a call
+/// comes up in order (which reads the name itself if the reader has not).
+#[derive(Clone, Default)]
+pub struct SharedJitNames(Arc<Mutex<HashMap<u32, ProcessNames>>>);
+
+#[derive(Default)]
+struct ProcessNames {
+    /// `/proc/PID/mem`, opened at the process's first call.
+    mem: Option<ProcMem>,
+    names: JitNames,
+}
+
+impl SharedJitNames {
+    /// The name of the function at `function` in process `pid` (see [`JitNames::name`]).
+    pub fn name(&self, pid: u32, function: u64) -> Option<String> {
+        let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let p = all.entry(pid).or_default();
+        if p.mem.is_none() {
+            p.mem = ProcMem::open(pid);
+        }
+        p.names.name(p.mem.as_ref(), function)
+    }
+}
+
+/// A thread that reads a jitted function's name as soon as the kernel
+/// announces its first call (`JIT_NEW`, submitted with a wakeup). Dropping
+/// it stops the thread and waits for it.
+pub struct NameReader {
+    /// Closed to stop the thread (its read end then polls as hung up).
+    stop: Option<OwnedFd>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl NameReader {
+    pub fn spawn(mut ring: RingBuf<MapData>, names: SharedJitNames) -> std::io::Result<Self> {
+        use rustix::event::{PollFd, PollFlags, poll};
+        let (stopped, stop) = rustix::pipe::pipe()?;
+        let thread = std::thread::Builder::new().name("jit-names".into()).spawn(move || {
+            loop {
+                while let Some(item) = ring.next() {
+                    if let Ok((first, _)) = JitFirstCall::read_from_prefix(&item) {
+                        names.name(first.tgid, first.function);
+                    }
+                }
+                let mut fds = [PollFd::new(&ring, PollFlags::IN), PollFd::new(&stopped, PollFlags::IN)];
+                match poll(&mut fds, None) {
+                    Ok(_) if !fds[1].revents().is_empty() => return,
+                    Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                    Err(e) => {
+                        log::warn!(
+                            "jitted functions' names are read in order only from now on: polling their ring: {e}"
+                        );
+                        return;
+                    }
+                }
+            }
+        })?;
+        Ok(Self { stop: Some(stop), thread: Some(thread) })
+    }
+}
+
+impl Drop for NameReader {
+    fn drop(&mut self) {
+        self.stop.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 

@@ -159,6 +159,8 @@ pub struct Rings {
     /// Step, sync and thread-exit records (the ordered ring,
     /// `profiler_common::maps::ORDERED_EVENTS`), and loader changes.
     pub ordered: RingBuf<MapData>,
+    /// Jitted functions' first calls (`maps::JIT_NEW`), for `jax::NameReader`.
+    pub jit_new: Option<RingBuf<MapData>>,
 }
 
 /// The loaded programs and their attachments to one target process.
@@ -338,7 +340,11 @@ impl Probes {
         let mut ring = |name: &'static str| {
             RingBuf::try_from(take_map(&mut ebpf, name)?).map_err(|source| ProbeError::Map { name, source })
         };
-        let rings = Rings { launches: ring(map_names::EVENTS)?, ordered: ring(map_names::ORDERED_EVENTS)? };
+        let rings = Rings {
+            launches: ring(map_names::EVENTS)?,
+            ordered: ring(map_names::ORDERED_EVENTS)?,
+            jit_new: Some(ring(map_names::JIT_NEW)?),
+        };
         let mut counter = |name: &'static str| {
             PerCpuArray::try_from(take_map(&mut ebpf, name)?).map_err(|source| ProbeError::Map { name, source })
         };

@@ -42,6 +42,8 @@ pub(super) struct JobContext {
     pub regions: RegionSteps,
     /// The jitted functions that make JAX steps.
     pub jax: crate::jax_steps::JitSources,
+    /// The jitted functions' names, the session's `NameReader`'s.
+    pub jit_names: crate::probes::jax::SharedJitNames,
     /// The logical GPUs sampled, and the first target's CUDA_VISIBLE_DEVICES
     /// they are numbered by (see [`rank_gpus`]).
     pub gpus: Vec<u32>,
@@ -217,7 +219,7 @@ impl Job {
         let mut consumer =
             Consumer::new(self.ctx.sender.for_process(pid), self.ctx.labels.clone(), self.ctx.regions.clone(), pid);
         consumer.live = self.ctx.live_for(&start, start.local_rank, cvd.clone());
-        consumer.use_jit_steps(self.ctx.jax.clone(), self.ctx.cfg.quiet);
+        consumer.use_jit_steps(self.ctx.jax.clone(), self.ctx.jit_names.clone(), self.ctx.cfg.quiet);
         // Adopted during teardown: the cutoff applies to it too.
         consumer.cutoff_ns = self.cutoff_ns;
         consumer.keep_gemm_rows(self.ctx.cfg.launch_mode.keeps_rows());

@@ -91,6 +91,13 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         sched: cfg.sched,
     };
     let (mut probes, mut rings) = Probes::load_job(&pids, options)?;
+    // Stopped and joined when the session returns, after its last drain.
+    let jit_names = crate::probes::jax::SharedJitNames::default();
+    let _jit_reader = rings.jit_new.take().and_then(|ring| {
+        crate::probes::jax::NameReader::spawn(ring, jit_names.clone())
+            .inspect_err(|e| log::warn!("jitted functions' names are read in order only: {e}"))
+            .ok()
+    });
     if scan_children {
         // A child forked after the scan and before the fork hook went in is
         // in neither: the fork hook is in now, so a second scan finds the rest.
@@ -114,7 +121,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
 
     // From here on, whatever happens, the session is finished and flushed.
     let mut consumer = Consumer::new(writer.sender(), steps.labels.clone(), steps.regions.clone(), target.pid);
-    consumer.use_jit_steps(steps.jax.clone(), cfg.quiet);
+    consumer.use_jit_steps(steps.jax.clone(), jit_names.clone(), cfg.quiet);
     consumer.keep_gemm_rows(cfg.launch_mode.keeps_rows());
     consumer.keep_copy_rows(cfg.launch_mode.keeps_rows());
     consumer.trace_sched(cfg.sched);
@@ -130,6 +137,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
         labels: steps.labels.clone(),
         regions: steps.regions.clone(),
         jax: steps.jax.clone(),
+        jit_names,
         gpus: sampled,
         nvml_processes,
         gpu_peaks,

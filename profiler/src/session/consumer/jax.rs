@@ -1,5 +1,5 @@
 //! The consumer's side of JAX's jitted calls: each call's name is read from
-//! the target (`probes::jax::JitNames`), calls become `jit_calls` rows, and
+//! the target (`probes::jax::SharedJitNames`, mostly by then read early), calls become `jit_calls` rows, and
 //! (through `crate::jax_steps`) the step functions' calls become step
 //! boundaries that go through the step tracker like a step function's entry
 //! and return.
@@ -7,7 +7,7 @@ use super::Consumer;
 use crate::{
     events::{JitEvent, OrderedEvent},
     jax_steps::{JitBoundary, JitSources, JitSteps, OpenCall},
-    probes::jax::{JitNames, ProcMem},
+    probes::jax::SharedJitNames,
     steps::DepthChange,
     store::{JitCallRow, StoreMsg},
 };
@@ -18,9 +18,8 @@ type StepTag = Option<(&'static str, u64)>;
 /// Calls in flight, the names read, and rows not yet sent (a field of the consumer).
 pub(in crate::session) struct JaxState {
     steps: JitSteps<StepTag>,
-    names: JitNames,
-    /// The target's memory, opened at its first call.
-    mem: Option<ProcMem>,
+    /// The session's, read early by its `NameReader`.
+    names: SharedJitNames,
     rows: Vec<JitCallRow>,
     quiet: bool,
     /// Whether `auto`'s pick was said.
@@ -29,20 +28,13 @@ pub(in crate::session) struct JaxState {
 
 impl Default for JaxState {
     fn default() -> Self {
-        Self::new(JitSources::None, true)
+        Self::new(JitSources::None, SharedJitNames::default(), true)
     }
 }
 
 impl JaxState {
-    pub(in crate::session) fn new(sources: JitSources, quiet: bool) -> Self {
-        Self {
-            steps: JitSteps::new(sources),
-            names: JitNames::default(),
-            mem: None,
-            rows: Vec::new(),
-            quiet,
-            said: false,
-        }
+    pub(in crate::session) fn new(sources: JitSources, names: SharedJitNames, quiet: bool) -> Self {
+        Self { steps: JitSteps::new(sources), names, rows: Vec::new(), quiet, said: false }
     }
 
     fn keep(&mut self, call: OpenCall<StepTag>, end_ns: Option<u64>, tid: u32) {
@@ -59,9 +51,10 @@ impl JaxState {
 }
 
 impl Consumer {
-    /// Which jitted functions make steps (`quiet`: say nothing of `auto`'s pick).
-    pub(in crate::session) fn use_jit_steps(&mut self, sources: JitSources, quiet: bool) {
-        self.jax = JaxState::new(sources, quiet);
+    /// Which jitted functions make steps, and the session's names of them
+    /// (`quiet`: say nothing of `auto`'s pick).
+    pub(in crate::session) fn use_jit_steps(&mut self, sources: JitSources, names: SharedJitNames, quiet: bool) {
+        self.jax = JaxState::new(sources, names, quiet);
     }
 
     /// A jitted call began (`begin`) or returned.
@@ -73,10 +66,7 @@ impl Consumer {
             }
             return;
         }
-        if self.jax.mem.is_none() {
-            self.jax.mem = ProcMem::open(self.pid);
-        }
-        let name = self.jax.names.name(self.jax.mem.as_ref(), event.function);
+        let name = self.jax.names.name(self.pid, event.function);
         let mut boundaries = Vec::new();
         let call = (name, event.ts_ns, event.counters);
         self.jax.steps.enter(event.tid, event.function, call, None, &mut boundaries);
