@@ -150,6 +150,19 @@ fn samples_carry_the_native_stack_and_the_step_their_thread_was_in() {
         .expect("taken");
     let stored = count(&run.db, "SELECT count(*) FROM cpu_samples WHERE session_id = ?1", run.session);
     assert_eq!(taken, stored, "every sample taken is stored (none lost)");
+    // The kernel's own count of the sampling program's runs: each sample taken was one.
+    let (runs, kernel_ns, why): (Option<i64>, Option<i64>, Option<String>) = conn
+        .query_row(
+            "SELECT cpu_sample_runs, cpu_sample_kernel_ns, (SELECT reason FROM capabilities c WHERE c.session_id = s.id
+             AND c.source = 'cpu_sampler' AND c.metric = 'kernel_cost') FROM sessions s WHERE id = ?1",
+            [run.session],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .expect("kernel cost");
+    match (runs, kernel_ns) {
+        (Some(runs), Some(ns)) => assert!(runs >= taken && ns > 0, "{runs} runs, {ns} ns for {taken} samples"),
+        _ => skip(format!("the sampler's kernel cost: the kernel did not count it: {why:?}")),
+    }
     // Frame pointers all the way: the profiler does not say they are missing.
     assert!(!run.stderr.contains("no frame pointers"), "{}", run.stderr);
 }

@@ -5,7 +5,7 @@
 //! set, `TRACED`, which the fork hook grows). Its stacks map and counters.
 //!
 //! A CPU that comes online after the start is not sampled.
-use std::{path::PathBuf, sync::Arc};
+use std::{os::fd::OwnedFd, path::PathBuf, sync::Arc};
 
 use aya::{
     maps::{HashMap, MapData, PerCpuArray, StackTraceMap},
@@ -50,6 +50,19 @@ pub struct CpuSampler {
     pub hz: u32,
     pub stacks: Arc<CpuStackMap>,
     counters: [PerCpuArray<MapData, u64>; 3],
+    /// The program's kernel id, to read its run statistics by.
+    program_id: Option<u32>,
+    /// Held while the kernel counts the programs' run time
+    /// (`BPF_ENABLE_STATS`; it stops when the last holder closes it).
+    stats: Result<OwnedFd, String>,
+}
+
+/// What the sampling program cost in the kernel: its runs on every CPU (one
+/// per sampling tick, whichever thread the tick found) and their total time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SamplerKernelCost {
+    pub runs: u64,
+    pub ns: u64,
 }
 
 impl CpuSampler {
@@ -57,6 +70,18 @@ impl CpuSampler {
         let sum = |m: &PerCpuArray<MapData, u64>| m.get(&0, 0).map(|v| v.iter().sum::<u64>()).unwrap_or(0);
         let [taken, lost, failures] = &self.counters;
         CpuSampleCounts { taken: sum(taken), lost: sum(lost), stack_failures: sum(failures) }
+    }
+
+    /// The program's runs and run time so far, as the kernel counts them;
+    /// Err: why it does not (a kernel before 5.8 has no `BPF_ENABLE_STATS`).
+    pub fn kernel_cost(&self) -> Result<SamplerKernelCost, String> {
+        self.stats.as_ref().map_err(Clone::clone)?;
+        let id = self.program_id.ok_or("the program's id could not be read")?;
+        let info = aya::programs::loaded_programs()
+            .filter_map(Result::ok)
+            .find(|p| p.id() == id)
+            .ok_or("the program is not among the kernel's loaded programs")?;
+        Ok(SamplerKernelCost { runs: info.run_count(), ns: info.run_time().as_nanos() as u64 })
     }
 }
 
@@ -74,6 +99,8 @@ impl Probes {
             .try_into()
             .map_err(|source| ProbeError::Program { name, source })?;
         prog.load().map_err(|source| ProbeError::Program { name, source })?;
+        let program_id = prog.info().ok().map(|i| i.id());
+        let stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).map_err(|e| format!("BPF_ENABLE_STATS: {e}"));
         // A period in ns of CPU time, not a frequency the kernel adapts: the
         // samples of a thread are then exactly proportional to its time on a CPU.
         let period_ns = 1_000_000_000 / u64::from(hz.clamp(1, MAX_HZ));
@@ -98,7 +125,7 @@ impl Probes {
             counter(map_names::CPU_STACK_FAILURES)?,
         ];
         self.sampling = true;
-        Ok(CpuSampler { hz, stacks: Arc::new(CpuStackMap(stacks)), counters })
+        Ok(CpuSampler { hz, stacks: Arc::new(CpuStackMap(stacks)), counters, program_id, stats })
     }
 
     /// Whether CPython processes are to be described to the sampler.

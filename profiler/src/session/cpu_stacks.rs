@@ -41,8 +41,18 @@ pub(super) struct StackNamer {
 }
 
 impl StackNamer {
+    /// Reads kallsyms now, before the event loop runs: its first parse takes
+    /// ≈70 ms on the 2-core VM, and on the loop that held a drain long enough
+    /// for a small ring to overflow.
     pub fn new(map: Arc<CpuStackMap>) -> Self {
-        Self { map, symbolizer: Rc::new(Symbolizer::new()) }
+        let symbolizer = Symbolizer::new();
+        let t0 = std::time::Instant::now();
+        let any_kernel_address: &[u64] = &[0xffff_ffff_8100_0000];
+        if let Err(e) = symbolizer.symbolize(&Source::Kernel(Kernel::default()), Input::AbsAddr(any_kernel_address)) {
+            log::debug!("reading kallsyms ahead: {e}");
+        }
+        log::debug!("kallsyms read ahead in {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
+        Self { map, symbolizer: Rc::new(symbolizer) }
     }
 }
 

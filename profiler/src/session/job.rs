@@ -176,7 +176,11 @@ impl Job {
                 counts.stack_failures, counts.taken
             );
         }
-        Some(crate::store::CpuSampling { hz: sampler.hz, counts })
+        let kernel = sampler.kernel_cost();
+        if let Err(e) = &kernel {
+            log::info!("the CPU sampler's kernel cost is not counted: {e}");
+        }
+        Some(crate::store::CpuSampling { hz: sampler.hz, counts, kernel })
     }
 
     pub fn name(&self) -> &str {

@@ -43,10 +43,19 @@ pub(super) fn write_stacks(
 }
 
 pub(super) fn write_sampling(conn: &Connection, session_id: i64, s: &CpuSampling) -> rusqlite::Result<()> {
+    let (runs, ns) = match &s.kernel {
+        Ok(k) => (Some(i(k.runs)), Some(i(k.ns))),
+        Err(_) => (None, None),
+    };
     conn.execute(
-        "UPDATE sessions SET cpu_sample_hz = ?2, cpu_samples_taken = ?3, lost_cpu_samples = ?4, cpu_stack_failures = ?5
-         WHERE id = ?1",
-        params![session_id, s.hz, i(s.counts.taken), i(s.counts.lost), i(s.counts.stack_failures)],
+        "UPDATE sessions SET cpu_sample_hz = ?2, cpu_samples_taken = ?3, lost_cpu_samples = ?4, cpu_stack_failures = ?5,
+         cpu_sample_runs = ?6, cpu_sample_kernel_ns = ?7 WHERE id = ?1",
+        params![session_id, s.hz, i(s.counts.taken), i(s.counts.lost), i(s.counts.stack_failures), runs, ns],
+    )?;
+    conn.execute(
+        "INSERT OR IGNORE INTO capabilities(session_id, source, metric, available, reason)
+         VALUES (?1, 'cpu_sampler', 'kernel_cost', ?2, ?3)",
+        params![session_id, s.kernel.is_ok(), s.kernel.as_ref().err()],
     )
     .map(drop)
 }

@@ -142,10 +142,12 @@ pub struct StackRow {
 }
 
 /// The CPU sampler's rate and kernel-side counts (`sessions.cpu_sample_hz` …).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CpuSampling {
     pub hz: u32,
     pub counts: crate::probes::cpu::CpuSampleCounts,
+    /// Err: why the kernel did not count it.
+    pub kernel: Result<crate::probes::cpu::SamplerKernelCost, String>,
 }
 
 /// One time a thread was off its CPU (an `off_cpu` row, `--launches all`).

@@ -40,6 +40,7 @@ pub(super) const MIGRATIONS: &[Migration] = &[
     Migration::Sql(include_str!("migrations/0015_budget.sql")),
     Migration::Sql(include_str!("migrations/0016_off_cpu.sql")),
     Migration::Sql(include_str!("migrations/0017_cpu_samples.sql")),
+    Migration::Sql(include_str!("migrations/0018_sampler_cost.sql")),
 ];
 
 /// One schema change.

@@ -111,11 +111,14 @@ impl Window {
     }
 }
 
-/// One attached window: when the attach began, the window it traced, its database.
+/// One attached window: when the attach began, the window it traced, its
+/// database, the agent's CPU time (s) and the loop's (its processes', ns) over it.
 struct Attached {
     began: i64,
     window: Window,
     db: PathBuf,
+    agent_cpu_s: f64,
+    loop_cpu_ns: u64,
 }
 
 /// Attaches for `WINDOW_S` (the profiler stops itself, `extra` its further
@@ -124,11 +127,13 @@ fn attached(pid: u32, db: PathBuf, extra: &[&str]) -> Result<Attached> {
     let began = monotonic_ns();
     let duration = WINDOW_S.to_string();
     let args = [&["--no-gpu", "--duration", &duration][..], extra].concat();
+    let cpu_before = harness::tree_cpu_ns(pid);
     let agent = harness::attach_agent(pid, &args, &db)?;
     let start = monotonic_ns();
-    harness::wait_rusage(&agent)?;
+    let (agent_cpu_s, _) = harness::wait_rusage(&agent)?;
+    let loop_cpu_ns = harness::tree_cpu_ns(pid).saturating_sub(cpu_before);
     let end = monotonic_ns().min(start + WINDOW_S as i64 * 1_000_000_000);
-    Ok(Attached { began, window: Window { start, end }, db })
+    Ok(Attached { began, window: Window { start, end }, db, agent_cpu_s, loop_cpu_ns })
 }
 
 /// What one loop gave: its stamps, the detached windows (one more than the
@@ -165,6 +170,19 @@ fn run_rounds(python: &Path, work: &Path) -> Result<Rounds> {
     }
     drop(running);
     Ok(Rounds { stamps: read_stamps(&work.join("truth.txt"))?, detached, attached: rounds })
+}
+
+/// The sampling program's runs and their kernel time (ns) in a session's row.
+fn sampler_kernel_cost(db: &Path) -> Result<(i64, i64)> {
+    let conn = rusqlite::Connection::open(db)?;
+    let (runs, ns): (Option<i64>, Option<i64>) =
+        conn.query_row("SELECT cpu_sample_runs, cpu_sample_kernel_ns FROM sessions", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })?;
+    match (runs, ns) {
+        (Some(r), Some(n)) => Ok((r, n)),
+        _ => bail!("{}: the kernel did not count the sampler's runs (see its capabilities row)", db.display()),
+    }
 }
 
 /// Median time between consecutive step ends inside `w`, ns.
@@ -239,6 +257,21 @@ pub fn torch_table(work: &Path) -> Result<()> {
     // The sampler's own cost (99 Hz, Python frames): a round's default window over its --no-cpu-samples one.
     let sampler: Vec<f64> = ratios.iter().zip(&no_samples).map(|(a, b)| a / b).collect();
     let on = every_third(&all_on, 0);
+    // The sampler in the kernel, as the kernel counts it, in the default windows:
+    // per run, and all runs' time over the loop's CPU time then (an upper
+    // bound of its cost to the loop: runs on other threads' ticks count too).
+    let (mut per_run_us, mut kernel_share, mut agent_share) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, a) in r.attached.iter().enumerate() {
+        let window_s = (a.window.end - a.window.start) as f64 / 1e9;
+        agent_share.push((i % 3, a.agent_cpu_s / window_s * 100.0));
+        if i % 3 != 0 {
+            continue;
+        }
+        let (runs, ns) = sampler_kernel_cost(&a.db)?;
+        per_run_us.push(ns as f64 / runs.max(1) as f64 / 1e3);
+        kernel_share.push(ns as f64 / a.loop_cpu_ns.max(1) as f64 * 100.0);
+    }
+    let agent = |k: usize| percentile(agent_share.iter().filter(|(j, _)| *j == k).map(|(_, v)| *v).collect(), 50);
     println!();
     println!(
         "PyTorch {} steps from record_function markers ({name}, AdamW + DataLoader on CPU, one loop: \
@@ -272,6 +305,11 @@ pub fn torch_table(work: &Path) -> Result<()> {
             "sampler 99 Hz (min … max of rounds)",
             format!("{:.3} … {:.3}", percentile(sampler.clone(), 0), percentile(sampler, 100)),
         ),
+        ("sampler 99 Hz in the kernel, per run (median)", format!("{:.1} µs", percentile(per_run_us, 50))),
+        ("sampler 99 Hz in the kernel ÷ loop CPU (median)", format!("{:.3} %", percentile(kernel_share.clone(), 50))),
+        ("  the same (max of rounds)", format!("{:.3} %", percentile(kernel_share, 100))),
+        ("agent CPU ÷ window, default (median)", format!("{:.1} %", agent(0))),
+        ("agent CPU ÷ window, --no-cpu-samples (median)", format!("{:.1} %", agent(2))),
         ("attach → first step recorded (median)", format!("{:.3} s", percentile(attach.clone(), 50))),
         ("attach → first step recorded (max)", format!("{:.3} s", percentile(attach, 100))),
     ];

@@ -21,6 +21,10 @@ pub struct CpuReport {
     pub lost_samples: Option<i64>,
     /// Samples whose stack the kernel's map did not keep: their leaf only.
     pub stack_failures: Option<i64>,
+    /// The sampling program's runs on every CPU and their time in the kernel
+    /// (ns); null where the kernel did not count them.
+    pub kernel_runs: Option<i64>,
+    pub kernel_ns: Option<i64>,
     pub labels: Vec<LabelCpu>,
 }
 
@@ -150,6 +154,16 @@ pub(super) fn build(
             [session],
             |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
         )?;
+    let (kernel_runs, kernel_ns): (Option<i64>, Option<i64>) =
+        if db.columns("sessions").iter().any(|c| c == "cpu_sample_kernel_ns") {
+            db.conn.query_row(
+                "SELECT cpu_sample_runs, cpu_sample_kernel_ns FROM sessions WHERE id = ?1",
+                [session],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )?
+        } else {
+            (None, None)
+        };
     let counts = cpu::stack_counts(db, session)?;
     if sample_hz.is_none() && counts.is_empty() {
         return Ok(None);
@@ -193,7 +207,7 @@ pub(super) fn build(
         })
         .collect();
     labels.sort_by(|a, b| a.label.cmp(&b.label));
-    Ok(Some(CpuReport { sample_hz, samples_taken, lost_samples, stack_failures, labels }))
+    Ok(Some(CpuReport { sample_hz, samples_taken, lost_samples, stack_failures, kernel_runs, kernel_ns, labels }))
 }
 
 /// The section as text, `width` columns at most.
@@ -209,6 +223,14 @@ pub(super) fn render(o: &mut String, cpu: Option<&CpuReport>, width: usize) {
     }
     if let Some(n) = cpu.stack_failures.filter(|n| *n > 0) {
         let _ = write!(head, ", {n} with the leaf only");
+    }
+    if let (Some(runs), Some(ns)) = (cpu.kernel_runs.filter(|r| *r > 0), cpu.kernel_ns) {
+        let _ = write!(
+            head,
+            "; the sampler ran {runs} times on all CPUs, {:.1} µs each in the kernel ({:.1} ms in all)",
+            ns as f64 / runs as f64 / 1e3,
+            ns as f64 / 1e6
+        );
     }
     let _ = writeln!(o, "{head}");
     if cpu.labels.is_empty() {
