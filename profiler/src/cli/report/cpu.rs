@@ -224,15 +224,15 @@ pub(super) fn render(o: &mut String, cpu: Option<&CpuReport>, width: usize) {
     if let Some(n) = cpu.stack_failures.filter(|n| *n > 0) {
         let _ = write!(head, ", {n} with the leaf only");
     }
+    let _ = writeln!(o, "{head}");
     if let (Some(runs), Some(ns)) = (cpu.kernel_runs.filter(|r| *r > 0), cpu.kernel_ns) {
-        let _ = write!(
-            head,
-            "; the sampler ran {runs} times on all CPUs, {:.1} µs each in the kernel ({:.1} ms in all)",
+        let line = format!(
+            "  the sampler in the kernel: {runs} runs on all CPUs, {:.1} µs each, {:.1} ms in all",
             ns as f64 / runs as f64 / 1e3,
             ns as f64 / 1e6
         );
+        let _ = writeln!(o, "{}", cut(&line, width));
     }
-    let _ = writeln!(o, "{head}");
     if cpu.labels.is_empty() {
         let _ = writeln!(o, "  none in the measured steps");
     }
