@@ -278,8 +278,8 @@ pub fn torch_table(work: &Path) -> Result<()> {
          {ROUNDS} attached windows of {WINDOW_S} s, each between detached ones)",
         torch_env::TORCH_VERSION
     );
-    println!("| {:<44} | {:>12} |", "figure", "value");
-    println!("|{:-<46}|{:->14}|", "", "");
+    println!("| {:<48} | {:>12} |", "figure", "value");
+    println!("|{:-<50}|{:->14}|", "", "");
     let us = |v: f64| format!("{:.1} µs", v / 1e3);
     let rows = [
         ("step start error p50 (loop stamp − start)", us(percentile(starts.clone(), 50))),
@@ -314,7 +314,7 @@ pub fn torch_table(work: &Path) -> Result<()> {
         ("attach → first step recorded (max)", format!("{:.3} s", percentile(attach, 100))),
     ];
     for (k, v) in rows {
-        println!("| {k:<44} | {v:>12} |");
+        println!("| {k:<48} | {v:>12} |");
     }
     println!("(errors include the loop's own time from the probe to its stamp: the Python return and a clock read;");
     println!("a round's ratio: its attached window's median step period over its two detached neighbours' mean)");
