@@ -41,18 +41,22 @@ pub(super) struct StackNamer {
 }
 
 impl StackNamer {
-    /// Reads kallsyms now, before the event loop runs: its first parse takes
-    /// ≈70 ms on the 2-core VM, and on the loop that held a drain long enough
-    /// for a small ring to overflow.
     pub fn new(map: Arc<CpuStackMap>) -> Self {
-        let symbolizer = Symbolizer::new();
+        Self { map, symbolizer: Rc::new(Symbolizer::new()) }
+    }
+
+    /// Reads kallsyms now: once the probes are in and before the event loop
+    /// runs (not during attach, which it would lengthen by as much). Its
+    /// first parse takes ≈70 ms on the 2-core VM, and on the loop that held
+    /// a drain long enough for a small ring to overflow.
+    pub fn read_kallsyms(&self) {
         let t0 = std::time::Instant::now();
         let any_kernel_address: &[u64] = &[0xffff_ffff_8100_0000];
-        if let Err(e) = symbolizer.symbolize(&Source::Kernel(Kernel::default()), Input::AbsAddr(any_kernel_address)) {
+        let kernel = Source::Kernel(Kernel::default());
+        if let Err(e) = self.symbolizer.symbolize(&kernel, Input::AbsAddr(any_kernel_address)) {
             log::debug!("reading kallsyms ahead: {e}");
         }
         log::debug!("kallsyms read ahead in {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
-        Self { map, symbolizer: Rc::new(symbolizer) }
     }
 }
 

@@ -183,6 +183,13 @@ impl Job {
         Some(crate::store::CpuSampling { hz: sampler.hz, counts, kernel })
     }
 
+    /// See [`super::cpu_stacks::StackNamer::read_kallsyms`]; nothing without CPU samples.
+    pub fn read_kallsyms(&self) {
+        if let Some(namer) = &self.ctx.stack_namer {
+            namer.read_kallsyms();
+        }
+    }
+
     pub fn name(&self) -> &str {
         &self.ctx.template.job
     }

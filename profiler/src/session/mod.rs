@@ -179,6 +179,7 @@ pub async fn profile(cfg: SessionConfig, target: Target) -> anyhow::Result<Summa
                 Ok((stop.end_reason().into(), None))
             } else {
                 say!(cfg.quiet, "session {id}: tracing PID {pid}{how} into {output} (Ctrl-C to stop)");
+                job.read_kallsyms();
                 let mut status = StatusLine::new(cfg.status_line, gpu_live);
                 let child = &mut target.child;
                 let r = event_loop::run(&cfg, child, &mut probes, &mut rings, &mut job, &mut stops, &mut status).await;

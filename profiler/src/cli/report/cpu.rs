@@ -145,7 +145,8 @@ pub(super) fn build(
     session: i64,
     measured: &HashMap<(String, i64), i64>,
 ) -> anyhow::Result<Option<CpuReport>> {
-    if !db.columns("sessions").iter().any(|c| c == "cpu_sample_hz") {
+    let columns = db.columns("sessions");
+    if !columns.iter().any(|c| c == "cpu_sample_hz") {
         return Ok(None);
     }
     let (sample_hz, samples_taken, lost_samples, stack_failures): (Option<i64>, Option<i64>, Option<i64>, Option<i64>) =
@@ -154,16 +155,15 @@ pub(super) fn build(
             [session],
             |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
         )?;
-    let (kernel_runs, kernel_ns): (Option<i64>, Option<i64>) =
-        if db.columns("sessions").iter().any(|c| c == "cpu_sample_kernel_ns") {
-            db.conn.query_row(
-                "SELECT cpu_sample_runs, cpu_sample_kernel_ns FROM sessions WHERE id = ?1",
-                [session],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )?
-        } else {
-            (None, None)
-        };
+    let (kernel_runs, kernel_ns): (Option<i64>, Option<i64>) = if columns.iter().any(|c| c == "cpu_sample_kernel_ns") {
+        db.conn.query_row(
+            "SELECT cpu_sample_runs, cpu_sample_kernel_ns FROM sessions WHERE id = ?1",
+            [session],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )?
+    } else {
+        (None, None)
+    };
     let counts = cpu::stack_counts(db, session)?;
     if sample_hz.is_none() && counts.is_empty() {
         return Ok(None);
