@@ -117,7 +117,10 @@ impl Consumer {
         }
         match event {
             Ok(Event::Launch(l)) => self.launch(l),
-            Ok(Event::LoaderChange { .. }) => self.loader_changed = true,
+            Ok(Event::LoaderChange { .. }) => {
+                self.loader_changed = true;
+                self.code_changed();
+            }
             // Handled by the job (see `job::Job`), which never passes them on.
             Ok(Event::Process(_)) => {}
             Ok(Event::StepEnter(e)) => {

@@ -85,6 +85,15 @@ pub(super) struct CpuStacks {
     loop_frames: HashSet<u32>,
     /// The process's executable mappings as last read.
     maps: Vec<ExecMap>,
+    /// Every address named so far, by kind: a new stack is mostly addresses
+    /// named before (the interpreter's loop, libtorch's dispatch), and only
+    /// the others are read and named, with the maps read only then. The user
+    /// ones are forgotten when the process's libraries change.
+    named: HashMap<(&'static str, u64), Named>,
+    /// The maps are to be read again before the next naming.
+    maps_stale: bool,
+    /// When the maps were last read.
+    maps_read_at: Option<std::time::Instant>,
 }
 
 /// An executable mapping: its addresses, and the file (None: anonymous,
@@ -120,6 +129,10 @@ type FrameKey = (&'static str, Option<String>, String, Option<u32>);
 /// A frame, and whether its address was in no mapping of the process.
 type Named = (FrameKey, bool);
 
+/// How often addresses in none of the maps as last read make them be read
+/// again (a new mapping may hold them).
+const REREAD_MAPS: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// A user stack this deep or less: a leaf and one caller at most.
 const SHALLOW: usize = 2;
 
@@ -142,7 +155,17 @@ impl CpuStacks {
             code_frames: HashMap::new(),
             loop_frames: HashSet::new(),
             maps: Vec::new(),
+            named: HashMap::new(),
+            maps_stale: true,
+            maps_read_at: None,
         }
+    }
+
+    /// The process mapped or unmapped code (a `dlopen`, a `dlclose`, an
+    /// `exec`): an address named before may now be another function's.
+    pub fn forget_user_addresses(&mut self) {
+        self.named.retain(|(kind, _), _| *kind == KERNEL);
+        self.maps_stale = true;
     }
 
     /// The process's Python frames are read with `reader` from now on.
@@ -272,14 +295,41 @@ impl CpuStacks {
     /// through the mappings last seen (file and offset) once it has exited:
     /// its last samples are named after it, at the end of the session.
     fn names(&mut self, kind: &'static str, addrs: &[u64]) -> Vec<Named> {
-        if addrs.is_empty() {
-            return Vec::new();
+        let mut new: Vec<u64> = addrs.iter().copied().filter(|&a| !self.named.contains_key(&(kind, a))).collect();
+        new.sort_unstable();
+        new.dedup();
+        if !new.is_empty() {
+            let named = self.name_addresses(kind, &new);
+            // An address in none of the maps (a frame-pointer walk gone
+            // astray, mostly) is not kept: a later read of the maps may hold it.
+            let maps = &self.maps;
+            let keep = |a: &u64| kind == KERNEL || maps.iter().any(|m| m.range.contains(a));
+            let (kept, passing): (Vec<_>, Vec<_>) = new.into_iter().zip(named).partition(|(a, _)| keep(a));
+            self.named.extend(kept.into_iter().map(|(a, n)| ((kind, a), n)));
+            let passing: HashMap<u64, Named> = passing.into_iter().collect();
+            return addrs.iter().map(|&a| self.named.get(&(kind, a)).unwrap_or_else(|| &passing[&a]).clone()).collect();
         }
+        addrs.iter().map(|&a| self.named[&(kind, a)].clone()).collect()
+    }
+
+    /// [`Self::names`] for addresses not named before, each once.
+    fn name_addresses(&mut self, kind: &'static str, addrs: &[u64]) -> Vec<Named> {
         let t0 = std::time::Instant::now();
-        let live = (kind != KERNEL).then(|| exec_maps(self.pid)).flatten();
-        let alive = live.is_some();
-        if let Some(maps) = live {
-            self.maps = maps;
+        let mut alive = true;
+        // The maps are read again only when they may have changed: after a
+        // change to the loaded code, or for an address they do not hold (a
+        // new anonymous mapping). Reading them costs 1–2 ms in a PyTorch
+        // process, and almost every naming brings some new address (a leaf).
+        let in_maps = |maps: &[ExecMap], a: &u64| maps.iter().any(|m| m.range.contains(a));
+        let outside = !addrs.iter().all(|a| in_maps(&self.maps, a));
+        let due = self.maps_read_at.is_none_or(|at| at.elapsed() >= REREAD_MAPS);
+        if kind != KERNEL && (self.maps_stale || (outside && due)) {
+            match exec_maps(self.pid) {
+                Some(maps) => self.maps = maps,
+                None => alive = false,
+            }
+            self.maps_stale = false;
+            self.maps_read_at = Some(std::time::Instant::now());
         }
         let symbolize = |src: &Source, input: Input<&[u64]>| {
             self.symbolizer.symbolize(src, input).map_err(|e| {
@@ -288,10 +338,25 @@ impl CpuStacks {
         };
         let found: Vec<Symbolized> = match kind {
             KERNEL => symbolize(&Source::Kernel(Kernel::default()), Input::AbsAddr(addrs)).unwrap_or_default(),
-            _ => alive
-                .then(|| symbolize(&Source::Process(Process::new(Pid::from(self.pid))), Input::AbsAddr(addrs)).ok())
-                .flatten()
-                .unwrap_or_else(|| self.by_files(addrs)),
+            _ => {
+                let mut found = self.by_files(addrs, alive);
+                // Code in no file (the vDSO, a JIT's): through the process
+                // while it lives, which knows the vDSO's symbols.
+                let fileless: Vec<usize> = (0..addrs.len())
+                    .filter(|&n| {
+                        matches!(found[n], Symbolized::Unknown(_))
+                            && self.maps.iter().any(|m| m.path.is_none() && m.range.contains(&addrs[n]))
+                    })
+                    .collect();
+                if alive && !fileless.is_empty() {
+                    let these: Vec<u64> = fileless.iter().map(|&n| addrs[n]).collect();
+                    let process = Source::Process(Process::new(Pid::from(self.pid)));
+                    if let Ok(syms) = symbolize(&process, Input::AbsAddr(&these)) {
+                        fileless.into_iter().zip(syms).for_each(|(n, sym)| found[n] = sym);
+                    }
+                }
+                found
+            }
         };
         // Without any mapping known (the process gone before its first
         // naming), blazesym's own verdict (no mapping at all) stands.
@@ -323,15 +388,17 @@ impl CpuStacks {
             "named {} {kind} addresses of PID {}{} in {:.1} ms",
             addrs.len(),
             self.pid,
-            if alive { "" } else { " (exited: by its files)" },
+            if alive || kind == KERNEL { "" } else { " (exited: by its files)" },
             t0.elapsed().as_secs_f64() * 1e3
         );
         named
     }
 
-    /// `addrs` named in the files the process had mapped there (its
-    /// mappings as last seen), one symbolize call per file.
-    fn by_files(&self, addrs: &[u64]) -> Vec<Symbolized<'_>> {
+    /// `addrs` named in the files the process has mapped there (its
+    /// mappings as last read), one symbolize call per file: through its root
+    /// while it lives (a container's files), by the same path from here once
+    /// it has exited (the process's root is gone with it).
+    fn by_files(&self, addrs: &[u64], alive: bool) -> Vec<Symbolized<'_>> {
         let mut found: Vec<Symbolized> = vec![Symbolized::Unknown(Reason::Unmapped); addrs.len()];
         let mut by_file: HashMap<&std::path::Path, (Vec<usize>, Vec<u64>)> = HashMap::new();
         for (n, &addr) in addrs.iter().enumerate() {
@@ -344,10 +411,17 @@ impl CpuStacks {
             }
         }
         for (path, (at, offsets)) in by_file {
-            let src = Source::Elf(Elf::new(path));
-            match self.symbolizer.symbolize(&src, Input::FileOffset(&offsets)) {
-                Ok(syms) => at.into_iter().zip(syms).for_each(|(n, sym)| found[n] = sym),
-                Err(e) => log::debug!("symbolizing {} offsets in {}: {e}", offsets.len(), path.display()),
+            let rooted = alive.then(|| crate::probes::in_target_root(self.pid, path));
+            // The process may have exited since its maps were read.
+            for file in rooted.iter().map(|p| p.as_path()).chain([path]) {
+                let src = Source::Elf(Elf::new(file));
+                match self.symbolizer.symbolize(&src, Input::FileOffset(&offsets)) {
+                    Ok(syms) => {
+                        at.iter().zip(syms).for_each(|(&n, sym)| found[n] = sym);
+                        break;
+                    }
+                    Err(e) => log::debug!("symbolizing {} offsets in {}: {e}", offsets.len(), file.display()),
+                }
             }
         }
         found

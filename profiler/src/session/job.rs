@@ -354,6 +354,7 @@ impl Job {
                     m.watcher.loader_hooked = loader_hooked;
                     // Its rank is known from the new program's environment.
                     m.consumer.live = ctx.live_for(&m.start, m.start.local_rank, m.cvd.clone());
+                    m.consumer.code_changed();
                     m.watcher.scan(probes, &mut m.consumer, quiet, "exec");
                 }
                 if let Some(hook) = self.frame_hook.as_ref().filter(|_| !adopted_now) {

@@ -43,6 +43,13 @@ impl Consumer {
         }
     }
 
+    /// The process mapped or unmapped code: see [`CpuStacks::forget_user_addresses`].
+    pub(in crate::session) fn code_changed(&mut self) {
+        if let Some(stacks) = &mut self.cpu.stacks {
+            stacks.forget_user_addresses();
+        }
+    }
+
     pub(super) fn cpu_sample(&mut self, c: CpuSampleEvent) {
         if self.cpu.stacks.is_none() {
             return;
