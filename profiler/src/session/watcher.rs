@@ -21,8 +21,26 @@ use crate::{
     store::ProbedFileRow,
 };
 
-/// How long a library whose probes failed waits before it is tried again.
-const RETRY_FAILED: Duration = Duration::from_secs(10);
+/// How long a library whose probes failed waits before it is tried again:
+/// 1 s after the first failure, twice as long after each next one, and
+/// [`RETRY_FAILED_MAX`] at most (a failure that lasts costs a few tries; a
+/// passing one, such as the runtime's first attach that failed with ENOENT
+/// (issue 35), loses seconds of launches, not ten).
+const RETRY_FAILED_FIRST: Duration = Duration::from_secs(1);
+const RETRY_FAILED_MAX: Duration = Duration::from_secs(10);
+
+/// A library whose probes failed: when it was last tried, and how many times.
+struct Failed {
+    at: Instant,
+    tries: u32,
+}
+
+impl Failed {
+    fn due(&self) -> bool {
+        let wait = RETRY_FAILED_FIRST.saturating_mul(1 << self.tries.saturating_sub(1).min(4));
+        self.at.elapsed() >= wait.min(RETRY_FAILED_MAX)
+    }
+}
 
 /// Finds CUDA libraries in the target's maps and probes the new ones.
 pub(super) struct LibraryWatcher {
@@ -32,7 +50,7 @@ pub(super) struct LibraryWatcher {
     /// Whether the dynamic loader's hook is probed (see `attach::attach_all`).
     pub loader_hooked: bool,
     /// Paths whose probes failed (reported once, see `not_probed`), and when they were last tried.
-    failed: HashMap<PathBuf, Instant>,
+    failed: HashMap<PathBuf, Failed>,
     /// PyTorch's `libtorch_cpu.so`, probed for its `record_function` regions.
     torch: TorchWatch,
     /// NCCL's `libnccl.so.2`, probed for its collectives.
@@ -105,10 +123,9 @@ impl LibraryWatcher {
     ) -> Option<procfs::process::MemoryMaps> {
         let maps = procfs::process::Process::new(self.pid as i32).and_then(|p| p.maps()).ok()?;
         // Each try of a failing library maps and parses it and takes back
-        // what attached (≈90 ms a probe), on the loop that drains the rings:
-        // not at every look.
-        let due: Vec<PathBuf> =
-            self.failed.iter().filter(|(_, at)| at.elapsed() >= RETRY_FAILED).map(|(p, _)| p.clone()).collect();
+        // what attached, on the loop that drains the rings: not at every
+        // look, and less often the longer it fails (see `Failed::due`).
+        let due: Vec<PathBuf> = self.failed.iter().filter(|(_, f)| f.due()).map(|(p, _)| p.clone()).collect();
         for path in due {
             self.seen.remove(&path);
         }
@@ -135,8 +152,8 @@ impl LibraryWatcher {
                     }
                     rows.push(library_row(&file.path, kind, placed, how));
                 }
-                // Nothing of it stays probed (all or nothing); a look after
-                // RETRY_FAILED tries again (see the top of this function).
+                // Nothing of it stays probed (all or nothing); a later look
+                // tries again (`Failed::due`, at the top of this function).
                 Err(e) => rows.extend(self.not_probed(&file.path, kind, how, &e)),
             }
         }
@@ -160,7 +177,9 @@ impl LibraryWatcher {
         how: &str,
         e: &probes::ProbeError,
     ) -> Option<ProbedFileRow> {
-        if self.failed.insert(path.to_owned(), Instant::now()).is_some() {
+        let tries = self.failed.get(path).map_or(0, |f| f.tries) + 1;
+        if self.failed.insert(path.to_owned(), Failed { at: Instant::now(), tries }).is_some() {
+            log::debug!("probing {} failed again (try {tries}): {e}", path.display());
             return None;
         }
         // The OS error sits at the end of the chain (aya's says only which syscall failed).
@@ -173,7 +192,15 @@ impl LibraryWatcher {
             }
             source = s.source();
         }
-        log::warn!("could not probe {} (tried again at each look for new libraries): {why}", path.display());
+        // ENOENT from perf_event_open or a link's creation is the kernel's
+        // lookup of the path: say whether the file is there now, which
+        // tells a path that is wrong from one that was not there yet.
+        if why.contains("os error 2)") {
+            let visible = probes::in_target_root(self.pid, path);
+            let there = if visible.exists() { "is there now" } else { "is not there now either" };
+            why = format!("{why} ({} {there})", visible.display());
+        }
+        log::warn!("could not probe {} (tried again 1, 2, 4, 8 s later, then every 10 s): {why}", path.display());
         Some(ProbedFileRow::now(path, kind.as_str(), 0, format!("not probed ({how}): {why}")))
     }
 }
@@ -188,5 +215,23 @@ pub(super) fn library_row(
     ProbedFileRow {
         placed: placed.iter().map(|p| (p.symbol.to_string(), p.offset, p.reason.clone())).collect(),
         ..ProbedFileRow::now(path, kind.as_str(), placed.len() as u32, how.into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failed(tries: u32, ago: Duration) -> Failed {
+        Failed { at: Instant::now().checked_sub(ago).expect("the machine has been up longer"), tries }
+    }
+
+    #[test]
+    fn a_failed_library_is_tried_again_after_1_2_4_8_then_10_seconds() {
+        for (tries, wait) in [(1, 1), (2, 2), (3, 4), (4, 8), (5, 10), (9, 10), (u32::MAX, 10)] {
+            let wait = Duration::from_secs(wait);
+            assert!(!failed(tries, wait - Duration::from_millis(50)).due(), "try {tries} before {wait:?}");
+            assert!(failed(tries, wait).due(), "try {tries} at {wait:?}");
+        }
     }
 }
