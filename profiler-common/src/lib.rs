@@ -464,6 +464,54 @@ pub struct ProcessSched {
     pub mismatches: u64,
 }
 
+/// A debug record of the scheduler programs' mismatches
+/// (`maps::SCHED_MISMATCHES`, one per [`mismatch_site`]): how many there were
+/// at the site, and the last one's thread, the state the programs had for it,
+/// since when, its last switch-out, the moment and the CPU. The agent writes
+/// them to its debug log at the end of a session.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SchedMismatch {
+    pub count: u64,
+    pub tid: u32,
+    /// The thread's state as the programs kept it: 0 unseen, 1 running, else an [`off_cpu_state`].
+    pub found: u32,
+    pub since_ns: u64,
+    pub left_ns: u64,
+    pub at_ns: u64,
+    pub cpu: u32,
+    pub _pad: u32,
+}
+
+/// One scheduler event of the machine, any task's, in the debug history
+/// (`maps::SCHED_HISTORY`, `PROFILER_SCHED_HISTORY`): a switch from `prev`
+/// to `next` (`prev_state` the tracepoint's, `preempt` 1 when preempted) or
+/// a wakeup of `next` (`kind` 1; `prev` the waker).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SchedHistoryEntry {
+    pub at_ns: u64,
+    pub prev: u32,
+    pub next: u32,
+    pub cpu: u32,
+    pub kind: u32,
+    pub prev_state: u32,
+    pub preempt: u32,
+}
+
+/// Where a scheduler mismatch was seen (the index in `maps::SCHED_MISMATCHES`).
+pub mod mismatch_site {
+    /// A switch-out of a thread the programs did not have running.
+    pub const SWITCH_OUT: u32 = 0;
+    /// A switch-in of a thread they had running.
+    pub const SWITCH_IN: u32 = 1;
+    /// A probe on a thread (so on a CPU) they had off its CPU.
+    pub const PROBE: u32 = 2;
+    pub const COUNT: u32 = 3;
+    pub const NAMES: [&str; COUNT as usize] =
+        ["switch-out of a thread not running", "switch-in of a thread running", "probe on a thread off its CPU"];
+}
+
 /// One CPU sample of a traced thread (the header's `tid`, `tgid` and time):
 /// where its user code was (`user_ip`, the leaf, always) and the ids of its
 /// stacks in `maps::CPU_STACKS` (`bpf_get_stackid`; negative: the kernel's
@@ -769,6 +817,9 @@ pub mod globals {
     pub const SCHED_SLICES: &str = "SCHED_SLICES";
     /// `u32`: byte offset of `flags` in `struct task_struct` (`PF_EXITING`).
     pub const TASK_FLAGS_OFFSET: &str = "TASK_FLAGS_OFFSET";
+    /// `u32`: entries per CPU of `maps::SCHED_HISTORY` (a power of two; 0:
+    /// off, as by default), for `PROFILER_SCHED_HISTORY`.
+    pub const SCHED_HISTORY_PER_CPU: &str = "SCHED_HISTORY_PER_CPU";
 }
 
 /// Bytes of the launch ring (`maps::EVENTS`), unless the agent sets another size.
@@ -801,6 +852,14 @@ pub mod maps {
     pub const LOST_OFF_CPU: &str = "LOST_OFF_CPU";
     /// `HashMap<u32, ProcessSched>`: scheduler totals per traced tgid; the agent removes an exited one's.
     pub const PROCESS_SCHED: &str = "PROCESS_SCHED";
+    /// `Array<SchedMismatch>[mismatch_site::COUNT]`: the scheduler programs' mismatches by site, for the debug log.
+    pub const SCHED_MISMATCHES: &str = "SCHED_MISMATCHES";
+    /// `Array<SchedHistoryEntry>[CPUs × SCHED_HISTORY_PER_CPU]`: each CPU's
+    /// last scheduler events, written until the first mismatch (debug only).
+    pub const SCHED_HISTORY: &str = "SCHED_HISTORY";
+    /// `Array<u64>[2]`: the first mismatch's time, ns (0: none yet: the
+    /// history stops there), and its tid (low 32 bits) and site (high).
+    pub const SCHED_HISTORY_FROZEN: &str = "SCHED_HISTORY_FROZEN";
     /// `PerCpuArray<u64>[1]`: map updates that failed (a map full): each one
     /// costs a thread its launch counter or a mark (see the README's *Loss*).
     pub const MAP_FAILURES: &str = "MAP_FAILURES";
@@ -912,6 +971,10 @@ mod user {
     unsafe impl aya::Pod for super::FrameStep {}
     // SAFETY: as above (four u64; PROCESS_SCHED values).
     unsafe impl aya::Pod for super::ProcessSched {}
+    // SAFETY: as above (u64, two u32, three u64, two u32: no padding).
+    unsafe impl aya::Pod for super::SchedMismatch {}
+    // SAFETY: as above (a u64 then six u32: no padding).
+    unsafe impl aya::Pod for super::SchedHistoryEntry {}
     // SAFETY: as above (two u64 then twelve u32; PY_PROCS values).
     unsafe impl aya::Pod for super::PyStackLayout {}
 }

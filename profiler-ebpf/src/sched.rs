@@ -15,13 +15,13 @@
 //! for a thread's state; the process totals, written from every CPU, are
 //! atomic adds.
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel},
+    helpers::{bpf_get_current_pid_tgid, bpf_get_smp_processor_id, bpf_ktime_get_ns, bpf_probe_read_kernel},
     macros::{map, raw_tracepoint},
-    maps::HashMap,
+    maps::{Array, HashMap, PerCpuArray},
     programs::RawTracePointContext,
 };
 use profiler_common::{
-    OffCpuRecord, ProcessSched, RecordHeader, RecordKind, SchedTimes,
+    OffCpuRecord, ProcessSched, RecordHeader, RecordKind, SchedHistoryEntry, SchedMismatch, SchedTimes, mismatch_site,
     off_cpu_state::{BLOCKED, RUNNABLE, SLEEPING},
 };
 
@@ -47,6 +47,9 @@ static SCHED_ENABLED: u32 = 0;
 /// comes back to a CPU (per-call rows: `--launches all`).
 #[unsafe(no_mangle)]
 static SCHED_SLICES: u32 = 0;
+/// Set by the agent: entries per CPU of `SCHED_HISTORY` (a power of two), 0 off.
+#[unsafe(no_mangle)]
+static SCHED_HISTORY_PER_CPU: u32 = 0;
 /// Byte offset of `flags` in `struct task_struct` (from the kernel's BTF).
 #[unsafe(no_mangle)]
 static TASK_FLAGS_OFFSET: u32 = 0;
@@ -75,14 +78,82 @@ pub(crate) struct ThreadSched {
 /// A switch the programs cannot square with the thread's state (a switch-in
 /// of a thread already running, a switch-out of one not running, a probe on
 /// a thread they have off its CPU): the interval since its state last changed
-/// is lost, or its off-CPU record is, and counted here.
+/// is lost, or its off-CPU record is, and counted here; and the site's debug
+/// record (`SCHED_MISMATCHES`) keeps the last one's thread and state.
 #[inline(always)]
-fn mismatch(tgid: u32) {
+fn mismatch(tgid: u32, site: u32, tid: u32, s: &ThreadSched, t: u64) {
     if let Some(p) = process_totals(tgid) {
         // SAFETY: a valid map value field.
         unsafe { atomic_add(&raw mut (*p).mismatches, 1) };
     }
+    if let Some(d) = SCHED_MISMATCHES.get_ptr_mut(site) {
+        // SAFETY: a valid map value; the fields after the count are the last
+        // writer's (two CPUs at once may mix theirs: a debug record).
+        unsafe {
+            atomic_add(&raw mut (*d).count, 1);
+            (*d).tid = tid;
+            (*d).found = s.state;
+            (*d).since_ns = s.since_ns;
+            (*d).left_ns = s.left_ns;
+            (*d).at_ns = t;
+            (*d).cpu = bpf_get_smp_processor_id();
+        }
+    }
+    if history_on()
+        && let (Some(f), Some(who)) = (SCHED_HISTORY_FROZEN.get_ptr_mut(0), SCHED_HISTORY_FROZEN.get_ptr_mut(1))
+    {
+        // SAFETY: valid map values.
+        unsafe {
+            if *f == 0 {
+                *f = t;
+                *who = u64::from(tid) | u64::from(site) << 32;
+            }
+        }
+    }
 }
+
+/// Each CPU's last scheduler events, any task's (`PROFILER_SCHED_HISTORY`,
+/// debug only): sized by the agent, 1 entry when off.
+#[map]
+static SCHED_HISTORY: Array<SchedHistoryEntry> = Array::with_max_entries(1, 0);
+/// Each CPU's next index into its part of `SCHED_HISTORY` (the programs
+/// that write it run with interrupts off, one at a time on a CPU).
+#[map]
+static SCHED_HISTORY_AT: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
+/// When the first mismatch was seen (0: not yet; the history stops then),
+/// and its thread (low 32 bits) and site (high).
+#[map]
+static SCHED_HISTORY_FROZEN: Array<u64> = Array::with_max_entries(2, 0);
+
+#[inline(always)]
+fn history_on() -> bool {
+    // SAFETY: a plain read of a global the loader patched.
+    unsafe { core::ptr::read_volatile(&SCHED_HISTORY_PER_CPU) != 0 }
+}
+
+/// Adds an event to this CPU's history, unless it is off or frozen.
+#[inline(always)]
+fn remember(kind: u32, prev: u32, next: u32, prev_state: u32, preempt: u32, t: u64) {
+    // SAFETY: a plain read of a global the loader patched.
+    let per_cpu = unsafe { core::ptr::read_volatile(&SCHED_HISTORY_PER_CPU) };
+    if per_cpu == 0 || SCHED_HISTORY_FROZEN.get(0).is_some_and(|f| *f != 0) {
+        return;
+    }
+    let Some(at) = SCHED_HISTORY_AT.get_ptr_mut(0) else { return };
+    // SAFETY: a helper without preconditions; a valid per-CPU map value.
+    let (cpu, i) = unsafe { (bpf_get_smp_processor_id(), *at) };
+    // SAFETY: as above.
+    unsafe { *at = i.wrapping_add(1) };
+    let index = cpu.wrapping_mul(per_cpu).wrapping_add(i & (per_cpu - 1));
+    if let Some(e) = SCHED_HISTORY.get_ptr_mut(index) {
+        // SAFETY: a valid map value.
+        unsafe { *e = SchedHistoryEntry { at_ns: t, prev, next, cpu, kind, prev_state, preempt } };
+    }
+}
+
+/// The mismatches by site (`mismatch_site`), for the agent's debug log.
+#[map]
+static SCHED_MISMATCHES: Array<SchedMismatch> = Array::with_max_entries(mismatch_site::COUNT, 0);
 
 /// Scheduler totals of each traced process, by tgid (`ProcessSched`). The
 /// agent reads an exited process's and removes it.
@@ -192,6 +263,12 @@ pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
     let t = now();
     let pid_tgid = bpf_get_current_pid_tgid();
     let (prev_tid, prev_tgid) = (pid_tgid as u32, (pid_tgid >> 32) as u32);
+    if history_on() {
+        let (preempt, prev_state): (u64, u64) = (ctx.arg(0), ctx.arg(3));
+        let next: *const u8 = ctx.arg(2);
+        let next_tid = task_ids(next).map_or(u32::MAX, |(tid, _)| tid);
+        remember(0, prev_tid, next_tid, prev_state as u32, (preempt & 0xff) as u32, t);
+    }
     if prev_tid != 0 && traced(prev_tid, prev_tgid) {
         let preempt: u64 = ctx.arg(0);
         let prev_state: u64 = ctx.arg(3);
@@ -200,7 +277,7 @@ pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
         if let Some(slot) = thread_state(prev_tid, !exiting(prev)) {
             let s = sched_of(slot);
             if s.state != RUNNING && s.state != UNSEEN {
-                mismatch(prev_tgid);
+                mismatch(prev_tgid, mismatch_site::SWITCH_OUT, prev_tid, s, t);
             }
             let ran = if s.state == RUNNING { t.saturating_sub(s.since_ns) } else { 0 };
             s.cpu_ns += ran;
@@ -227,7 +304,7 @@ pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
     {
         let s = sched_of(slot);
         if s.state == RUNNING {
-            mismatch(next_tgid);
+            mismatch(next_tgid, mismatch_site::SWITCH_IN, next_tid, s, t);
         }
         close_interval(s, t);
         s.state = RUNNING;
@@ -277,6 +354,9 @@ pub fn sched_wakeup(ctx: RawTracePointContext) -> i32 {
     }
     let task: *const u8 = ctx.arg(0);
     let Some((tid, tgid)) = task_ids(task) else { return 0 };
+    if history_on() {
+        remember(1, bpf_get_current_pid_tgid() as u32, tid, 0, 0, now());
+    }
     if tid == 0 || !traced(tid, tgid) {
         return 0;
     }
@@ -311,10 +391,12 @@ pub(crate) fn snapshot(slot: *mut ThreadSlot, tgid: u32) -> (SchedTimes, u64) {
         // Unseen, or off a CPU for the programs though it runs: a switch-in
         // they did not see (rare, on a loaded machine), whose off-CPU record
         // is missing, so counted. It runs from now on.
-        if s.state != UNSEEN {
-            mismatch(tgid);
-        }
         let t = now();
+        if s.state != UNSEEN {
+            // SAFETY: a valid map value's field.
+            let tid = unsafe { (*slot).tid };
+            mismatch(tgid, mismatch_site::PROBE, tid, s, t);
+        }
         close_interval(s, t);
         s.state = RUNNING;
         s.since_ns = t;

@@ -141,6 +141,18 @@ struct Run {
 }
 
 fn run_trainer(name: &str, trainer: &[&str], profiler: &[&str], ld_path: &Path, libraries: &[&str]) -> Run {
+    run_trainer_with(name, trainer, profiler, ld_path, libraries, &[])
+}
+
+/// [`run_trainer`], the profiler run with `env` too.
+fn run_trainer_with(
+    name: &str,
+    trainer: &[&str],
+    profiler: &[&str],
+    ld_path: &Path,
+    libraries: &[&str],
+    env: &[(&str, &str)],
+) -> Run {
     let dir = workdir(name);
     let (db, truth, go) = (dir.join("p.db"), dir.join("truth.txt"), dir.join("go"));
     let mut args: Vec<String> = ["run", "-o", db.to_str().expect("utf-8"), "--no-gpu", "--step-symbol", "train_step"]
@@ -154,7 +166,8 @@ fn run_trainer(name: &str, trainer: &[&str], profiler: &[&str], ld_path: &Path, 
     );
     args.extend(trainer.iter().map(|s| s.to_string()));
     let ld = ld_path.display().to_string();
-    let agent = Agent::start_with_env(&args, &[("LD_LIBRARY_PATH", &ld)], true);
+    let env: Vec<(&str, &str)> = [("LD_LIBRARY_PATH", ld.as_str())].into_iter().chain(env.iter().copied()).collect();
+    let agent = Agent::start_with_env(&args, &env, true);
     // Written however this ends: a failed wait must not leave the trainer,
     // and the profiler tracing it, waiting for ever beside later tests.
     let go = Go(go);
@@ -372,6 +385,57 @@ fn no_sched_leaves_the_scheduler_columns_null() {
     let switches =
         count(&run.db, "SELECT count(*) FROM sessions WHERE id = ?1 AND context_switches IS NULL", run.session);
     assert_eq!(switches, 1);
+}
+
+/// The scheduler programs' debug history (`PROFILER_SCHED_HISTORY`,
+/// docs/measurement.md): every sleep of the trainer in the span it covers
+/// is there, as a switch out of its thread in an interruptible wait on the
+/// CPU the last recorded switch had put it on; up to the first mismatch,
+/// when there is one (the history stops there).
+#[test]
+fn the_scheduler_history_has_each_of_the_trainers_sleeps() {
+    let history = workdir("sched_history_file").join("history.txt");
+    let trainer = ["--steps", "50", "--spin-us", "300", "--sleep-us", "1000"];
+    let env = [("PROFILER_SCHED_HISTORY", history.to_str().expect("utf-8"))];
+    let run = run_trainer_with("sched_history", &trainer, &[], &fixtures(), &[], &env);
+    let pid = last_session(&run.db).pid.to_string();
+    let text =
+        std::fs::read_to_string(&history).unwrap_or_else(|e| panic!("{}: {e}\n{}", history.display(), run.stderr));
+    let mut lines = text.lines();
+    let head = lines.next().expect("a first line");
+    let frozen: u64 = head.split_whitespace().nth(3).and_then(|w| w.parse().ok()).expect("the first mismatch's time");
+    let frozen = if frozen == 0 { u64::MAX } else { frozen };
+    let events: Vec<Vec<&str>> = lines.map(|l| l.split_whitespace().collect()).collect();
+    assert!(events.iter().all(|e| e[0].parse::<u64>().is_ok_and(|t| t <= frozen)), "nothing after the first mismatch");
+    // The span every CPU's part covers: from its latest first event (a part that wrapped starts later).
+    let mut first_by_cpu: BTreeMap<&str, u64> = BTreeMap::new();
+    for e in &events {
+        first_by_cpu.entry(e[1]).or_insert_with(|| e[0].parse().expect("a time"));
+    }
+    let covered_from = first_by_cpu.values().copied().max().expect("events");
+    let mut on_cpu: BTreeMap<&str, &str> = BTreeMap::new();
+    let mut sleeps = 0;
+    for e in events.iter().filter(|e| e[2] == "switch") {
+        let interruptible = u32::from_str_radix(e[5].trim_start_matches("0x"), 16).expect("a state") & 1 != 0;
+        if e[3] == pid && interruptible && e[0].parse::<u64>().expect("a time") >= covered_from {
+            if let Some(last) = on_cpu.get(e[1]) {
+                assert_eq!(
+                    *last, pid,
+                    "the trainer left CPU {} that the last switch there gave to {last}: {e:?}",
+                    e[1]
+                );
+            }
+            sleeps += 1;
+        }
+        on_cpu.insert(e[1], e[4]);
+    }
+    let (truth, _) = read_truth(&run.truth);
+    let file = TruthFile::read(&run.truth);
+    let ends: Vec<u64> = file.records("step").map(|r| file.num(&r, 1)).collect();
+    let within = truth.iter().zip(&ends).filter(|(t, end)| t.start_ns as u64 >= covered_from && **end < frozen).count();
+    assert!(within > 0 || frozen != u64::MAX, "the history covers the run's steps: from {covered_from} ns");
+    assert!(sleeps >= within, "{sleeps} sleeps of the trainer in the history, {within} steps in its span\n{head}");
+    println!("{sleeps} sleeps of the trainer in the history, {within} of its steps in the span it covers; {head}");
 }
 
 /// A PyTorch loop under `profiler run`, pinned to CPU 0 (with a hog there when asked).

@@ -291,6 +291,8 @@ impl Probes {
                 .and_then(|s| s.trim().parse().ok()),
         );
         let slot_mask = slots - 1;
+        let history = sched::history_per_cpu();
+        let history_entries = (history * aya::util::nr_cpus().unwrap_or(1) as u32).max(1);
         let mut ebpf = EbpfLoader::new()
             .override_global(globals::FOLLOW_CHILDREN, &follow, true)
             .override_global(globals::TASK_PID_OFFSET, &pid_at, true)
@@ -300,6 +302,8 @@ impl Probes {
             .override_global(globals::SCHED_ENABLED, &sched_on, true)
             .override_global(globals::SCHED_SLICES, &slices, true)
             .override_global(globals::TASK_FLAGS_OFFSET, &flags_at, true)
+            .override_global(globals::SCHED_HISTORY_PER_CPU, &history, true)
+            .map_max_entries(map_names::SCHED_HISTORY, history_entries)
             .map_max_entries(map_names::THREAD_SLOTS, slots)
             .map_max_entries(map_names::SLOT_CLAIMS, slots)
             .map_max_entries(map_names::THREAD_FALLBACK, thread_fallback_entries(slots))

@@ -2,8 +2,23 @@
 //! raw tracepoints, no tracefs) that count where each traced thread's time
 //! goes, and the per-process totals they keep (`PROCESS_SCHED`). They fire on
 //! every context switch of the machine; `--no-sched` leaves them out.
-use aya::{Ebpf, maps::HashMap, programs::RawTracePoint};
-use profiler_common::{ProcessSched, maps as map_names, programs};
+use aya::{
+    Ebpf,
+    maps::{Array, HashMap},
+    programs::RawTracePoint,
+};
+use profiler_common::{ProcessSched, SchedHistoryEntry, SchedMismatch, maps as map_names, mismatch_site, programs};
+
+/// A file to write the scheduler programs' debug history to (each CPU's last
+/// [`HISTORY_PER_CPU`] switches and wakeups of any task, up to the first
+/// mismatch) at the end of the session: for finding why a switch went unseen.
+const HISTORY_ENV: &str = "PROFILER_SCHED_HISTORY";
+const HISTORY_PER_CPU: u32 = 4096;
+
+/// Entries per CPU of the debug history: 0 (off) unless [`HISTORY_ENV`] names a file.
+pub(super) fn history_per_cpu() -> u32 {
+    if std::env::var_os(HISTORY_ENV).is_some() { HISTORY_PER_CPU } else { 0 }
+}
 
 use super::{ProbeError, Probes};
 
@@ -40,5 +55,65 @@ impl Probes {
         let found = totals.get(&tgid, 0).ok();
         let _ = totals.remove(&tgid);
         found
+    }
+
+    /// Writes the scheduler programs' mismatches by site to the debug log
+    /// (`RUST_LOG=profiler=debug`): how many, and the last one's thread and
+    /// state (`SchedMismatch`), the evidence for where switches went unseen.
+    pub fn log_sched_mismatches(&self) {
+        let Some(map) = self.ebpf.map(map_names::SCHED_MISMATCHES) else { return };
+        let Ok(sites) = Array::<_, SchedMismatch>::try_from(map) else { return };
+        for (site, name) in (0..mismatch_site::COUNT).zip(mismatch_site::NAMES) {
+            let Ok(d) = sites.get(&site, 0) else { continue };
+            if d.count == 0 {
+                continue;
+            }
+            log::debug!(
+                "scheduler mismatches, {name}: {} (the last: tid {} on CPU {} at {} ns, state {} since {} ns, \
+                 last left {} ns)",
+                d.count,
+                d.tid,
+                d.cpu,
+                d.at_ns,
+                d.found,
+                d.since_ns,
+                d.left_ns
+            );
+        }
+    }
+
+    /// Writes the debug history to the file [`HISTORY_ENV`] names, in time
+    /// order: one line per event (`at_ns cpu switch prev next prev_state
+    /// preempt`, or `at_ns cpu wakeup waker woken`), the first mismatch's
+    /// time first.
+    pub fn write_sched_history(&self) {
+        let Some(path) = std::env::var_os(HISTORY_ENV) else { return };
+        let (Some(history), Some(frozen)) =
+            (self.ebpf.map(map_names::SCHED_HISTORY), self.ebpf.map(map_names::SCHED_HISTORY_FROZEN))
+        else {
+            return;
+        };
+        let (Ok(history), Ok(frozen)) =
+            (Array::<_, SchedHistoryEntry>::try_from(history), Array::<_, u64>::try_from(frozen))
+        else {
+            return;
+        };
+        let mut events: Vec<SchedHistoryEntry> = history.iter().flatten().filter(|e| e.at_ns != 0).collect();
+        events.sort_by_key(|e| e.at_ns);
+        let (at, who) = (frozen.get(&0, 0).unwrap_or(0), frozen.get(&1, 0).unwrap_or(0));
+        let site = mismatch_site::NAMES.get((who >> 32) as usize).unwrap_or(&"?");
+        let mut text = match at {
+            0 => "first mismatch at 0 ns: none\n".to_owned(),
+            _ => format!("first mismatch at {at} ns: tid {}, {site}\n", who as u32),
+        };
+        for e in events {
+            text += &match e.kind {
+                0 => format!("{} {} switch {} {} {:#x} {}\n", e.at_ns, e.cpu, e.prev, e.next, e.prev_state, e.preempt),
+                _ => format!("{} {} wakeup {} {}\n", e.at_ns, e.cpu, e.prev, e.next),
+            };
+        }
+        if let Err(e) = std::fs::write(&path, text) {
+            log::warn!("writing the scheduler history to {}: {e}", std::path::Path::new(&path).display());
+        }
     }
 }

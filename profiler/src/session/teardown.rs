@@ -85,6 +85,8 @@ pub(super) async fn finish(
     let ended_ns = clock::monotonic_ns();
     let kc = traced.probes.counters();
     let first_sched = traced.job.take_all_sched(&mut traced.probes);
+    traced.probes.log_sched_mismatches();
+    traced.probes.write_sched_history();
     let cpu_sampling = traced.job.cpu_sampling(cfg.quiet);
     let job = detach_and_drain(traced.probes, traced.rings, traced.python, traced.job, ended_ns);
     let late_records = job.late_records;
