@@ -298,3 +298,84 @@ fn doctor_says_which_step_source_auto_takes_with_the_cuda_plugin_loaded() {
     let auto = stdout.lines().find(|l| l.contains("--steps auto")).unwrap_or_default();
     assert!(auto.contains("jitted training step") && auto.contains("PjitFunction::Call at 0x"), "{stdout}");
 }
+
+/// The jitted call's native frames (#34): CPU samples taken in the loop's
+/// `train_step` steps name jaxlib's C++ under the loop's Python frame: the
+/// jitted function's call (`PjitFunction::Call`), called from `main` in
+/// jax_loop.py, and XLA's CPU executable run beneath it. The names are the
+/// files' own: most of jaxlib's frames are verbatim among the defined
+/// symbols binutils' `nm -C` reads from the same file (the rest differ in
+/// how the two demanglers spell template arguments: `1024u`, `(unsigned int)1024`).
+#[test]
+fn cpu_samples_of_a_jitted_call_name_jaxlibs_native_frames_under_the_python_caller() {
+    for (version, py) in jax_pythons() {
+        let (l, stderr) = traced(&py, &format!("jax-frames-{version}"), &["--steps", "600"], &["--cpu-sample", "999"]);
+        let venv = py.parent().and_then(Path::parent).expect("a venv");
+        let jaxlib: Vec<PathBuf> = site_packages(venv)
+            .into_iter()
+            .flat_map(|p| std::fs::read_dir(p.join("jaxlib")).into_iter().flatten().flatten())
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "so"))
+            .collect();
+        let file_of = |module: &str| jaxlib.iter().find(|p| p.file_name().is_some_and(|n| n == module));
+        let conn = open(&l.db());
+        // Each sample in a train step: its frames, leaf first.
+        let mut q = conn
+            .prepare(
+                "SELECT s.rowid, st.depth, f.kind, f.module, f.function FROM cpu_samples s
+                 JOIN stacks st ON st.session_id = s.session_id AND st.stack_id = s.stack_id
+                 JOIN frames f ON f.session_id = st.session_id AND f.frame_id = st.frame_id
+                 WHERE s.label = 'train' ORDER BY s.rowid, st.depth",
+            )
+            .expect("prepare");
+        type Frame = (String, Option<String>, String);
+        let mut samples: std::collections::BTreeMap<i64, Vec<Frame>> = Default::default();
+        for row in q.query_map([], |r| Ok((r.get::<_, i64>(0)?, (r.get(2)?, r.get(3)?, r.get(4)?)))).expect("query") {
+            let (id, frame) = row.expect("row");
+            samples.entry(id).or_default().push(frame);
+        }
+        assert!(!samples.is_empty(), "JAX {version}: no CPU samples in the train steps: {stderr}");
+        let is_jaxlib = |f: &Frame| f.0 == "native" && f.1.as_deref().is_some_and(|m| file_of(m).is_some());
+        let call = |f: &Frame| is_jaxlib(f) && f.2.contains("PjitFunction::Call");
+        let under_main = samples
+            .values()
+            .filter(|frames| {
+                let Some(at) = frames.iter().position(call) else { return false };
+                let caller = frames[at..].iter().any(|f| {
+                    f.0 == "python" && f.1.as_deref().is_some_and(|m| m.ends_with("jax_loop.py")) && f.2 == "main"
+                });
+                let beneath = frames[..at].iter().any(|f| is_jaxlib(f) && f.2.contains("xla::"));
+                caller && beneath
+            })
+            .count();
+        let with_call = samples.values().filter(|f| f.iter().any(call)).count();
+        println!(
+            "JAX {version}: {} samples in train steps, {with_call} in the jitted call, {under_main} of those \
+             from main with XLA's run beneath",
+            samples.len()
+        );
+        assert!(under_main > 0, "JAX {version}: no sample of the jitted call under main with XLA beneath it");
+        // The names against the files' own symbols.
+        let mut names: std::collections::BTreeMap<&str, std::collections::BTreeSet<&str>> = Default::default();
+        for f in samples.values().flatten().filter(|f| is_jaxlib(f)) {
+            names.entry(f.1.as_deref().expect("a module")).or_default().insert(&f.2);
+        }
+        let (mut known, mut all) = (0, 0);
+        for (module, functions) in &names {
+            let path = file_of(module).expect("a jaxlib file");
+            let out = std::process::Command::new("nm")
+                .args(["-C", "--defined-only"])
+                .arg(path)
+                .output()
+                .expect("nm (binutils)");
+            let text = String::from_utf8_lossy(&out.stdout);
+            let symbols: std::collections::HashSet<&str> =
+                text.lines().filter_map(|l| l.splitn(3, ' ').nth(2)).collect();
+            all += functions.len();
+            known += functions.iter().filter(|f| symbols.contains(**f)).count();
+            assert!(functions.iter().all(|f| !f.starts_with("0x")), "JAX {version}: an unnamed frame in {module}");
+        }
+        println!("JAX {version}: {known} of {all} jaxlib function names verbatim in nm -C's");
+        assert!(known * 4 >= all * 3, "JAX {version}: {known} of {all} names among the files' symbols");
+    }
+}
