@@ -119,9 +119,15 @@ fn test_phases(
         say(format!("py-spy: not installed: {e:#}"));
         PathBuf::new()
     });
+    // pprof-format (npm), the third-party reader the pprof export is checked with.
+    let pprof_format = torch_env::ensure_pprof_format().unwrap_or_else(|e| {
+        say(format!("pprof-format: not installed: {e:#}"));
+        PathBuf::new()
+    });
     let (bin, fx) = (profiler_bin(), fixtures_dir());
     let mut env = vec![
         ("PROFILER_PY_SPY", py_spy.into_os_string()),
+        ("PROFILER_PPROF_FORMAT", pprof_format.into_os_string()),
         ("PROFILER_BIN", bin.into_os_string()),
         ("PROFILER_FIXTURES", fx.into_os_string()),
         ("PROFILER_TORCH_PYTHONS", pythons),

@@ -170,6 +170,33 @@ pub fn ensure_py_spy() -> Result<PathBuf> {
     Ok(program)
 }
 
+/// pprof-format (npm), a reader of pprof profiles nobody here wrote, that
+/// the pprof export's test decodes `profiler export --format pprof` with.
+pub const PPROF_FORMAT_VERSION: &str = "2.3.2";
+
+/// pprof-format from the npm registry, installed once into the cache with
+/// the machine's `npm` (none installed system-wide). Returns the package's
+/// directory, for node's `require`.
+pub fn ensure_pprof_format() -> Result<PathBuf> {
+    let dir = crate::debian_debs::cache_dir("npm").join(format!("pprof-format-{PPROF_FORMAT_VERSION}"));
+    let package = dir.join("node_modules/pprof-format");
+    if dir.join(".profiler-ready").exists() && package.exists() {
+        return Ok(package);
+    }
+    let partial = dir.with_extension("partial");
+    let _ = std::fs::remove_dir_all(&partial);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&partial).with_context(|| format!("creating {}", partial.display()))?;
+    say(format!("pprof-format: npm install pprof-format@{PPROF_FORMAT_VERSION} into {} (once)", dir.display()));
+    run(Command::new("npm")
+        .args(["install", "--no-audit", "--no-fund", "--silent", "--no-save"])
+        .arg(format!("pprof-format@{PPROF_FORMAT_VERSION}"))
+        .current_dir(&partial))?;
+    std::fs::write(partial.join(".profiler-ready"), PPROF_FORMAT_VERSION)?;
+    std::fs::rename(&partial, &dir)?;
+    Ok(package)
+}
+
 /// Points the `#!` line of each script in `venv`'s `bin/` that names an
 /// interpreter no longer there (where the environment was built, before its
 /// rename) at `venv`'s own of the same name, so that `torchrun` and the other
