@@ -94,6 +94,18 @@ pub(super) struct CpuStacks {
     maps_stale: bool,
     /// When the maps were last read.
     maps_read_at: Option<std::time::Instant>,
+    /// Whether the process's root is the agent's (None: not looked at yet):
+    /// its files are then named by their own paths, which every process of a
+    /// job shares (the symbolizer parses each file once), else through
+    /// `/proc/PID/root` (a container's).
+    same_root: Option<bool>,
+}
+
+/// Whether `pid`'s root directory is the agent's.
+fn same_root(pid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let (theirs, ours) = (std::fs::metadata(format!("/proc/{pid}/root")), std::fs::metadata("/"));
+    theirs.is_ok_and(|t| ours.is_ok_and(|o| (t.dev(), t.ino()) == (o.dev(), o.ino())))
 }
 
 /// An executable mapping: its addresses, and the file (None: anonymous,
@@ -158,6 +170,7 @@ impl CpuStacks {
             named: HashMap::new(),
             maps_stale: true,
             maps_read_at: None,
+            same_root: None,
         }
     }
 
@@ -339,7 +352,9 @@ impl CpuStacks {
         let found: Vec<Symbolized> = match kind {
             KERNEL => symbolize(&Source::Kernel(Kernel::default()), Input::AbsAddr(addrs)).unwrap_or_default(),
             _ => {
-                let mut found = self.by_files(addrs, alive);
+                let pid = self.pid;
+                let rooted = alive && !*self.same_root.get_or_insert_with(|| same_root(pid));
+                let mut found = self.by_files(addrs, rooted);
                 // Code in no file (the vDSO, a JIT's): through the process
                 // while it lives, which knows the vDSO's symbols.
                 let fileless: Vec<usize> = (0..addrs.len())
@@ -395,10 +410,10 @@ impl CpuStacks {
     }
 
     /// `addrs` named in the files the process has mapped there (its
-    /// mappings as last read), one symbolize call per file: through its root
-    /// while it lives (a container's files), by the same path from here once
-    /// it has exited (the process's root is gone with it).
-    fn by_files(&self, addrs: &[u64], alive: bool) -> Vec<Symbolized<'_>> {
+    /// mappings as last read), one symbolize call per file: with `rooted`
+    /// through its root (a container's files, while it lives), else, or if
+    /// that fails (it has exited since), by the same path from here.
+    fn by_files(&self, addrs: &[u64], rooted: bool) -> Vec<Symbolized<'_>> {
         let mut found: Vec<Symbolized> = vec![Symbolized::Unknown(Reason::Unmapped); addrs.len()];
         let mut by_file: HashMap<&std::path::Path, (Vec<usize>, Vec<u64>)> = HashMap::new();
         for (n, &addr) in addrs.iter().enumerate() {
@@ -411,7 +426,7 @@ impl CpuStacks {
             }
         }
         for (path, (at, offsets)) in by_file {
-            let rooted = alive.then(|| crate::probes::in_target_root(self.pid, path));
+            let rooted = rooted.then(|| crate::probes::in_target_root(self.pid, path));
             // The process may have exited since its maps were read.
             for file in rooted.iter().map(|p| p.as_path()).chain([path]) {
                 let src = Source::Elf(Elf::new(file));
