@@ -131,12 +131,13 @@ fn history_on() -> bool {
     unsafe { core::ptr::read_volatile(&SCHED_HISTORY_PER_CPU) != 0 }
 }
 
-/// Adds an event to this CPU's history, unless it is off or frozen.
+/// Adds an event to this CPU's history, unless it is frozen (the callers
+/// have checked [`history_on`]).
 #[inline(always)]
 fn remember(kind: u32, prev: u32, next: u32, prev_state: u32, preempt: u32, t: u64) {
     // SAFETY: a plain read of a global the loader patched.
-    let per_cpu = unsafe { core::ptr::read_volatile(&SCHED_HISTORY_PER_CPU) };
-    if per_cpu == 0 || SCHED_HISTORY_FROZEN.get(0).is_some_and(|f| *f != 0) {
+    let per_cpu = unsafe { core::ptr::read_volatile(&SCHED_HISTORY_PER_CPU) }.max(1);
+    if SCHED_HISTORY_FROZEN.get(0).is_some_and(|f| *f != 0) {
         return;
     }
     let Some(at) = SCHED_HISTORY_AT.get_ptr_mut(0) else { return };
@@ -263,15 +264,13 @@ pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
     let t = now();
     let pid_tgid = bpf_get_current_pid_tgid();
     let (prev_tid, prev_tgid) = (pid_tgid as u32, (pid_tgid >> 32) as u32);
+    let (preempt, prev_state): (u64, u64) = (ctx.arg(0), ctx.arg(3));
+    let next: *const u8 = ctx.arg(2);
     if history_on() {
-        let (preempt, prev_state): (u64, u64) = (ctx.arg(0), ctx.arg(3));
-        let next: *const u8 = ctx.arg(2);
         let next_tid = task_ids(next).map_or(u32::MAX, |(tid, _)| tid);
         remember(0, prev_tid, next_tid, prev_state as u32, (preempt & 0xff) as u32, t);
     }
     if prev_tid != 0 && traced(prev_tid, prev_tgid) {
-        let preempt: u64 = ctx.arg(0);
-        let prev_state: u64 = ctx.arg(3);
         let leaving = leaving_state(preempt & 0xff != 0, prev_state as u32);
         let prev: *const u8 = ctx.arg(1);
         if let Some(slot) = thread_state(prev_tid, !exiting(prev)) {
@@ -296,7 +295,6 @@ pub fn sched_switch(ctx: RawTracePointContext) -> i32 {
             }
         }
     }
-    let next: *const u8 = ctx.arg(2);
     let Some((next_tid, next_tgid)) = task_ids(next) else { return 0 };
     if next_tid != 0
         && traced(next_tid, next_tgid)

@@ -16,7 +16,19 @@ use crate::run;
 /// machine fetches them once, or under target/ where that cannot be made.
 pub fn cache_dir(name: &str) -> PathBuf {
     let shared = Path::new("/var/cache/profiler").join(name);
-    if std::fs::create_dir_all(&shared).is_ok() { shared } else { crate::fixtures_dir().join(format!("{name}-cache")) }
+    if std::fs::create_dir_all(&shared).is_ok() && writable(&shared) {
+        shared
+    } else {
+        crate::fixtures_dir().join(format!("{name}-cache"))
+    }
+}
+
+/// Whether this process may write in `dir` (a cache root made another user's stays theirs).
+fn writable(dir: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(path) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else { return false };
+    // SAFETY: `path` is a NUL-terminated string that outlives the call.
+    unsafe { libc::access(path.as_ptr(), libc::W_OK) == 0 }
 }
 
 /// A Debian suite and its components, as a sources line names them.

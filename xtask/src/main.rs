@@ -138,6 +138,11 @@ pub(crate) fn build_ebpf() -> Result<()> {
 
 fn build() -> Result<()> {
     build_ebpf()?;
+    build_profiler()
+}
+
+/// The profiler binary for this host, once the eBPF object it embeds is built.
+fn build_profiler() -> Result<()> {
     say("building the profiler (release)");
     run(cargo().current_dir(root()).args(["build", "--release", "-p", "profiler"]))
 }
@@ -192,7 +197,7 @@ fn c_fixtures() -> Result<()> {
     gcc(&[&common[..], &["-o", &out("genuine_launch"), "genuine_launch.c", "-ldl"]].concat())?;
     gcc(&[&common[..], &["-rdynamic", "-o", &out("sched_trainer"), "sched_trainer.c", "-ldl"]].concat())?;
     gcc(&[&common[..], &["-o", &out("bench_loop"), "bench_loop.c", "-ldl", "-lpthread"]].concat())?;
-    // Frame pointers: the CPU sampler's stacks of it reach `main` (tests/tests/cpu.rs).
+    // Frame pointers: the CPU sampler's stacks of it reach `main` (tests/tests/integration/cpu.rs).
     gcc(&[&common[..], &["-fno-omit-frame-pointer", "-rdynamic", "-o", &out("cpu_trainer"), "cpu_trainer.c"]].concat())?;
     // And without: the sampler's stacks stop at the leaf, and it says so.
     gcc(&[&common[..], &["-fomit-frame-pointer", "-rdynamic", "-o", &out("cpu_trainer_nofp"), "cpu_trainer.c"]]
@@ -292,15 +297,21 @@ fn run_task(task: Task) -> Result<()> {
         Task::Build => build(),
         Task::Fixtures => fixtures(),
         Task::Test { args } => {
-            build()?;
-            fixtures()?;
-            // The install tests run the dist binary; where it cannot be
-            // built here (no PyPI, no python3 venv), they say SKIPPED and why.
+            // The tests run the dist binary, the one file a training node
+            // gets: one release build of the profiler serves both. Where it
+            // cannot be built here (no PyPI, no python3 venv), the host build
+            // stands in, and the install tests say SKIPPED and why.
             let dist = dist::dist().and_then(|bin| Ok((bin, dist::old_glibc_fixtures()?)));
-            if let Err(e) = &dist {
-                say(format!("no dist binary for the install tests: {e:#}"));
-            }
-            suite::test(&args, dist.map_err(|e| format!("{e:#}")))
+            let bin = match &dist {
+                Ok((bin, _)) => bin.clone(),
+                Err(e) => {
+                    say(format!("no dist binary: {e:#}; the tests run the host build"));
+                    build_profiler()?;
+                    profiler_bin()
+                }
+            };
+            fixtures()?;
+            suite::test(&args, bin, dist.map_err(|e| format!("{e:#}")))
         }
         Task::FuzzCorpus => suite::fuzz_corpus(),
         Task::Bench { only } => {

@@ -44,28 +44,37 @@ pub fn command(program: impl AsRef<OsStr>, env: &[(&str, &OsStr)], why: &str) ->
     Ok(c)
 }
 
-/// The test executables `cargo test --no-run` builds for `package` (release),
-/// built as the user, to be run as root by [`command`].
-pub fn test_executables(package: &str) -> Result<Vec<PathBuf>> {
+/// The test executables of the whole workspace (release), built in one
+/// cargo run so that each dependency is built once, with the features all
+/// the tests use (a run per package would unify them per package and build
+/// many twice); `extra`: more `cargo test` arguments (e.g. `--test NAME` for
+/// one target first). Each comes with its package's directory, relative to
+/// the workspace root (`profiler`, `tests`, …).
+pub fn workspace_test_executables(extra: &[&str]) -> Result<Vec<(String, PathBuf)>> {
     let out = crate::cargo()
         .current_dir(crate::root())
-        .args(["test", "--release", "-p", package, "--no-run", "--message-format=json"])
+        .args(["test", "--release", "--workspace", "--no-run", "--message-format=json"])
+        .args(extra)
         .stderr(Stdio::inherit())
         .output()
         .context("cannot run cargo test --no-run")?;
     if !out.status.success() {
-        bail!("building the tests of {package} failed");
+        bail!("building the workspace's tests failed");
     }
     let mut exes = Vec::new();
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { continue };
         let is_test = msg["reason"] == "compiler-artifact" && msg["profile"]["test"] == true;
-        if let (true, Some(exe)) = (is_test, msg["executable"].as_str()) {
-            exes.push(PathBuf::from(exe));
+        let (Some(exe), Some(manifest)) = (msg["executable"].as_str(), msg["manifest_path"].as_str()) else {
+            continue;
+        };
+        let package = Path::new(manifest).parent().and_then(|d| d.strip_prefix(crate::root()).ok());
+        if let (true, Some(package)) = (is_test, package) {
+            exes.push((package.to_string_lossy().into_owned(), PathBuf::from(exe)));
         }
     }
     if exes.is_empty() {
-        bail!("cargo built no test executable for {package}");
+        bail!("cargo built no test executable");
     }
     Ok(exes)
 }

@@ -144,17 +144,21 @@ pub fn ensure_ebpf_toolchain() -> Result<()> {
     let rustflags = format!("-C link-arg={} -C link-arg=-Wl,-rpath,{}", llvm.display(), dir.display());
     // From `/`: no rust-toolchain.toml picks the compiler (the workspace's
     // root may not exist where setup runs, as in the install test's root).
-    run(cargo().current_dir("/").env("RUSTFLAGS", rustflags).args([
-        "install",
-        "bpf-linker",
-        "--version",
-        BPF_LINKER_VERSION,
-        "--no-default-features",
-        "--features",
-        "llvm-22,no-llvm-linking",
-        "--locked",
-        "--force",
-    ]))?;
+    // The build stays in the cache: a later install (another nightly, a
+    // failed link) rebuilds only what changed.
+    let build_dir = crate::debian_debs::cache_dir("bpf-linker-build");
+    run(cargo().current_dir("/").env("RUSTFLAGS", rustflags).arg("install").arg("--target-dir").arg(&build_dir).args(
+        [
+            "bpf-linker",
+            "--version",
+            BPF_LINKER_VERSION,
+            "--no-default-features",
+            "--features",
+            "llvm-22,no-llvm-linking",
+            "--locked",
+            "--force",
+        ],
+    ))?;
     let version = output(Command::new("bpf-linker").arg("--version"))
         .context("the bpf-linker just installed does not run (is ~/.cargo/bin on PATH?)")?;
     if version.trim() != want {

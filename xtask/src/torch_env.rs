@@ -178,7 +178,7 @@ pub const PPROF_FORMAT_VERSION: &str = "2.3.2";
 /// the machine's `npm` (none installed system-wide). Returns the package's
 /// directory, for node's `require`.
 pub fn ensure_pprof_format() -> Result<PathBuf> {
-    let dir = crate::debian_debs::cache_dir("npm").join(format!("pprof-format-{PPROF_FORMAT_VERSION}"));
+    let dir = cache_dir().join(format!("npm/pprof-format-{PPROF_FORMAT_VERSION}"));
     let package = dir.join("node_modules/pprof-format");
     if dir.join(".profiler-ready").exists() && package.exists() {
         return Ok(package);

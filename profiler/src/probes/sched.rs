@@ -112,8 +112,13 @@ impl Probes {
                 _ => format!("{} {} wakeup {} {}\n", e.at_ns, e.cpu, e.prev, e.next),
             };
         }
-        if let Err(e) = std::fs::write(&path, text) {
-            log::warn!("writing the scheduler history to {}: {e}", std::path::Path::new(&path).display());
+        let path = std::path::Path::new(&path);
+        let made = !path.exists();
+        match std::fs::write(path, text) {
+            // Under sudo, a file this run made is the user's, as a profile is.
+            Ok(()) if made => crate::ownership::give_to_invoking_user(&[path]),
+            Ok(()) => {}
+            Err(e) => log::warn!("writing the scheduler history to {}: {e}", path.display()),
         }
     }
 }

@@ -311,18 +311,19 @@ impl CpuStacks {
         let mut new: Vec<u64> = addrs.iter().copied().filter(|&a| !self.named.contains_key(&(kind, a))).collect();
         new.sort_unstable();
         new.dedup();
-        if !new.is_empty() {
-            let named = self.name_addresses(kind, &new);
-            // An address in none of the maps (a frame-pointer walk gone
-            // astray, mostly) is not kept: a later read of the maps may hold it.
-            let maps = &self.maps;
-            let keep = |a: &u64| kind == KERNEL || maps.iter().any(|m| m.range.contains(a));
-            let (kept, passing): (Vec<_>, Vec<_>) = new.into_iter().zip(named).partition(|(a, _)| keep(a));
-            self.named.extend(kept.into_iter().map(|(a, n)| ((kind, a), n)));
-            let passing: HashMap<u64, Named> = passing.into_iter().collect();
-            return addrs.iter().map(|&a| self.named.get(&(kind, a)).unwrap_or_else(|| &passing[&a]).clone()).collect();
+        let named = if new.is_empty() { Vec::new() } else { self.name_addresses(kind, &new) };
+        // An address in none of the maps (a frame-pointer walk gone astray,
+        // mostly) is named for these samples but not kept: a later read of
+        // the maps may hold it.
+        let mut passing = HashMap::new();
+        for (a, n) in new.into_iter().zip(named) {
+            if kind == KERNEL || self.maps.iter().any(|m| m.range.contains(&a)) {
+                self.named.insert((kind, a), n);
+            } else {
+                passing.insert(a, n);
+            }
         }
-        addrs.iter().map(|&a| self.named[&(kind, a)].clone()).collect()
+        addrs.iter().map(|a| self.named.get(&(kind, *a)).unwrap_or_else(|| &passing[a]).clone()).collect()
     }
 
     /// [`Self::names`] for addresses not named before, each once.

@@ -305,6 +305,8 @@ struct EpochEnd {
     /// The loop thread's time on a run queue from the new iterator's first
     /// `next()` to that clock read.
     run_delay_ns: i64,
+    /// The same from before the `next()` that raised StopIteration.
+    boundary_run_delay_ns: i64,
 }
 
 fn read_epochs(path: &Path) -> Vec<EpochEnd> {
@@ -316,6 +318,7 @@ fn read_epochs(path: &Path) -> Vec<EpochEnd> {
             stop_begin_ns: truth.num(&r, 2),
             first_batch_ns: truth.num(&r, 4),
             run_delay_ns: truth.num(&r, 5),
+            boundary_run_delay_ns: truth.num(&r, 6),
         })
         .collect()
 }
@@ -360,12 +363,16 @@ fn epoch_loop(name: &str, args: &[&str]) {
             e.run_delay_ns
         );
         worst = worst.max(ds);
-        // From the StopIteration `__next__` to the first batch: data wait, and inside the gap.
+        // From the StopIteration `__next__` to the first batch: data wait, and
+        // inside the gap; short of the loop's by no more than the time its
+        // thread was kept off a CPU meanwhile (between the loop's clock read
+        // and the `__next__` region's start: 2.2 ms was seen, at 2 cores).
         let rollover = e.first_batch_ns - e.stop_begin_ns;
         let wait = waits[e.step].0.expect("data_wait_ns");
+        let late = e.boundary_run_delay_ns;
         assert!(
-            wait <= t.data_wait_ns && wait >= rollover - EPOCH_START_TOLERANCE_NS,
-            "step {}: data wait {wait} vs the loop's {} (rollover {rollover})",
+            wait <= t.data_wait_ns && wait >= rollover - EPOCH_START_TOLERANCE_NS - late,
+            "step {}: data wait {wait} vs the loop's {} (rollover {rollover}; {late} ns runnable, not running)",
             e.step,
             t.data_wait_ns
         );

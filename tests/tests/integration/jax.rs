@@ -23,6 +23,9 @@ struct LoopCall {
     start_ns: i64,
     /// A call before the loop, which traced and compiled the function.
     compiling: bool,
+    /// The loop thread's time on a run queue from before its stamp to the
+    /// call's return (the dispatch, not the compute); 0 for a compiling call.
+    queued_ns: i64,
 }
 
 struct Loop {
@@ -81,6 +84,7 @@ fn loop_calls(path: &Path) -> Vec<LoopCall> {
         tid: truth.num(r, first),
         start_ns: truth.num(r, first + 1),
         compiling,
+        queued_ns: if compiling { 0 } else { truth.num(r, first + 3) },
     };
     let mut v: Vec<LoopCall> = truth.records("compile").map(|r| call(&r, 1, true)).collect();
     v.extend(truth.records("call").map(|r| call(&r, 2, false)));
@@ -119,9 +123,15 @@ fn compare(truth: &[LoopCall], db: &[DbStep]) -> i64 {
     for (i, (t, d)) in truth.iter().zip(db).enumerate() {
         assert_eq!(d.tid, t.tid, "thread of step {d:?}");
         assert_eq!(d.label, t.label, "label of step {d:?} vs {t:?}");
+        // Late by no more than the bound and the time the loop's thread was
+        // kept off a CPU meanwhile; the p99 is of the error net of that time.
         let ds = d.start_ns as i64 - t.start_ns;
-        assert!((0..STEP_TOLERANCE_NS).contains(&ds), "{d:?} starts {ds} ns after the loop's stamp {t:?}");
-        starts.push(ds);
+        assert!(
+            (0..STEP_TOLERANCE_NS + t.queued_ns).contains(&ds),
+            "{d:?} starts {ds} ns after the loop's stamp {t:?} ({} ns runnable, not running)",
+            t.queued_ns
+        );
+        starts.push((ds - t.queued_ns).max(0));
         // The gap since the same label's previous step: none after one of its own.
         if i > 0 && db[i - 1].label == d.label {
             assert_eq!(d.inter_step_ns, Some(0), "{d:?}: shared boundaries");

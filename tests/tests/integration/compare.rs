@@ -187,10 +187,10 @@ fn old_profile(dir: &Path) -> PathBuf {
     let _ = std::fs::remove_file(&path);
     let conn = rusqlite::Connection::open(&path).expect("create");
     for sql in [
-        include_str!("../../profiler/src/store/migrations/0000_core.sql"),
-        include_str!("../../profiler/src/store/migrations/0001_gpu.sql"),
-        include_str!("../../profiler/src/store/migrations/0002_rapl.sql"),
-        include_str!("../../profiler/src/store/migrations/0003_system.sql"),
+        include_str!("../../../profiler/src/store/migrations/0000_core.sql"),
+        include_str!("../../../profiler/src/store/migrations/0001_gpu.sql"),
+        include_str!("../../../profiler/src/store/migrations/0002_rapl.sql"),
+        include_str!("../../../profiler/src/store/migrations/0003_system.sql"),
     ] {
         conn.execute_batch(sql).expect("old schema");
     }

@@ -224,8 +224,13 @@ fn a_steps_cpu_time_sleep_and_copies_match_the_trainers_own_through_the_genuine_
             "cpu_ns {cpu} within 10 % of the thread's own {} ns (and the {steal} ns the hypervisor stole meanwhile)",
             t.cpu_ns
         );
+        // A wake-up the hypervisor delays (the timer fired, the vCPU not
+        // run) lengthens the sleep by time it counts as stolen.
         let slept = s.sleep_ns.expect("sleep_ns") - SLEEP_US * 1000;
-        assert!((0..500_000).contains(&slept), "sleep_ns within 0.5 ms of the {SLEEP_US} µs sleep: {s:?}");
+        assert!(
+            (0..500_000 + steal).contains(&slept),
+            "sleep_ns within 0.5 ms of the {SLEEP_US} µs sleep (and the {steal} ns the hypervisor stole meanwhile): {s:?}"
+        );
     }
     // Every call once, as the runtime call (the runtime's calls fail before any driver copy).
     assert_eq!(db_copies(&run.db, run.session), truth_copies);

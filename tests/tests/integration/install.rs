@@ -284,6 +284,14 @@ fn setup_changes_only_what_it_names() {
         root.copy_in(host_ca, "/tmp/host-ca.crt");
     }
 
+    // setup keeps bpf-linker's build in its cache (/var/cache/profiler/bpf-linker-build):
+    // this root's is one kept beside the roots, for this test only, so that
+    // a later run builds again only what changed (a new nightly), as on a
+    // user's machine. The packages and /etc/apt are what is compared.
+    let build_cache = Path::new(ROOTS).join("bookworm-bpf-linker-build");
+    std::fs::create_dir_all(&build_cache).expect("make the root's bpf-linker build cache");
+    root.bind(&build_cache, "/var/cache/profiler/bpf-linker-build", false).expect("bind the build cache");
+
     let before = root.packages();
     let apt_before = root.files("/etc/apt");
     assert!(!before.contains_key("gcc"), "gcc in a minbase root");
