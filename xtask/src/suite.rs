@@ -51,8 +51,6 @@ struct Tally {
     /// user and system), in the order run: where the suite's time goes, and
     /// how much of the machine each run kept busy.
     times: Vec<(String, Duration, Duration)>,
-    /// The CPU time of the run that just ended.
-    last_cpu: Duration,
     panics: Vec<String>,
     /// Lines of the panic message being read (it ends at a backtrace or a blank line).
     in_panic: bool,
@@ -85,6 +83,12 @@ impl Tally {
                 last.push_str(t);
             }
         }
+    }
+
+    /// A run's output is read from its start: no section state carried over from the last.
+    fn new_output(&mut self) {
+        self.in_failures = false;
+        self.in_panic = false;
     }
 
     /// The totals come last, pass or fail.
@@ -194,7 +198,7 @@ fn test_phases(
         say(format!("root integration tests of `{name}`, beside the unit tests (their output when both end)"));
         beside.push((name, Beside::start(integration(&exe, &selection)?)?));
     }
-    let unit = unit_tests(&env, tally);
+    let unit = unit_tests(&env, &integration_exes, tally);
     // Every module runs, a failed one or not: one CI run shows every failure.
     let mut failed = Vec::new();
     for (name, run) in beside {
@@ -220,11 +224,12 @@ fn test_phases(
 
 /// The unit tests of the host crates (as the user), then the profiler
 /// crate's root-only ones, from the workspace's one build of its tests.
-fn unit_tests(env: &[(&str, &std::ffi::OsStr)], tally: &mut Tally) -> Result<()> {
+fn unit_tests(env: &[(&str, &std::ffi::OsStr)], integration: &[PathBuf], tally: &mut Tally) -> Result<()> {
     let built = crate::root::workspace_test_executables(&[])?;
     say("unit tests (host crates, release, no root needed)");
     let mut profiler = Vec::new();
-    for (package, exe) in built.iter().filter(|(package, _)| package != "tests") {
+    // Every one but the integration binaries (the tests' library too).
+    for (package, exe) in built.iter().filter(|(_, exe)| !integration.contains(exe)) {
         // As `cargo test` runs them: in the package's directory.
         let mut c = Command::new(exe);
         c.envs(env.iter().copied()).current_dir(crate::root::package_dir(package));
@@ -284,8 +289,7 @@ impl Beside {
         let out = self.output.join().map_err(|_| anyhow::anyhow!("the output reader panicked"))??;
         say(format!("root integration tests of `{name}`, run beside the unit tests:"));
         std::io::Write::write_all(&mut std::io::stdout(), &out)?;
-        tally.in_failures = false;
-        tally.in_panic = false;
+        tally.new_output();
         for line in String::from_utf8_lossy(&out).lines() {
             tally.line(line);
         }
@@ -334,10 +338,21 @@ fn warn_unrun_ignored(exe: &std::path::Path) -> Result<()> {
 /// what [`Tally`] keeps of it, and times it under `name`.
 fn run_tests_named(cmd: &mut Command, name: &str, tally: &mut Tally) -> Result<()> {
     let started = std::time::Instant::now();
-    let result = run_tests_untimed(cmd, tally);
-    let cpu = std::mem::take(&mut tally.last_cpu);
+    let mut child =
+        cmd.stdout(std::process::Stdio::piped()).spawn().with_context(|| format!("cannot start {cmd:?}"))?;
+    tally.new_output();
+    let passed = pass_through(&mut child, tally);
+    if passed.is_err() {
+        // Not left running beside the next binary.
+        let _ = child.kill();
+    }
+    let (status, cpu) = wait_with_cpu(&child)?;
     tally.times.push((name.to_owned(), started.elapsed(), cpu));
-    result
+    passed?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
 }
 
 /// The tests of a test binary by module (its first path segment), in the
@@ -365,26 +380,6 @@ fn run_name_of(exe: &std::path::Path) -> String {
         Some((stem, hash)) if hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit()) => stem.to_owned(),
         _ => name,
     }
-}
-
-fn run_tests_untimed(cmd: &mut Command, tally: &mut Tally) -> Result<()> {
-    let mut child =
-        cmd.stdout(std::process::Stdio::piped()).spawn().with_context(|| format!("cannot start {cmd:?}"))?;
-    // Each binary's output is read from its start: no section state carried over from the last.
-    tally.in_failures = false;
-    tally.in_panic = false;
-    let passed = pass_through(&mut child, tally);
-    if passed.is_err() {
-        // Not left running beside the next binary.
-        let _ = child.kill();
-    }
-    let (status, cpu) = wait_with_cpu(&child)?;
-    tally.last_cpu = cpu;
-    passed?;
-    if !status.success() {
-        bail!("{cmd:?} failed: {status}");
-    }
-    Ok(())
 }
 
 /// Waits for `child` as `Child::wait` does, and returns its CPU time too:
