@@ -35,7 +35,7 @@ pub(super) fn attach_all(
     }
     attach_loader(target, probes, watcher, &mut libraries);
     attach_predicted_driver(target, probes, watcher, &mut libraries);
-    pause_for_tests(target.pid);
+    pause_for_tests(TEST_PAUSE_ENV, target.pid, "the step probes");
     // The step probes go in last, so that every step they see has the launch
     // probes of the libraries known now in place for its whole span.
     attach_step_symbols(cfg, target.pid, probes, steps, &mut libraries)?;
@@ -58,10 +58,15 @@ pub(super) fn attach_all(
 /// the library probes and the step probes for up to N ms, or until the target
 /// exits, so that a test can end its target while attach is under way.
 const TEST_PAUSE_ENV: &str = "PROFILER_TEST_ATTACH_PAUSE_MS";
+/// Tests only: `PROFILER_TEST_LIBRARY_PAUSE_MS=N` holds the probing of each
+/// CUDA library found after attach likewise, as the kernel does when the
+/// probes wait behind another session's removal (issue 35).
+pub(super) const TEST_LIBRARY_PAUSE_ENV: &str = "PROFILER_TEST_LIBRARY_PAUSE_MS";
 
-fn pause_for_tests(pid: u32) {
-    let Some(ms) = std::env::var(TEST_PAUSE_ENV).ok().and_then(|v| v.trim().parse::<u64>().ok()) else { return };
-    eprintln!("profiler: {TEST_PAUSE_ENV}: pausing before the step probes");
+/// Holds for the `env` test pause, if it is set, before `what`.
+pub(super) fn pause_for_tests(env: &str, pid: u32, what: &str) {
+    let Some(ms) = std::env::var(env).ok().and_then(|v| v.trim().parse::<u64>().ok()) else { return };
+    eprintln!("profiler: {env}: pausing before {what}");
     let until = std::time::Instant::now() + std::time::Duration::from_millis(ms);
     while std::time::Instant::now() < until && probes::is_alive(pid) {
         std::thread::sleep(std::time::Duration::from_millis(5));

@@ -141,6 +141,7 @@ impl LibraryWatcher {
                 continue;
             }
             let visible = probes::in_target_root(self.pid, &file.path);
+            super::attach::pause_for_tests(super::attach::TEST_LIBRARY_PAUSE_ENV, self.pid, "a library's probes");
             match probes.attach_cuda_library(kind, &visible, &text, self.pid) {
                 Ok(None) => {}
                 Ok(Some(placed)) => {
@@ -191,6 +192,16 @@ impl LibraryWatcher {
                 why = format!("{why}: {s_text}");
             }
             source = s.source();
+        }
+        // The path the kernel looks up is the target's (`/proc/PID/root/…`),
+        // which is gone with the target: a target that exits while its
+        // probes wait in the kernel (behind another session's removal, as
+        // `bench attach` and issue 35 saw) leaves ENOENT. That is the
+        // session's end, not a library the user must look into.
+        if !probes::is_alive(self.pid) {
+            log::info!("PID {} exited before {} was probed ({why})", self.pid, path.display());
+            let row = format!("not probed ({how}): the target exited first ({why})");
+            return Some(ProbedFileRow::now(path, kind.as_str(), 0, row));
         }
         // ENOENT from perf_event_open or a link's creation is the kernel's
         // lookup of the path: say whether the file is there now, which

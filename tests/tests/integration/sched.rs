@@ -239,6 +239,64 @@ fn a_steps_cpu_time_sleep_and_copies_match_the_trainers_own_through_the_genuine_
     assert_sched_track_matches_the_steps(&run, &steps, mismatches);
 }
 
+/// A target that exits while its runtime's probes wait (in the kernel, behind
+/// another session's removal, as issue 35 saw: the lookup of
+/// `/proc/PID/root/…` then fails with ENOENT) is the session's end, not a
+/// library to warn of: no "could not probe", the runtime's `libraries` row
+/// says the target exited first, and every step the trainer made is there.
+#[test]
+fn a_target_that_exits_before_its_runtime_is_probed_is_not_a_probe_failure() {
+    let Some(cudart) = genuine_cudart() else { return };
+    let dir = workdir("sched_exit_before_runtime");
+    let (db, truth) = (dir.join("p.db"), dir.join("truth.txt"));
+    let fx = fixtures();
+    let args: Vec<String> = [
+        "run",
+        "-o",
+        path(&db),
+        "--no-gpu",
+        "--step-symbol",
+        "train_step",
+        "--",
+        path(&fx.join("sched_trainer")),
+        "--truth",
+        path(&truth),
+        "--steps",
+        "12",
+        "--spin-us",
+        "500",
+        "--sleep-us",
+        "500",
+        "--cudart",
+        path(&cudart),
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
+    let ld = fx.join("nvidia/lib").display().to_string();
+    let env = [("LD_LIBRARY_PATH", ld.as_str()), ("PROFILER_TEST_LIBRARY_PAUSE_MS", "60000"), ("RUST_LOG", "info")];
+    let agent = Agent::start_with_env(&args, &env, true);
+    let (status, stderr) = agent.finish();
+    assert!(status.success(), "{stderr}");
+    assert!(stderr.contains("pausing before a library's probes"), "the pause held the runtime's probes: {stderr}");
+    assert!(!stderr.contains("could not probe"), "{stderr}");
+    let exited_first = format!("exited before {} was probed", cudart.display());
+    assert!(stderr.contains(&exited_first), "{stderr}");
+    let session = last_session(&db);
+    assert_eq!(session.end_reason.as_deref(), Some("target-exited"), "{stderr}");
+    let how: String = open(&db)
+        .query_row(
+            "SELECT how FROM probed_files WHERE session_id = ?1 AND kind = 'runtime' AND probes = 0 AND path = ?2",
+            rusqlite::params![session.id, cudart.display().to_string()],
+            |r| r.get(0),
+        )
+        .unwrap_or_else(|e| panic!("the runtime's row: {e}\n{stderr}"));
+    assert!(how.contains("the target exited first"), "{how}");
+    let (truth, _) = read_truth(&truth);
+    assert_eq!(truth.len(), 12);
+    assert_eq!(db_steps(&db, session.id, "train").len(), truth.len(), "{stderr}");
+}
+
 /// The Perfetto export's scheduler track of the stepping thread: clipped to
 /// each step, its `running`, `runnable`, `sleeping` and `blocked` slices add
 /// up to the step's four columns, and each step has its sleep as one
