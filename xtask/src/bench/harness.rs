@@ -68,16 +68,18 @@ pub fn attach_agent(pid: u32, args: &[&str], db: &Path) -> Result<Child> {
 /// `profiler-detach` a finished session hands its probes' removal to: it
 /// would still be taking them off a window that is meant to be detached.
 pub fn wait_until_detached() {
-    let running = || {
-        std::fs::read_dir("/proc").into_iter().flatten().flatten().any(|e| {
-            std::fs::read_to_string(e.path().join("comm"))
-                .is_ok_and(|c| matches!(c.trim_end(), "profiler" | "profiler-detach"))
-        })
-    };
     let t0 = std::time::Instant::now();
-    while running() && t0.elapsed() < Duration::from_secs(60) {
+    while profiler_running() && t0.elapsed() < Duration::from_secs(60) {
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Whether a `profiler` or `profiler-detach` process is alive.
+pub fn profiler_running() -> bool {
+    std::fs::read_dir("/proc").into_iter().flatten().flatten().any(|e| {
+        std::fs::read_to_string(e.path().join("comm"))
+            .is_ok_and(|c| matches!(c.trim_end(), "profiler" | "profiler-detach"))
+    })
 }
 
 /// `profiler bare-probe PID LIBRARY SYMBOL [--placed]`: an empty program
