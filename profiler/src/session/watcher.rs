@@ -195,9 +195,9 @@ impl LibraryWatcher {
         }
         // The path the kernel looks up is the target's (`/proc/PID/root/…`),
         // which is gone with the target: a target that exits while its
-        // probes wait in the kernel (behind another session's removal, as
-        // `bench attach` and issue 35 saw) leaves ENOENT. That is the
-        // session's end, not a library the user must look into.
+        // probes wait in the kernel (behind another session's removal: seen
+        // with one link per probe, sessions back to back, issue 35) leaves
+        // ENOENT. That is the session's end, not a library to look into.
         if !probes::is_alive(self.pid) {
             log::info!("PID {} exited before {} was probed ({why})", self.pid, path.display());
             let row = format!("not probed ({how}): the target exited first ({why})");

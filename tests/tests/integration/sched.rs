@@ -242,7 +242,7 @@ fn a_steps_cpu_time_sleep_and_copies_match_the_trainers_own_through_the_genuine_
 /// A target that exits while its runtime's probes wait (in the kernel, behind
 /// another session's removal, as issue 35 saw: the lookup of
 /// `/proc/PID/root/…` then fails with ENOENT) is the session's end, not a
-/// library to warn of: no "could not probe", the runtime's `libraries` row
+/// library to warn of: no "could not probe", the runtime's `probed_files` row
 /// says the target exited first, and every step the trainer made is there.
 #[test]
 fn a_target_that_exits_before_its_runtime_is_probed_is_not_a_probe_failure() {
